@@ -1,0 +1,45 @@
+"""The ``lowlat`` command: ``plugins | run | make-checkpoint | bench``.
+
+Each subcommand lives in its own module with ``add_parser(subparsers)``; this module only wires them
+and turns expected errors into one clear line and exit code 2 (set LOWLAT_DEBUG=1 for the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+SUBCOMMANDS = ("plugins", "run", "make_checkpoint")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (subcommand modules that are not importable are reported, not hidden)."""
+    from lowlat import __version__
+
+    parser = argparse.ArgumentParser(prog="lowlat", description="Low-latency LLM decoding with kernel plugins.")
+    parser.add_argument("--version", action="version", version=f"lowlat {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        module = importlib.import_module(f"lowlat.cli.{name}")
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``lowlat`` console script. Returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # expected failures become one line; LOWLAT_DEBUG shows the traceback
+        if os.environ.get("LOWLAT_DEBUG") == "1":
+            raise
+        print(f"lowlat {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``lowlat run --compare``: the same prompts, greedy, on the general path and with the plugin.
+
+The two engines run one after the other (the first is closed before the second starts, so a model that
+fills the GPU is never loaded twice). Each records the float32 logits of every sampled row; the report
+says whether the tokens are identical, the largest logit difference over the steps where both runs had
+produced the same tokens so far (after a divergence the inputs differ and logits are not comparable),
+and the decode speed of each side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lowlat.config import EngineConfig
+
+
+@dataclass
+class RunRecord:
+    """One side of the comparison."""
+
+    label: str
+    plugin: str | None
+    token_ids: list[list[int]]
+    logits: dict[int, list[torch.Tensor]]  # request index -> one float32 [V] row per sampled token (CPU)
+    decode_ms_per_step: float
+    decode_tokens_per_s: list[float]
+    path_steps: dict[str, dict[str, Any]]
+
+
+@dataclass
+class CompareReport:
+    general: RunRecord
+    plugin: RunRecord
+    identical: bool
+    first_divergence: list[int | None]  # per request: index of the first differing token, None if identical
+    max_abs_logit_diff: float
+
+    def lines(self) -> list[str]:
+        """Human-readable report lines."""
+        g, p = self.general, self.plugin
+        out = [f"tokens identical: {'yes' if self.identical else 'NO'}",
+               f"largest |logit difference| over matching steps: {self.max_abs_logit_diff:.4g}"]
+        for i, d in enumerate(self.first_divergence):
+            if d is not None:
+                out.append(f"  request {i}: first differing token at position {d}: general "
+                           f"{g.token_ids[i][d] if d < len(g.token_ids[i]) else '-'}, plugin "
+                           f"{p.token_ids[i][d] if d < len(p.token_ids[i]) else '-'}")
+        speedup = g.decode_ms_per_step / p.decode_ms_per_step if p.decode_ms_per_step else float("nan")
+        out.append(f"decode ms/step: general {g.decode_ms_per_step:.3f}, {p.label} {p.decode_ms_per_step:.3f} "
+                   f"({speedup:.2f}x)")
+        out.append(f"steps per path with the plugin: {p.path_steps}")
+        return out
+
+
+def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) -> RunRecord:
+    """Generate with ``config`` and record tokens, sampled-row logits and decode timing."""
+    from lowlat.runtime.engine import Engine
+
+    logits: dict[int, list[torch.Tensor]] = {}
+    with Engine(config) as engine:
+        order: dict[int, int] = {}
+
+        def observe(step: Any, out: torch.Tensor) -> None:
+            rows = out[step.sample_rows].float().cpu() if step.sample_rows else None
+            for j, req in enumerate(step.sample_reqs):
+                idx = order.setdefault(req.rid, len(order))
+                logits.setdefault(idx, []).append(rows[j])
+
+        engine.logits_observer = observe
+        completions = engine.generate(prompts, params)
+        from lowlat.runtime.forward_batch import ForwardMode
+
+        decode = engine.stats.by_mode[ForwardMode.DECODE]
+        name = engine.runner.plugin_host.name
+        return RunRecord(label, name, [list(c.token_ids) for c in completions], logits, decode.ms_per_step,
+                         [c.decode_tokens_per_s for c in completions], engine.stats.paths_as_dict())
+
+
+def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareReport:
+    """Run general then plugin with greedy sampling and compare.
+
+    Raises:
+        ValueError: ``config.plugin`` is "none" (nothing to compare) or no plugin was selected by "auto".
+    """
+    if config.plugin == "none":
+        raise ValueError("--compare needs a plugin: pass --plugin auto or --plugin NAME")
+    params = replace(params, temperature=0.0)
+    general = run_once(replace(config, plugin="none"), params, prompts, "general")
+    plugin = run_once(config, params, prompts, f"plugin {config.plugin}")
+    if plugin.plugin is None:
+        raise ValueError(f"--plugin {config.plugin} selected no plugin for this model here; see lowlat plugins")
+    plugin.label = f"plugin {plugin.plugin}"
+    div: list[int | None] = []
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(general.token_ids, plugin.token_ids)):
+        d = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if d is None and len(a) != len(b):
+            d = min(len(a), len(b))
+        div.append(d)
+        n = len(a) if d is None else d + 1  # the step that produced the first differing token is comparable
+        for la, lb in zip(general.logits.get(i, [])[:n], plugin.logits.get(i, [])[:n]):
+            worst = max(worst, float((la - lb).abs().max()))
+    return CompareReport(general, plugin, all(d is None for d in div), div, worst)

@@ -1,0 +1,142 @@
+"""``lowlat plugins``: list discovered plugins, their specs and whether each guard passes here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.plugin.discovery import PluginRegistry, discover
+from lowlat.plugin.guard import GuardTrace, evaluate
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plugins", help="list plugins, their specs and whether each guard passes on this machine")
+    p.add_argument("--json", action="store_true", help="print the same information as JSON")
+    p.add_argument("--explain", metavar="ARCH", help="print the whole requirement trace for one architecture")
+    p.add_argument("--model", help="evaluate model requirements against this checkpoint dir or preset")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default=None, help="evaluate dtype requirements for this dtype (default: skip)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to evaluate (default 1)")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size to evaluate (default 16)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowlat.platform import detect_platform
+
+    registry = discover()
+    platform = detect_platform(args.device)
+    engine = EngineConfig(device=args.device, dtype=args.dtype or "auto", tp_size=args.tp, page_size=args.page_size)
+    model = _model(args.model)
+    report = collect(registry, platform, engine, model)
+    if args.explain:
+        return _explain(report, args.explain, args.json)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    _print_table(report)
+    return 0
+
+
+def _model(name: str | None) -> ModelConfig | None:
+    if name is None:
+        return None
+    from lowlat.loader import resolve_model
+
+    return resolve_model(name)
+
+
+def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None,
+            model: ModelConfig | None) -> dict[str, Any]:
+    """Everything ``lowlat plugins`` shows, as JSON-ready data."""
+    plugins = []
+    for info in registry.plugins.values():
+        specs = []
+        for spec in info.specs:
+            m = model if model is None or model.architecture == spec.architecture else None
+            trace = evaluate(info.name, spec, platform, engine, m)
+            specs.append({
+                "architecture": spec.architecture,
+                "coverage": spec.coverage.describe(),
+                "requirements": _requirements(spec),
+                "guard": "pass" if trace.passed else "fail",
+                "reason": trace.summary(),
+                "trace": _trace(trace),
+            })
+        plugins.append({
+            "name": info.name, "distribution": info.distribution, "version": info.version,
+            "core_range": info.core_range or "(any)", "status": info.status, "error": info.error, "specs": specs,
+        })
+    return {"core_version": registry.core_version, "platform": platform.describe(), "plugins": plugins}
+
+
+def _requirements(spec: Any) -> dict[str, Any]:
+    r = spec.requirements
+    return {
+        "platforms": [p.describe() for p in r.platforms],
+        "dtypes": sorted(r.dtypes),
+        "tp_sizes": sorted(r.tp_sizes) if r.tp_sizes is not None else "any",
+        "page_sizes": sorted(r.page_sizes) if r.page_sizes is not None else "any",
+        "features_required": sorted(r.features_required),
+        "features_refused": sorted(r.features_refused),
+        "libraries": [f"{n}{v}" for n, v in r.libraries],
+        "model": {k: list(v) for k, v in r.model},
+    }
+
+
+def _trace(trace: GuardTrace) -> list[dict[str, str]]:
+    return [{"requirement": r.requirement, "status": r.status, "reason": r.reason} for r in trace.results]
+
+
+def _explain(report: dict[str, Any], arch: str, as_json: bool) -> int:
+    rows = [(p, s) for p in report["plugins"] for s in p["specs"] if s["architecture"] == arch]
+    broken = [p for p in report["plugins"] if p["status"] != "ok"]
+    if as_json:
+        print(json.dumps({"architecture": arch, "platform": report["platform"],
+                          "specs": [{"plugin": p["name"], **s} for p, s in rows],
+                          "unusable_plugins": [{k: p[k] for k in ("name", "status", "error")} for p in broken]},
+                         indent=2))
+        return 0 if rows else 1
+    print(f"Requirement trace for {arch} on {report['platform']} (lowlat {report['core_version']})")
+    for p, s in rows:
+        print(f"\n{p['name']} ({p['distribution']} {p['version']}): {s['guard'].upper()}  coverage: {s['coverage']}")
+        for r in s["trace"]:
+            print(f"  [{r['status']:4}] {r['requirement']}: {r['reason']}")
+    for p in broken:
+        print(f"\n{p['name']} ({p['distribution']} {p['version']}): {p['status'].upper()}: {p['error']}")
+    if not rows:
+        print(f"\nno usable plugin serves {arch}")
+        return 1
+    return 0
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(f"lowlat {report['core_version']} on {report['platform']}")
+    if not report["plugins"]:
+        console.print("no plugins installed; pip install 'lowlat[all]'")
+        return
+    for p in report["plugins"]:
+        status = "[green]ok[/]" if p["status"] == "ok" else f"[red]{p['status']}[/]: {p['error']}"
+        console.print(f"\n[bold]{p['name']}[/]  {p['distribution']} {p['version']}  core range {p['core_range']}  "
+                      f"{status}")
+        shown = None
+        for s in p["specs"]:
+            if s["requirements"] != shown:
+                shown = s["requirements"]
+                console.print(f"  requirements: {_describe_requirements(shown)}")
+            guard = "[green]pass[/]" if s["guard"] == "pass" else f"[yellow]fail[/] ({s['reason']})"
+            console.print(f"  {s['architecture']:<22} {s['coverage']:<40} guard here: {guard}")
+
+
+def _describe_requirements(req: dict[str, Any]) -> str:
+    parts = [" or ".join(req["platforms"]), "dtype " + "/".join(req["dtypes"]), f"tp {req['tp_sizes']}",
+             f"page size {req['page_sizes']}"]
+    parts += req["libraries"]
+    parts += [f"needs {f}" for f in req["features_required"]] + [f"refuses {f}" for f in req["features_refused"]]
+    parts += [f"{k} in {v}" for k, v in req["model"].items()]
+    return "; ".join(parts)

@@ -1,0 +1,1 @@
+"""Core Triton kernels (one kernel family per module, each with a checking launcher beside it)."""

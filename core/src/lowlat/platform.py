@@ -1,0 +1,74 @@
+"""What this machine is: cuda / rocm / cpu, device name, capability or gfx arch, device count.
+
+The guard evaluates plugin requirements against a ``Platform``; tests build one by hand to
+simulate machines they do not have.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import metadata
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    """A description of the machine a model runs on.
+
+    Attributes:
+        kind: "cuda", "rocm" or "cpu".
+        device_name: e.g. "NVIDIA H200"; "cpu" on a CPU.
+        capability: CUDA compute capability (major, minor), None elsewhere.
+        gfx_arch: ROCm architecture such as "gfx942", None elsewhere.
+        device_count: visible GPUs (0 on a CPU).
+        triton_interpreter: TRITON_INTERPRET=1 is set, so Triton kernels run on CPU tensors.
+        triton_version: installed Triton version, None when Triton is absent.
+    """
+
+    kind: str
+    device_name: str
+    capability: tuple[int, int] | None = None
+    gfx_arch: str | None = None
+    device_count: int = 0
+    triton_interpreter: bool = False
+    triton_version: str | None = None
+
+    def describe(self) -> str:
+        """One line such as "cuda (NVIDIA H200, capability 9.0, 1 device)" or "cpu (Triton interpreter on)"."""
+        if self.kind == "cuda":
+            cap = f"capability {self.capability[0]}.{self.capability[1]}" if self.capability else "capability ?"
+            return f"cuda ({self.device_name}, {cap}, {self.device_count} device(s))"
+        if self.kind == "rocm":
+            return f"rocm ({self.device_name}, {self.gfx_arch}, {self.device_count} device(s))"
+        return "cpu (Triton interpreter on)" if self.triton_interpreter else "cpu"
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether TRITON_INTERPRET is set to a true value."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def detect_platform(device: str = "auto") -> Platform:
+    """Detect the platform a model on ``device`` ("auto", "cuda" or "cpu") would run on.
+
+    "auto" and "cuda" report the GPU when torch sees one; "cpu" reports the CPU even on a GPU machine.
+    """
+    interp = triton_interpreter_enabled()
+    triton_version = _dist_version("triton") or _dist_version("pytorch-triton-rocm")
+    if device != "cpu" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        count = torch.cuda.device_count()
+        if getattr(torch.version, "hip", None):
+            arch = str(getattr(props, "gcnArchName", "")).split(":")[0] or None
+            return Platform("rocm", props.name, None, arch, count, interp, triton_version)
+        return Platform("cuda", props.name, (props.major, props.minor), None, count, interp, triton_version)
+    return Platform("cpu", "cpu", None, None, 0, interp, triton_version)

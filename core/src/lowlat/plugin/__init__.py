@@ -1,0 +1,48 @@
+"""The plugin interface: everything a vendor imports.
+
+Public names are re-exported here once; the modules beside this file are the implementation.
+"""
+
+from lowlat.plugin.discovery import PluginInfo, PluginRegistry, discover
+from lowlat.plugin.errors import (
+    IncompatibleCoreVersion,
+    LowlatPluginError,
+    PluginBuildError,
+    PluginLoadError,
+    PluginNotFound,
+    PluginStepError,
+    SpecError,
+    UnsupportedConfiguration,
+)
+from lowlat.plugin.guard import GuardTrace, RequirementResult, evaluate
+from lowlat.plugin.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl, hookspec
+from lowlat.plugin.selection import Selection, select_plugin
+from lowlat.plugin.spec import Coverage, ModelSpec, PlatformRequirement, Requirements, spec_from_mapping
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PLUGIN_API_VERSION",
+    "Coverage",
+    "GuardTrace",
+    "IncompatibleCoreVersion",
+    "LowlatPluginError",
+    "ModelSpec",
+    "PlatformRequirement",
+    "PluginBuildError",
+    "PluginInfo",
+    "PluginLoadError",
+    "PluginNotFound",
+    "PluginRegistry",
+    "PluginStepError",
+    "Requirements",
+    "RequirementResult",
+    "Selection",
+    "SpecError",
+    "UnsupportedConfiguration",
+    "discover",
+    "evaluate",
+    "hookimpl",
+    "hookspec",
+    "select_plugin",
+    "spec_from_mapping",
+]

@@ -1,0 +1,126 @@
+"""PluginBinding: what core hands a plugin's ``build``, and PluginForward: what build returns.
+
+Order at engine start (DESIGN §4): discover -> guard -> load weights -> check_model -> build(binding)
+-> size the KV pool from the memory left (workspaces counted) -> ``binding.kv_pool`` becomes readable and
+ready callbacks run -> dispatcher installed -> graphs captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.plugin.errors import LowlatPluginError, PluginBuildError
+from lowlat.runtime.forward_batch import ForwardBatch
+
+
+@runtime_checkable
+class PluginForward(Protocol):
+    """What a plugin's build returns.
+
+    ``supports(batch)`` may refuse a covered step (e.g. a context longer than its kernels handle);
+    ``forward(batch)`` returns float32 logits [R, vocab] (ForwardBatch's convention, full vocab on every
+    TP rank) and writes every layer's K and V at exactly ``batch.out_cache_loc``. Optional hooks:
+    ``prepare_for_capture(batch)`` before a CUDA graph records ``forward`` for that shape, and
+    ``prepare_for_replay(batch)`` before each replay (host-side only; it must not launch device work
+    that the graph does not also contain).
+    """
+
+    def supports(self, batch: ForwardBatch) -> bool: ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class KVPoolNotReady(LowlatPluginError):
+    """``binding.kv_pool`` was read during build, before the pool is sized."""
+
+
+class PluginBinding:
+    """Everything a plugin's build may use. Attributes are read-only by convention.
+
+    Attributes:
+        plugin: the plugin's name.
+        model_config, engine_config: the model and engine configurations.
+        device, dtype: where and in what dtype the model runs.
+        params: the loaded general model's parameters by name (per TP rank; see docs/writing-a-plugin.md).
+        tp_rank, tp_size, tp_group: tensor parallelism (group None at size 1).
+        checkpoint_tensors: original checkpoint tensors by HF name when the spec sets retain_checkpoint,
+            else empty; released right after build.
+        workspace_bytes: bytes handed out by ``alloc_workspace`` so far.
+    """
+
+    def __init__(
+        self,
+        *,
+        plugin: str,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        params: dict[str, torch.Tensor],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: Any = None,
+        checkpoint_tensors: dict[str, torch.Tensor] | None = None,
+        workspace_budget_bytes: int | None = None,
+    ) -> None:
+        self.plugin = plugin
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.device = device
+        self.dtype = dtype
+        self.params = params
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.checkpoint_tensors: dict[str, torch.Tensor] = checkpoint_tensors or {}
+        self.workspace_bytes = 0
+        self._budget = workspace_budget_bytes
+        self._kv_pool: Any = None
+        self._kv_callbacks: list[Callable[[Any], None]] = []
+
+    def alloc_workspace(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Allocate an accounted, zero-filled workspace tensor on the model's device.
+
+        Raises:
+            PluginBuildError: the allocation would exceed the memory left for plugins (names the plugin,
+                the workspace, and the bytes asked and left).
+        """
+        nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        if self._budget is not None and self.workspace_bytes + nbytes > self._budget:
+            raise PluginBuildError(
+                f"plugin {self.plugin!r} asked for workspace {name!r} of {nbytes / 2**20:.1f} MiB, but only "
+                f"{(self._budget - self.workspace_bytes) / 2**20:.1f} MiB are left after the weights; "
+                f"lower max_batch_size/max_context_len or use a larger device"
+            )
+        self.workspace_bytes += nbytes
+        return torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+
+    @property
+    def kv_pool(self) -> Any:
+        """The engine's KVPool. Raises KVPoolNotReady during build; use ``on_kv_pool_ready`` there."""
+        if self._kv_pool is None:
+            raise KVPoolNotReady(
+                f"plugin {self.plugin!r} read binding.kv_pool before the KV pool exists (it is sized after build, "
+                f"so that workspaces count); register binding.on_kv_pool_ready(callback) instead"
+            )
+        return self._kv_pool
+
+    def on_kv_pool_ready(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(kv_pool)`` once the pool exists (at once if it already does)."""
+        if self._kv_pool is not None:
+            callback(self._kv_pool)
+        else:
+            self._kv_callbacks.append(callback)
+
+    def attach_kv_pool(self, kv_pool: Any) -> None:
+        """Runtime side: publish the KV pool and run the callbacks registered during build."""
+        self._kv_pool = kv_pool
+        callbacks, self._kv_callbacks = self._kv_callbacks, []
+        for cb in callbacks:
+            cb(kv_pool)
+
+    def release_checkpoint(self) -> None:
+        """Runtime side: drop the retained checkpoint tensors after build."""
+        self.checkpoint_tensors.clear()

@@ -1,0 +1,166 @@
+"""The guard: evaluate a spec's requirements before any weight loads, and keep a trace.
+
+One predicate serves the engine (explicit plugins raise with the trace, ``auto`` picks the first
+spec that passes), ``lowlat plugins --explain`` (prints the trace) and the contract suite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import Version
+
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.platform import Platform
+from lowlat.plugin.spec import ModelSpec, PlatformRequirement
+
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+
+
+@dataclass(frozen=True)
+class RequirementResult:
+    """One requirement's outcome: ``status`` is pass, fail or skip (context not given)."""
+
+    requirement: str
+    status: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class GuardTrace:
+    """Every requirement of one spec evaluated against one context."""
+
+    plugin: str
+    architecture: str
+    results: tuple[RequirementResult, ...] = field(default_factory=tuple)
+
+    @property
+    def passed(self) -> bool:
+        """True when no requirement failed (skipped ones do not fail)."""
+        return all(r.status != FAIL for r in self.results)
+
+    @property
+    def failures(self) -> tuple[RequirementResult, ...]:
+        return tuple(r for r in self.results if r.status == FAIL)
+
+    def summary(self) -> str:
+        """The failing reasons joined, or "ok"."""
+        return "; ".join(f"{r.requirement}: {r.reason}" for r in self.failures) or "ok"
+
+    def format(self) -> str:
+        """A multi-line trace, one requirement per line."""
+        lines = [f"{self.plugin} / {self.architecture}: {'PASS' if self.passed else 'FAIL'}"]
+        lines += [f"  [{r.status:4}] {r.requirement}: {r.reason}" for r in self.results]
+        return "\n".join(lines)
+
+
+def evaluate(
+    plugin: str,
+    spec: ModelSpec,
+    platform: Platform,
+    engine: EngineConfig | None = None,
+    model: ModelConfig | None = None,
+) -> GuardTrace:
+    """Evaluate every requirement of ``spec``.
+
+    Args:
+        plugin: the plugin's name, for the trace.
+        spec: the spec to check.
+        platform: the machine (``lowlat.platform.detect_platform()`` or one built by a test).
+        engine: the engine configuration; requirements on it are skipped when None.
+        model: the model configuration; requirements on it are skipped when None.
+    Returns:
+        A GuardTrace; it never raises for a failing requirement.
+    """
+    req = spec.requirements
+    results = [_platform(req.platforms, platform)]
+    results += [_library(name, rng) for name, rng in req.libraries]
+    if model is None:
+        results.append(RequirementResult("architecture", SKIP, "no model given"))
+    elif model.architecture != spec.architecture:
+        results.append(RequirementResult(
+            "architecture", FAIL, f"spec serves {spec.architecture}; the model is {model.architecture}"))
+    else:
+        results.append(RequirementResult("architecture", PASS, model.architecture))
+    for name, allowed in req.model:
+        if model is None:
+            results.append(RequirementResult(f"model.{name}", SKIP, "no model given"))
+            continue
+        value = getattr(model, name)
+        ok = value in allowed
+        results.append(RequirementResult(
+            f"model.{name}", PASS if ok else FAIL,
+            f"{value}" if ok else f"needs one of {list(allowed)}; the model has {value}"))
+    results += _engine(spec, platform, engine, model)
+    return GuardTrace(plugin, spec.architecture, tuple(results))
+
+
+def _platform(options: tuple[PlatformRequirement, ...], platform: Platform) -> RequirementResult:
+    wanted = " or ".join(o.describe() for o in options)
+    for o in options:
+        if o.kind != platform.kind:
+            continue
+        if o.kind == "cuda" and o.min_capability and (platform.capability or (0, 0)) < o.min_capability:
+            continue
+        if o.kind == "rocm" and o.archs and platform.gfx_arch not in o.archs:
+            continue
+        if o.kind == "cpu" and o.triton_interpreter and not platform.triton_interpreter:
+            continue
+        return RequirementResult("platform", PASS, f"{platform.describe()} matches {o.describe()}")
+    return RequirementResult("platform", FAIL, f"needs platform {wanted}; this machine: {platform.describe()}")
+
+
+def _library(name: str, rng: str) -> RequirementResult:
+    label = f"library {name}{rng}"
+    try:
+        spec = SpecifierSet(rng)
+    except InvalidSpecifier:
+        return RequirementResult(label, FAIL, f"the spec's range {rng!r} is not a valid version specifier")
+    try:
+        have = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return RequirementResult(label, FAIL, f"{name} is not installed; pip install '{name}{rng}'")
+    if spec.contains(Version(have), prereleases=True):
+        return RequirementResult(label, PASS, f"{name} {have}")
+    return RequirementResult(label, FAIL, f"{name} {have} is installed; pip install '{name}{rng}'")
+
+
+def _engine(
+    spec: ModelSpec, platform: Platform, engine: EngineConfig | None, model: ModelConfig | None
+) -> list[RequirementResult]:
+    req = spec.requirements
+    if engine is None:
+        return [RequirementResult(n, SKIP, "no engine configuration given") for n in ("dtype", "tp_size", "page_size",
+                                                                                      "features")]
+    out = []
+    if model is None and engine.dtype == "auto":
+        out.append(RequirementResult("dtype", SKIP, "dtype auto depends on the model"))
+    else:
+        dtype = engine.dtype if engine.dtype != "auto" else _dtype_name(engine.resolved_dtype(model))  # type: ignore[arg-type]
+        ok = dtype in req.dtypes
+        out.append(RequirementResult(
+            "dtype", PASS if ok else FAIL, dtype if ok else f"needs dtype {'/'.join(sorted(req.dtypes))}; "
+            f"the engine runs {dtype} (pass --dtype {sorted(req.dtypes)[0]})"))
+    for name, allowed in (("tp_size", req.tp_sizes), ("page_size", req.page_sizes)):
+        value = getattr(engine, name)
+        if allowed is None or value in allowed:
+            out.append(RequirementResult(name, PASS, str(value)))
+        else:
+            out.append(RequirementResult(name, FAIL, f"needs {name} in {sorted(allowed)}; the engine has {value}"))
+    active = {"cuda_graph"} if engine.cuda_graph and platform.kind in ("cuda", "rocm") else set()
+    if engine.speculative:
+        active.add("speculative")
+    missing = req.features_required - active
+    refused = req.features_refused & active
+    if missing or refused:
+        why = [f"needs feature {f} on" for f in sorted(missing)] + [f"refuses feature {f}" for f in sorted(refused)]
+        out.append(RequirementResult("features", FAIL, "; ".join(why) + f"; active: {sorted(active) or 'none'}"))
+    else:
+        out.append(RequirementResult("features", PASS, f"active: {sorted(active) or 'none'}"))
+    return out
+
+
+def _dtype_name(dtype: object) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,156 @@
+"""PluginHost: the plugin stages of one ModelRunner, in DESIGN §4's order.
+
+``PluginHost.select`` runs before any weight loads (discover -> guard); ``build`` runs after load
+(check_model -> build with a PluginBinding -> release retained checkpoint tensors) and returns the
+Dispatcher; ``attach_kv_pool`` publishes the pool once it is sized. Explicit requests never fall back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.platform import Platform, detect_platform
+from lowlat.plugin.binding import PluginBinding, PluginForward
+from lowlat.plugin.discovery import discover, load_callable
+from lowlat.plugin.dispatch import GENERAL, PLUGIN, Dispatcher
+from lowlat.plugin.errors import LowlatPluginError, PluginBuildError
+from lowlat.plugin.selection import Selection, select_plugin
+from lowlat.runtime.forward_batch import ForwardBatch
+
+log = logging.getLogger("lowlat.plugin")
+
+
+class PluginHost:
+    """Owns the selection, binding and dispatcher of one rank.
+
+    Attributes:
+        selection: the chosen plugin and its passing trace, or None (general path only).
+        rejections: for "auto", one line per plugin skipped and why.
+        binding: the PluginBinding handed to build (after ``build``).
+        dispatcher: the Dispatcher (after ``build``).
+    """
+
+    def __init__(self, selection: Selection | None, rejections: list[str] | None = None) -> None:
+        self.selection = selection
+        self.rejections = rejections or []
+        self.binding: PluginBinding | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.graph_paths: dict[Any, str] = {}
+        self._retained: dict[str, torch.Tensor] = {}
+        self._capturing = GENERAL
+
+    def eager_path(self) -> str:
+        """The path ("plugin" or "general") the latest eager step took."""
+        return (self.dispatcher.last_path or GENERAL) if self.dispatcher else GENERAL
+
+    @classmethod
+    def select(cls, engine: EngineConfig, model: ModelConfig, platform: Platform | None = None) -> PluginHost:
+        """Discover plugins and run the guard, before any weight loads.
+
+        Raises:
+            PluginNotFound, PluginLoadError, IncompatibleCoreVersion, UnsupportedConfiguration: for an
+            explicit plugin name that cannot serve this configuration.
+        """
+        if engine.plugin == "none":
+            return cls(None)
+        platform = platform or detect_platform(engine.resolved_device)
+        rejections: list[str] = []
+        selection = select_plugin(discover(), engine.plugin, platform, engine, model, rejections)
+        if selection is not None:
+            log.info("plugin %s selected: %s", selection.plugin.name, selection.reason)
+        return cls(selection, rejections)
+
+    @property
+    def name(self) -> str | None:
+        return self.selection.plugin.name if self.selection else None
+
+    def retain(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass checkpoint tensors through, keeping a reference when the spec asks to retain them."""
+        keep = self.selection is not None and self.selection.spec.retain_checkpoint
+        for name, tensor in weights:
+            if keep:
+                self._retained[name] = tensor
+            yield name, tensor
+
+    def build(self, *, model: torch.nn.Module, engine: EngineConfig, model_config: ModelConfig,
+              device: torch.device, dtype: torch.dtype, tp_rank: int, tp_size: int, tp_group: object,
+              general_forward, workspace_budget_bytes: int | None) -> Dispatcher | None:  # type: ignore[no-untyped-def]
+        """check_model, then build the plugin and wrap it in a Dispatcher.
+
+        Returns:
+            The Dispatcher, or None when no plugin was selected.
+        Raises:
+            PluginBuildError: check_model or build raised, returned something that is not a PluginForward,
+                or allocated more than the memory left.
+        """
+        if self.selection is None:
+            return None
+        name, spec = self.selection.plugin.name, self.selection.spec
+        self.binding = PluginBinding(
+            plugin=name, model_config=model_config, engine_config=engine, device=device, dtype=dtype,
+            params=dict(model.named_parameters(remove_duplicate=False)), tp_rank=tp_rank, tp_size=tp_size,
+            tp_group=tp_group,
+            checkpoint_tensors=self._retained, workspace_budget_bytes=workspace_budget_bytes)
+        try:
+            if spec.check_model:
+                load_callable(spec.check_model, name)(self.binding)
+            forward = load_callable(spec.build, name)(self.binding)
+        except LowlatPluginError:
+            raise
+        except torch.OutOfMemoryError as e:
+            raise PluginBuildError(f"plugin {name!r} ran out of device memory during build: {e}; lower "
+                                   f"max_batch_size/max_context_len or use --plugin none") from e
+        except Exception as e:
+            raise PluginBuildError(f"plugin {name!r} failed to build for {model_config.architecture}: "
+                                   f"{type(e).__name__}: {e}") from e
+        finally:
+            self.binding.release_checkpoint()
+            self._retained = {}
+        if not isinstance(forward, PluginForward):
+            raise PluginBuildError(f"plugin {name!r}: build returned {type(forward).__name__}, which lacks "
+                                   f"supports(batch) and forward(batch)")
+        self.dispatcher = Dispatcher(plugin=name, coverage=spec.coverage, plugin_forward=forward,
+                                     general_forward=general_forward, vocab_size=model_config.vocab_size,
+                                     tp_group=tp_group if tp_size > 1 else None)
+        return self.dispatcher
+
+    def install_graph_hooks(self, graph_runner: Any) -> Callable[[ForwardBatch], torch.Tensor]:
+        """Record the dispatcher's path per captured shape; return the function the graphs capture.
+
+        At capture, ``choose`` runs once per shape (TP ranks agree there) and the plugin's
+        ``prepare_for_capture`` runs for plugin shapes; at replay only the recorded path is looked up and
+        ``prepare_for_replay`` runs — no coverage checks, no all-reduce, no Python forward.
+        """
+        dispatcher = self.dispatcher
+        assert dispatcher is not None
+        hooks = dispatcher.plugin_forward
+
+        def on_capture(key: Any, batch: ForwardBatch) -> None:
+            self._capturing = self.graph_paths[key] = dispatcher.choose(batch)
+            if self._capturing == PLUGIN and hasattr(hooks, "prepare_for_capture"):
+                hooks.prepare_for_capture(batch)
+
+        def on_replay(key: Any, batch: ForwardBatch) -> None:
+            dispatcher.stats.record(self.graph_paths[key], batch.forward_mode)
+            if self.graph_paths[key] == PLUGIN and hasattr(hooks, "prepare_for_replay"):
+                hooks.prepare_for_replay(batch)
+
+        graph_runner.capture_hooks.append(on_capture)
+        graph_runner.replay_hooks.append(on_replay)
+        return lambda batch: dispatcher.run(self._capturing, batch, record=False)
+
+    def attach_kv_pool(self, kv_pool: object) -> None:
+        """Publish the sized KV pool to the plugin (runs its on_kv_pool_ready callbacks)."""
+        if self.binding is not None:
+            try:
+                self.binding.attach_kv_pool(kv_pool)
+            except LowlatPluginError:
+                raise
+            except Exception as e:
+                raise PluginBuildError(f"plugin {self.name!r} failed when the KV pool became ready: "
+                                       f"{type(e).__name__}: {e}") from e

@@ -1,0 +1,206 @@
+"""CUDA graphs for DECODE and VERIFY steps.
+
+After SGLang's ``CudaGraphRunner`` (python/sglang/srt/model_executor/cuda_graph_runner.py): each captured
+shape is a (mode, padded batch size, tokens per request) key; inputs are copied into fixed buffers, rows
+beyond the real batch are padding that points at the KV pool's dummy request row (whose ``req_to_token``
+entries are all slot 0) and writes its K/V to the dummy slot 0, the graph is replayed, and the first real
+rows of its fixed output are returned. All graphs share one memory pool (``torch.cuda.graph_pool_handle``)
+and are captured largest first, so later, smaller captures reuse the first one's memory.
+
+Captured set: DECODE at batch sizes ``capture_batch_sizes(max_batch_size)`` (every size 1..8, then
+multiples of 8, then max_batch_size), and VERIFY at the same batch sizes for every tokens-per-request
+count 2..``max_verify_tokens``. A VERIFY step with one token per request, or any step outside the set,
+runs eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.runtime.progress import task_progress
+
+ForwardFn = Callable[[ForwardBatch], torch.Tensor]
+
+
+class GraphKey(NamedTuple):
+    """One captured shape: ``batch_size`` (padded) requests of ``tokens_per_req`` new tokens each."""
+
+    mode: ForwardMode
+    batch_size: int
+    tokens_per_req: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.batch_size * self.tokens_per_req
+
+
+GraphHook = Callable[[GraphKey, ForwardBatch], None]
+
+
+def capture_batch_sizes(max_batch_size: int) -> list[int]:
+    """Padded batch sizes to capture: 1..min(8, max), then 16, 24, ... up to max, and max itself."""
+    sizes = set(range(1, min(8, max_batch_size) + 1)) | set(range(16, max_batch_size + 1, 8)) | {max_batch_size}
+    return sorted(sizes)
+
+
+class CudaGraphRunner:
+    """Captures ``forward_fn`` per shape and replays it.
+
+    Args:
+        device: where the fixed input buffers live (capture needs CUDA).
+        dummy_row: a ``req_to_token`` row that is never given to a request (all entries slot 0).
+        max_batch_size: the largest batch captured.
+        max_verify_tokens: VERIFY graphs are captured for 2..max_verify_tokens tokens per request.
+        vocab_size: columns of the logits (for the output check).
+
+    Hooks (for the plugin dispatcher):
+        capture_hooks: called as ``hook(key, batch)`` before a shape is warmed up and captured; ``batch`` is the
+            static batch (device tensors only, ``seq_lens_cpu`` None) that the forward will see.
+        replay_hooks: called as ``hook(key, batch)`` before a replay, with the real (unpadded) batch, after
+            the fixed buffers are filled.
+    """
+
+    def __init__(self, *, device: torch.device, dummy_row: int, max_batch_size: int, max_verify_tokens: int,
+                 vocab_size: int) -> None:
+        self.device = device
+        self.dummy_row = dummy_row
+        self.vocab_size = vocab_size
+        self.batch_sizes = capture_batch_sizes(max_batch_size)
+        self.max_bs = self.batch_sizes[-1]
+        self.verify_tokens = list(range(2, max_verify_tokens + 1))
+        max_tpr = max([1, *self.verify_tokens])
+        max_t = self.max_bs * max_tpr
+        i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_t, **i64)
+        self.positions = torch.zeros(max_t, **i64)
+        self.out_cache_loc = torch.zeros(max_t, **i64)
+        self.seq_lens = torch.ones(self.max_bs, **i32)
+        self.req_pool_indices = torch.full((self.max_bs,), dummy_row, **i64)
+        self.extend_lens = torch.ones(self.max_bs, **i32)
+        self.extend_start_loc = torch.zeros(self.max_bs, **i32)
+        # Per tokens-per-request templates: padding positions (0..tpr-1 per row) and row start offsets.
+        self._pad_positions = {t: torch.arange(t, **i64).repeat(self.max_bs) for t in [1, *self.verify_tokens]}
+        self._starts = {t: torch.arange(self.max_bs, **i32) * t for t in [1, *self.verify_tokens]}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
+        self.capture_hooks: list[GraphHook] = []
+        self.replay_hooks: list[GraphHook] = []
+        self.pool = None
+
+    def keys(self) -> list[GraphKey]:
+        """Every shape to capture, largest first."""
+        keys = [GraphKey(ForwardMode.DECODE, b, 1) for b in self.batch_sizes]
+        keys += [GraphKey(ForwardMode.VERIFY, b, t) for t in self.verify_tokens for b in self.batch_sizes]
+        return sorted(keys, key=lambda k: (k.num_tokens, k.mode is ForwardMode.DECODE, k.batch_size), reverse=True)
+
+    def capture(self, forward_fn: ForwardFn, *, progress: bool = False) -> None:
+        """Capture ``forward_fn`` for every key (each warmed up twice eagerly first, as SGLang does).
+
+        Raises:
+            ValueError: the buffers are not on a CUDA device.
+            RuntimeError: the forward returned something other than float32 ``[T, vocab]`` logits.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; set cuda_graph=False")
+        self.pool = torch.cuda.graph_pool_handle()
+        keys = self.keys()
+        stream = torch.cuda.Stream(self.device)
+        with task_progress("capturing CUDA graphs", len(keys), enabled=progress) as advance:
+            for key in keys:
+                batch = self._fill_dummy(key)
+                for hook in self.capture_hooks:
+                    hook(key, batch)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        forward_fn(batch)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = forward_fn(batch)
+                if out.dtype != torch.float32 or tuple(out.shape) != (key.num_tokens, self.vocab_size):
+                    raise RuntimeError(f"the forward captured for {key} returned {out.dtype} {tuple(out.shape)}; "
+                                       f"expected float32 ({key.num_tokens}, {self.vocab_size}) logits")
+                self.graphs[key] = graph
+                self.outputs[key] = out
+                advance()
+        torch.cuda.synchronize(self.device)
+
+    def key_for(self, batch: ForwardBatch) -> GraphKey | None:
+        """The captured key that can run ``batch`` (smallest padded batch size), or None."""
+        tpr = batch.tokens_per_req
+        if batch.forward_mode is ForwardMode.PREFILL or tpr is None or batch.batch_size > self.max_bs:
+            return None
+        bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
+        key = GraphKey(batch.forward_mode, bs, tpr)
+        return key if key in self.graphs else None
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return self.key_for(batch) is not None
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run ``batch`` through its graph.
+
+        Returns:
+            float32 logits ``[T, vocab]`` (a fresh tensor, not the graph's buffer).
+
+        Raises:
+            ValueError: no captured graph fits ``batch`` (check ``can_run`` first).
+        """
+        key = self.key_for(batch)
+        if key is None:
+            raise ValueError(f"no CUDA graph for {batch.forward_mode.name} with {batch.batch_size} requests of "
+                             f"{batch.tokens_per_req} tokens; run it eagerly")
+        b, tpr = batch.batch_size, key.tokens_per_req
+        t, tp = b * tpr, key.num_tokens
+        self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:t].copy_(batch.positions, non_blocking=True)
+        self.out_cache_loc[:t].copy_(batch.out_cache_loc, non_blocking=True)
+        self.seq_lens[:b].copy_(batch.seq_lens, non_blocking=True)
+        self.req_pool_indices[:b].copy_(batch.req_pool_indices, non_blocking=True)
+        if tp > t:  # padding rows: dummy request row, positions 0..tpr-1, KV written to slot 0
+            self.input_ids[t:tp].zero_()
+            self.positions[t:tp].copy_(self._pad_positions[tpr][: tp - t])
+            self.out_cache_loc[t:tp].zero_()
+            self.seq_lens[b:key.batch_size].fill_(tpr)
+            self.req_pool_indices[b:key.batch_size].fill_(self.dummy_row)
+        self.extend_lens[:key.batch_size].fill_(tpr)
+        self.extend_start_loc[:key.batch_size].copy_(self._starts[tpr][:key.batch_size])
+        for hook in self.replay_hooks:
+            hook(key, batch)
+        self.graphs[key].replay()
+        return self.outputs[key][:t].clone()
+
+    def close(self) -> None:
+        """Drop the graphs and their memory pool."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
+    def _fill_dummy(self, key: GraphKey) -> ForwardBatch:
+        """Fill the buffers with an all-padding batch of ``key``'s shape and return the static batch views."""
+        bs, tpr, t = key.batch_size, key.tokens_per_req, key.num_tokens
+        self.input_ids[:t].zero_()
+        self.positions[:t].copy_(self._pad_positions[tpr][:t])
+        self.out_cache_loc[:t].zero_()
+        self.seq_lens[:bs].fill_(tpr)
+        self.req_pool_indices[:bs].fill_(self.dummy_row)
+        self.extend_lens[:bs].fill_(tpr)
+        self.extend_start_loc[:bs].copy_(self._starts[tpr][:bs])
+        return ForwardBatch(
+            forward_mode=key.mode,
+            input_ids=self.input_ids[:t],
+            positions=self.positions[:t],
+            seq_lens=self.seq_lens[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            out_cache_loc=self.out_cache_loc[:t],
+            extend_lens=self.extend_lens[:bs],
+            extend_start_loc=self.extend_start_loc[:bs],
+            tokens_per_req=tpr,
+            seq_lens_cpu=None,
+            extend_lens_cpu=None,
+        )

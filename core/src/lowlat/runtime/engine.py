@@ -1,0 +1,396 @@
+"""Engine: the user-facing generate loop over Scheduler and ModelRunner.
+
+``Engine.step()`` is the whole flow: schedule -> ModelRunner.forward(batch) -> postprocess (sample, append,
+finish). ``generate`` adds requests and steps until they finish; ``verify`` runs one VERIFY step (the step a
+speculative-decoding verifier runs) for given draft tokens.
+
+With ``tp_size > 1`` the engine is one rank of an SPMD group (``lowlat.runtime.tp_launch``): under torchrun
+every rank runs the caller's program; otherwise rank 0 spawns the other ranks and mirrors each public call to
+them before running it itself. Inputs are validated on rank 0 before they are mirrored, so a bad prompt
+raises on rank 0 and leaves the workers running.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.runtime import tp_launch
+from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
+from lowlat.runtime.sampling import SamplingParams, make_generator, sample
+from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler
+from lowlat.runtime.stats import StepStats
+
+
+def _check_tp(model: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError when ``tp_size`` cannot shard ``model``'s attention heads."""
+    if model.num_attention_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide num_attention_heads={model.num_attention_heads}; "
+                         "pick a tp_size that does")
+    kv_heads_per_rank(model.num_key_value_heads, tp_size)
+
+
+@dataclass
+class Completion:
+    """One finished request.
+
+    Attributes:
+        request_id: the engine's id for it.
+        prompt_token_ids / token_ids: prompt and generated ids (an EOS that ended it is included).
+        text: ``token_ids`` decoded, special tokens skipped.
+        finish_reason: "eos" or "length".
+        queue_s: seconds from being added to its first prefill step.
+        prefill_s: seconds from its first prefill step to its first token.
+        decode_s: seconds from its first token to its last; ``decode_tokens`` tokens came in that time.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced after the first one (by DECODE/VERIFY steps)."""
+        return max(len(self.token_ids) - 1, 0)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode throughput of this request (0.0 when it produced one token only)."""
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class VerifyResult:
+    """What one VERIFY step did: tokens appended per request id, and the requests it finished."""
+
+    accepted: dict[int, list[int]]
+    finished: list[Completion]
+
+
+class Engine:
+    """A decode engine for one model.
+
+    Args:
+        config: the EngineConfig.
+
+    Attributes:
+        runner: this rank's ModelRunner; ``tokenizer``: the checkpoint's tokenizer (or the byte tokenizer);
+        stats: StepStats by forward mode and path; ``rank``: this TP rank.
+        logits_observer: optional ``fn(step, logits)`` called after each forward with the step's float32
+            logits (``lowlat run --compare`` records them); None by default.
+
+    Raises:
+        ConfigError / ValueError: bad configuration; WorkerError: a TP worker failed to start.
+        A failed start frees the model and KV pool, stops the workers and tears down the process group.
+    """
+
+    def __init__(self, config: EngineConfig, *, _tp_context: tp_launch.TPContext | None = None) -> None:
+        from lowlat.loader import load_tokenizer, resolve_model
+
+        self.config = config
+        self._follower = _tp_context is not None
+        self._ctx = _tp_context
+        self._workers: tp_launch.WorkerGroup | None = None
+        self._failed: BaseException | None = None
+        self.runner: ModelRunner | None = None
+        if self._ctx is None and config.tp_size > 1:  # fail on bad input before any process starts
+            _check_tp(resolve_model(config.model), config.tp_size)
+        try:
+            if self._ctx is None and config.tp_size > 1:
+                if tp_launch.under_torchrun():
+                    self._ctx = tp_launch.init_from_torchrun(config)
+                else:
+                    self._ctx, self._workers = tp_launch.start_spawned(config)
+                    weakref.finalize(self, self._workers.close)  # stop workers even if close() is never called
+            ctx = self._ctx
+            self.rank = ctx.tp.rank if ctx else 0
+            self.runner = ModelRunner(config, tp=ctx.tp if ctx else None, device=ctx.device if ctx else None,
+                                      cpu_group=ctx.cpu_group if ctx else None)
+            if self._workers is not None:
+                self._workers.wait_stage("ready", tp_launch.tp_timeout_s())
+            self.tokenizer = load_tokenizer(config.model if is_checkpoint_dir(config.model) else None)
+        except BaseException as e:
+            err = self._worker_error()
+            self.close(abort=True)
+            if err is not None:
+                raise err from e
+            raise
+        self.model_config = self.runner.model_config
+        eos = self.model_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, tuple) else ([] if eos is None else [eos]))
+        self.eos_ids = frozenset(eos_ids | set(self.tokenizer.eos_token_ids))
+        self.scheduler = Scheduler(self.runner.kv_pool, max_batch_size=config.max_batch_size,
+                                   chunked_prefill_size=config.chunked_prefill_size)
+        self.stats = StepStats()
+        self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
+        self._next_rid = 0
+
+    # -- public API (mirrored to spawned TP workers) ---------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Generate a completion for each prompt, batching them continuously.
+
+        Args:
+            prompts: texts (tokenized with ``self.tokenizer``) or lists of token ids.
+            params: one SamplingParams for all, one per prompt, or None for the defaults.
+
+        Returns:
+            One Completion per prompt, in prompt order.
+
+        Raises:
+            TypeError / ValueError: a malformed, empty, out-of-vocabulary or too long prompt (nothing runs);
+            RuntimeError: requests added with ``add_request`` are still running.
+        """
+        self._check_usable()
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine, but requests added with add_request() are still "
+                               "running; finish them with step() first")
+        ids, plist = self._prepare(prompts, params)
+        return self._call("_generate_ids", ids, plist, ack=True)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue one request for ``step()``; returns its id. Raises like ``generate``."""
+        self._check_usable()
+        ids, plist = self._prepare([prompt], params)
+        return self._call("_add_ids", ids[0], plist[0])
+
+    def step(self) -> list[Completion]:
+        """Run one step over the queued requests; returns those that finished in it ([] when idle)."""
+        self._check_usable()
+        return self._call("_step")
+
+    def verify(self, drafts: dict[int, Sequence[int]]) -> VerifyResult:
+        """Run one VERIFY step: each request feeds its pending token plus its k draft tokens.
+
+        A draft token is accepted while it equals the token the request's own sampling picks at that
+        position; the first differing pick is appended too (so 1..k+1 tokens are appended), and the KV
+        cache is truncated to the accepted tokens. With greedy sampling the result equals plain decoding.
+
+        Args:
+            drafts: request id -> k draft token ids, the same k for all, k + 1 <= max_verify_tokens.
+
+        Raises:
+            ValueError: see ``Scheduler.check_verify``; a draft id outside the vocabulary.
+        """
+        self._check_usable()
+        clean = {int(rid): [int(t) for t in toks] for rid, toks in drafts.items()}
+        for rid, toks in clean.items():
+            self._check_ids(toks, f"draft of request {rid}")
+        self.scheduler.check_verify(clean, self.config.max_verify_tokens)
+        return self._call("_verify", clean)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def close(self, *, abort: bool = False) -> None:
+        """Stop TP workers, free the model and KV pool, and tear down the process group (idempotent)."""
+        abort = abort or isinstance(self._failed, tp_launch.WorkerError)
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self._ctx is not None and not self._follower:
+            self._ctx.close(abort=abort)
+            self._ctx = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the step --------------------------------------------------------------------------------------------
+
+    def _step(self) -> list[Completion]:
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        return self._run(step)
+
+    def _run(self, step: ScheduledStep) -> list[Completion]:
+        try:
+            t0 = time.perf_counter()
+            for r in step.requests:
+                if r.t_prefill_start is None:
+                    r.t_prefill_start = t0
+            logits = self.runner.forward(step.batch)
+            if self.logits_observer is not None:
+                self.logits_observer(step, logits)
+            new_tokens = self._postprocess(step, logits)
+            now = time.perf_counter()
+            finished = self.scheduler.update(step, new_tokens, now)
+        except BaseException as e:
+            self._failed = e
+            self.scheduler.abort_all()
+            err = self._worker_error()
+            if err is not None:
+                raise err from e
+            raise
+        self.stats.record(step.mode, now - t0, step.batch.num_tokens, graphed=self.runner.last_graphed,
+                          path=self.runner.last_path)
+        return [self._completion(r) for r in finished]
+
+    def _postprocess(self, step: ScheduledStep, logits: torch.Tensor) -> dict[int, list[int]]:
+        """Sample the step's rows; VERIFY keeps each request's drafts while they match its own picks."""
+        if not step.sample_rows:  # a prompt chunk: wait for it anyway, so step times are device times
+            self._sync()
+            if logits.is_cuda:
+                torch.cuda.current_stream(logits.device).synchronize()
+            return {}
+        rows = logits if len(step.sample_rows) == logits.shape[0] else logits[step.sample_rows]
+        picked = sample(rows, [r.params for r in step.sample_reqs], [r.generator for r in step.sample_reqs])
+        self._sync()
+        toks = picked.tolist()
+        if step.mode is not ForwardMode.VERIFY:
+            return {r.rid: [t] for r, t in zip(step.sample_reqs, toks)}
+        out: dict[int, list[int]] = {}
+        k1 = step.batch.tokens_per_req
+        for i, r in enumerate(step.requests):
+            picks, draft = toks[i * k1:(i + 1) * k1], step.drafts[r.rid]
+            n = 0
+            while n < len(draft) and draft[n] == picks[n]:
+                n += 1
+            out[r.rid] = picks[:n + 1]
+        return out
+
+    def _sync(self) -> None:
+        """On CUDA with spawned workers, wait for the step while watching the workers (never hang on NCCL)."""
+        if self._workers is None or self.runner.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        deadline = time.monotonic() + tp_launch.tp_timeout_s()
+        n = 0
+        while not event.query():
+            n += 1
+            if n % 1000 == 0:
+                self._workers.check()
+                if time.monotonic() > deadline:
+                    raise tp_launch.WorkerError(f"a TP step did not finish within {tp_launch.tp_timeout_s():.0f} s")
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _call(self, method: str, *args: object, ack: bool = False) -> object:
+        """Mirror ``method(*args)`` to spawned workers (if any), run it here, and wait for their ack if asked.
+
+        A worker failure marks the engine failed and raises WorkerError.
+        """
+        try:
+            seq = self._workers.send(method, args, {}, ack=ack) if self._workers is not None else None
+            result = getattr(self, method)(*args)
+            if ack and self._workers is not None:
+                self._workers.wait_ack(seq, tp_launch.tp_timeout_s())
+            return result
+        except tp_launch.WorkerError as e:
+            self._failed = e
+            raise
+        except BaseException as e:
+            err = self._worker_error()
+            if err is not None:
+                self._failed = err
+                raise err from e
+            raise
+
+    def _generate_ids(self, ids: list[list[int]], plist: list[SamplingParams]) -> list[Completion]:
+        rids = [self._add_ids(i, p) for i, p in zip(ids, plist)]
+        done: dict[int, Completion] = {}
+        while self.scheduler.has_unfinished():
+            for c in self._step():
+                done[c.request_id] = c
+        return [done[r] for r in rids]
+
+    def _add_ids(self, ids: list[int], params: SamplingParams) -> int:
+        rid = self._next_rid
+        self._next_rid += 1
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + rid
+            gen = make_generator(seed, self.runner.device)
+        self.scheduler.add(Request(rid, list(ids), params, gen, self.eos_ids, t_added=time.perf_counter()))
+        return rid
+
+    def _verify(self, drafts: dict[int, list[int]]) -> VerifyResult:
+        step = self.scheduler.schedule_verify(drafts, self.config.max_verify_tokens)
+        reqs = list(step.requests)
+        before = {r.rid: len(r.output_ids) for r in reqs}
+        finished = self._run(step)
+        return VerifyResult({r.rid: r.output_ids[before[r.rid]:] for r in reqs}, finished)
+
+    def _prepare(self, prompts: object, params: object) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Tokenize and validate on the calling rank, before anything is mirrored or queued."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if not prompts:
+            raise ValueError("no prompts given")
+        if params is None:
+            params = SamplingParams()
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
+            raise TypeError(f"params must be one SamplingParams or one per prompt ({len(prompts)})")
+        ids = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            toks = self.tokenizer.encode(p) if isinstance(p, str) else self._as_ids(p, i)
+            self._check_ids(toks, f"prompt {i}")
+            if len(toks) + sp.max_new_tokens > self.config.max_context_len:
+                raise ValueError(f"prompt {i} has {len(toks)} tokens; with max_new_tokens={sp.max_new_tokens} that "
+                                 f"exceeds max_context_len={self.config.max_context_len}; shorten the prompt, "
+                                 "lower max_new_tokens or raise max_context_len")
+            self.scheduler.check_fits(self._next_rid + i, len(toks) + sp.max_new_tokens - 1)
+            ids.append(toks)
+        return ids, plist
+
+    @staticmethod
+    def _as_ids(p: object, i: int) -> list[int]:
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            raise TypeError(f"prompt {i} must be a string or a list of int token ids")
+        return list(p)
+
+    def _check_ids(self, toks: list[int], what: str) -> None:
+        if not toks:
+            raise ValueError(f"{what} is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in toks if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {vocab}) of {self.config.model}")
+
+    def _completion(self, r: Request) -> Completion:
+        first = r.t_first_token or r.t_finish
+        return Completion(
+            request_id=r.rid, prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
+            text=self.tokenizer.decode(r.output_ids), finish_reason=r.finish_reason or "length",
+            queue_s=(r.t_prefill_start or r.t_added) - r.t_added, prefill_s=first - (r.t_prefill_start or first),
+            decode_s=r.t_finish - first,
+        )
+
+    def _check_usable(self) -> None:
+        if self.runner is None:
+            raise RuntimeError("this Engine is closed; create a new one")
+        if self._failed is not None:
+            raise RuntimeError(f"this Engine failed in an earlier step ({type(self._failed).__name__}: "
+                               f"{self._failed}); close it and create a new one")
+
+    def _worker_error(self) -> tp_launch.WorkerError | None:
+        """The error a spawned worker reported or its death, if any (checked after a failure here)."""
+        if self._workers is None:
+            return None
+        try:
+            self._workers.check()
+        except tp_launch.WorkerError as e:
+            return e
+        return None

@@ -1,0 +1,257 @@
+"""ModelRunner: loads the model, sizes the KV pool, captures CUDA graphs and runs one ForwardBatch.
+
+Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/model_runner.py):
+
+1. resolve the model (checkpoint directory or preset) and build the general model for this TP rank;
+2. stream the checkpoint (or the preset's seeded random weights) into it, with a progress bar for
+   checkpoints of 1 GiB or more;
+3. ``setup_forward()``: the seam where the forward that steps run is chosen (``self.forward_fn``,
+   by default the general model's forward) and where workspaces add to ``self.reserved_bytes``;
+4. size and allocate the KV pool (``lowlat.runtime.memory``), agreeing on the smallest pool over TP ranks;
+5. capture CUDA graphs of ``self.forward_fn`` (CUDA with ``cuda_graph``).
+
+A failure at any point frees what was allocated before re-raising.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.plugin.dispatch import GENERAL
+from lowlat.plugin.host import PluginHost
+from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
+from lowlat.runtime.distributed import SINGLE, TPInfo
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.runtime.kv_cache import KVPool
+from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
+from lowlat.runtime.progress import weights_with_progress
+from lowlat.runtime.scheduler import make_batch
+
+BIG_CHECKPOINT_BYTES = 1 << 30  # show the loading bar from this size on
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: split evenly, or one replicated head per rank when tp_size > num_kv_heads.
+
+    Raises:
+        ValueError: neither divides the other.
+    """
+    if num_kv_heads % tp_size == 0:
+        return num_kv_heads // tp_size
+    if tp_size % num_kv_heads == 0:
+        return 1
+    raise ValueError(f"num_key_value_heads={num_kv_heads} and tp_size={tp_size} must divide one another")
+
+
+class ModelRunner:
+    """One rank's model, KV pool and CUDA graphs.
+
+    Args:
+        config: the engine configuration.
+        tp: this rank's TPInfo (None: no tensor parallelism).
+        device: the device to run on (default: ``config.resolved_device``, the current CUDA device on CUDA).
+        cpu_group: a gloo-capable process group for host-side agreement between ranks (default: ``tp.group``).
+        show_progress: draw progress bars (rank 0 only).
+
+    Attributes:
+        model_config, dtype, device, tp: what runs where.
+        model: the general model (``forward(batch, kv_pool) -> float32 [R, vocab]``).
+        forward_fn: ``(ForwardBatch) -> float32 logits [R, vocab]``; what ``forward`` and CUDA graphs run.
+        reserved_bytes: device bytes not yet allocated that must stay out of the KV pool (memory already
+            allocated, e.g. eagerly allocated workspaces, is seen by ``torch.cuda.mem_get_info`` and must not be
+            added); added to in ``setup_forward``, before the pool is sized.
+        kv_pool_ready: callbacks ``(kv_pool) -> None`` run once the KV pool exists, before graph capture.
+        kv_pool, kv_plan: the KV pool and its sizing decision; ``dummy_row`` is its padding row.
+        graph_runner: the CudaGraphRunner, or None when steps run eagerly.
+        last_graphed: whether the latest ``forward`` replayed a graph.
+        plugin_host: the plugin's selection, binding and dispatcher (``lowlat.plugin.host.PluginHost``).
+        last_path: "plugin" or "general", the path the latest ``forward`` took.
+
+    Raises:
+        ConfigError / ValueError / WeightLoadError / KVMemoryError: from resolving, loading or sizing.
+    """
+
+    def __init__(self, config: EngineConfig, *, tp: TPInfo | None = None, device: torch.device | None = None,
+                 cpu_group: object = None, show_progress: bool = True) -> None:
+        from lowlat.loader import resolve_model
+
+        self.config = config
+        self.tp = tp or SINGLE
+        self.cpu_group = cpu_group if cpu_group is not None else self.tp.group
+        self.device = device or _default_device(config)
+        self.show_progress = show_progress and self.tp.rank == 0
+        self.model: torch.nn.Module | None = None
+        self.kv_pool: KVPool | None = None
+        self.kv_plan: KVPoolPlan | None = None
+        self.graph_runner: CudaGraphRunner | None = None
+        self.reserved_bytes = 0
+        self.kv_pool_ready: list[Callable[[KVPool], None]] = []
+        self.last_graphed = False
+        self.dummy_row = -1
+        self.plugin_host = PluginHost(None)
+        self.last_path = GENERAL
+        try:
+            self.model_config: ModelConfig = resolve_model(config.model)
+            self.dtype = config.resolved_dtype(self.model_config)
+            self.plugin_host = PluginHost.select(config, self.model_config)  # the guard: before any weight loads
+            self.load_model()
+            self.num_kv_heads = getattr(self.model, "local_kv_heads", None) or kv_heads_per_rank(
+                self.model_config.num_key_value_heads, self.tp.size)
+            self.forward_fn: Callable[[ForwardBatch], torch.Tensor] = self.general_forward
+            self.setup_forward()
+            self.init_kv_pool()
+            if config.cuda_graph and self.device.type == "cuda":
+                self.init_cuda_graphs()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- start-up phases -------------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        """Build the general model for this rank and stream the weights into it."""
+        from lowlat.loader import open_weights
+        from lowlat.loader.synthetic import synthetic_num_bytes
+        from lowlat.models import build_model
+
+        cfg = self.model_config
+        self.model = build_model(cfg, dtype=self.dtype, device=self.device, tp=self.tp,
+                                 max_context_len=self.config.max_context_len)
+        _, weights = open_weights(self.config.model, cfg, seed=self.config.seed, dtype=self.dtype,
+                                  device=self.device)
+        ckpt_dtype = _checkpoint_dtype(cfg)
+        total = synthetic_num_bytes(cfg, ckpt_dtype)
+        elem = torch.empty((), dtype=ckpt_dtype).element_size()
+        with torch.no_grad():
+            self.model.load_weights(weights_with_progress(
+                self.plugin_host.retain(weights), total_bytes=total, elem_size=elem,
+                enabled=self.show_progress and total >= BIG_CHECKPOINT_BYTES))
+
+    def setup_forward(self) -> None:
+        """Choose the forward steps run: the seam for lowlat.plugin's dispatcher.
+
+        The dispatcher replaces ``self.forward_fn`` (same signature as ``general_forward``), adds the bytes
+        its workspaces will still need to ``self.reserved_bytes`` and may register ``kv_pool_ready`` callbacks;
+        it runs before the KV pool is sized and before CUDA graphs are captured, so graphs capture whatever
+        ``forward_fn`` is installed here. The general model needs nothing here.
+
+        With a plugin selected: check_model, build with its PluginBinding (workspaces are allocated now, so
+        the KV pool sizing below sees them as used), and install the Dispatcher as ``forward_fn``.
+        """
+        dispatcher = self.plugin_host.build(
+            model=self.model, engine=self.config, model_config=self.model_config, device=self.device,
+            dtype=self.dtype, tp_rank=self.tp.rank, tp_size=self.tp.size,
+            tp_group=self.cpu_group if self.tp.size > 1 else None, general_forward=self.general_forward,
+            workspace_budget_bytes=workspace_budget(self.device))
+        if dispatcher is not None:
+            self.forward_fn = dispatcher
+            self.kv_pool_ready.append(self.plugin_host.attach_kv_pool)
+
+    def init_kv_pool(self) -> None:
+        """Size (``lowlat.runtime.memory.plan_kv_pool``) and allocate the KV pool; reserve its dummy row.
+
+        Ranks agree on the smallest pool (MIN over ``cpu_group``) so their schedules stay identical.
+        """
+        cfg = self.config
+        per_token = KVPool.bytes_per_token(self.model_config.num_hidden_layers, self.num_kv_heads,
+                                           self.model_config.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        plan = plan_kv_pool(bytes_per_token=per_token, page_size=cfg.page_size, max_batch_size=cfg.max_batch_size,
+                            max_context_len=cfg.max_context_len, device=self.device,
+                            kv_cache_fraction=cfg.kv_cache_fraction, reserved_bytes=self.reserved_bytes)
+        if self.tp.size > 1:
+            import torch.distributed as dist
+
+            n = torch.tensor([plan.num_pages], dtype=torch.int64)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.cpu_group)
+            plan = KVPoolPlan(int(n.item()), plan.page_size, plan.bytes_per_page, plan.cap_pages, plan.budget_bytes)
+        self.kv_plan = plan
+        self.kv_pool = KVPool(num_layers=self.model_config.num_hidden_layers, num_pages=plan.num_pages,
+                              page_size=cfg.page_size, num_kv_heads=self.num_kv_heads,
+                              head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
+                              max_reqs=cfg.max_batch_size + 1, max_context_len=cfg.max_context_len)
+        self.dummy_row = self.kv_pool.alloc_req()  # never gets slots: req_to_token stays slot 0
+        for callback in self.kv_pool_ready:
+            callback(self.kv_pool)
+
+    def init_cuda_graphs(self) -> None:
+        """Capture DECODE and VERIFY graphs of ``self.forward_fn`` (see ``CudaGraphRunner``)."""
+        assert self.kv_pool is not None
+        self.graph_runner = CudaGraphRunner(device=self.device, dummy_row=self.dummy_row,
+                                            max_batch_size=self.config.max_batch_size,
+                                            max_verify_tokens=self.config.max_verify_tokens,
+                                            vocab_size=self.model_config.vocab_size)
+        forward_fn = self.forward_fn
+        dispatcher = self.plugin_host.dispatcher
+        if dispatcher is not None:  # choose the path once per shape; replays run it without Python dispatch
+            forward_fn = self.plugin_host.install_graph_hooks(self.graph_runner)
+        with torch.inference_mode():
+            self.graph_runner.capture(forward_fn, progress=self.show_progress)
+
+    # -- steps -----------------------------------------------------------------------------------------------
+
+    def general_forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The general model's forward: float32 logits ``[R, vocab]`` (see ForwardBatch for R)."""
+        return self.model(batch, self.kv_pool)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step: replay a CUDA graph when one fits, else ``forward_fn`` eagerly.
+
+        Returns:
+            float32 logits ``[R, vocab]``: R = T for DECODE/VERIFY, B (last token per request) for PREFILL.
+        """
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            self.last_graphed = True
+            self.last_path = self.plugin_host.graph_paths.get(self.graph_runner.key_for(batch), GENERAL)
+            return self.graph_runner.replay(batch)
+        self.last_graphed = False
+        out = self.forward_fn(batch)
+        self.last_path = self.plugin_host.eager_path()
+        return out
+
+    def prepare_batch(self, mode: ForwardMode, rows: list[int], prefix_lens: list[int],
+                      token_lists: list[list[int]]) -> ForwardBatch:
+        """Allocate KV slots for ``token_lists`` on top of ``prefix_lens`` cached tokens and build a batch.
+
+        For tests and benchmarks that drive the runner directly; rows come from ``kv_pool.alloc_req()``.
+        """
+        return make_batch(self.kv_pool, mode, rows, prefix_lens, token_lists)
+
+    def close(self) -> None:
+        """Free graphs, KV pool and weights (idempotent)."""
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+        self.graph_runner = None
+        self.kv_pool = None
+        self.model = None
+        self.plugin_host = PluginHost(None)
+        self.forward_fn = self.general_forward
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+def _default_device(config: EngineConfig) -> torch.device:
+    if config.resolved_device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _checkpoint_dtype(cfg: ModelConfig) -> torch.dtype:
+    from lowlat.config import DTYPES
+
+    return DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+
+
+def is_checkpoint_dir(model: str) -> bool:
+    """Whether ``model`` names an existing directory (else it is a preset name)."""
+    return Path(os.path.expanduser(model)).is_dir()

@@ -1,0 +1,329 @@
+"""Requests and the continuous-batching scheduler.
+
+After nano-vllm's scheduler (nanovllm/engine/scheduler.py): requests wait in FIFO order, join the running
+set between steps while a request row, the batch limit and KV pages allow, and leave as soon as they finish.
+Each step is either a PREFILL step (prompt tokens; long prompts in chunks, at most ``chunked_prefill_size``
+tokens per step in total) or a DECODE step (one token for every request whose prompt is done); prefill
+work goes first. The scheduler is deterministic: the same requests added in the same order give the same
+steps on every tensor-parallel rank, which is what keeps the ranks in lockstep.
+
+KV pages are promised at admission: a request is admitted only when the pool can hold its whole life
+(prompt plus ``max_new_tokens`` - 1 cached tokens) on top of what the running requests may still take,
+so a step never runs out of pages and no request is ever preempted.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.runtime.kv_cache import KVPool
+from lowlat.runtime.sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # not admitted: no request row, no KV
+    PREFILLING = "prefilling"  # admitted, part of the prompt is in the KV cache
+    DECODING = "decoding"  # prompt done; output_ids[-1] is the next input
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+        rid: request id (engine-wide counter; the same on every TP rank).
+        prompt_ids: prompt token ids.
+        params: its sampling parameters.
+        generator: its seeded generator (None when greedy).
+        eos_ids: token ids that end it when ``params.stop_at_eos``.
+        output_ids: generated ids so far.
+        row: its ``req_to_token`` row while admitted.
+        num_computed: tokens whose K/V are in the cache.
+        finish_reason: "eos" or "length" once finished.
+        t_*: ``time.perf_counter`` stamps (seconds): added, first prefill step began, first token, finished.
+    """
+
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    eos_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.WAITING
+    row: int | None = None
+    num_computed: int = 0
+    finish_reason: str | None = None
+    t_added: float = 0.0
+    t_prefill_start: float | None = None
+    t_first_token: float | None = None
+    t_finish: float | None = None
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """Most tokens it ever holds in the KV cache: the last generated token is never fed back."""
+        return len(self.prompt_ids) + self.params.max_new_tokens - 1
+
+    @property
+    def prompt_left(self) -> int:
+        return len(self.prompt_ids) - self.num_computed
+
+
+@dataclass
+class ScheduledStep:
+    """One step the scheduler decided on.
+
+    Attributes:
+        mode: PREFILL, DECODE or VERIFY.
+        requests: the B requests in the step, in batch order.
+        batch: the ForwardBatch (KV slots already allocated).
+        sample_rows: logits rows to sample, and ``sample_reqs`` the request each belongs to. PREFILL samples
+            the last-token row of each request whose prompt completes; DECODE and VERIFY sample every row.
+        drafts: VERIFY only: request id -> its k draft tokens.
+    """
+
+    mode: ForwardMode
+    requests: list[Request]
+    batch: ForwardBatch
+    sample_rows: list[int]
+    sample_reqs: list[Request]
+    drafts: dict[int, list[int]] | None = None
+
+
+def make_batch(
+    pool: KVPool,
+    mode: ForwardMode,
+    rows: list[int],
+    prefix_lens: list[int],
+    token_lists: list[list[int]],
+) -> ForwardBatch:
+    """Allocate KV slots for new tokens and build the step's ForwardBatch.
+
+    Args:
+        pool: the KV pool; each row must already hold ``prefix_lens[i]`` positions.
+        mode: the step's mode.
+        rows: B ``req_to_token`` rows.
+        prefix_lens: B tokens already cached per request.
+        token_lists: B lists of new token ids.
+
+    Raises:
+        KVPoolExhausted / ValueError: from ``KVPool.alloc_slots`` and ``ForwardBatch.build``.
+    """
+    extend = [len(t) for t in token_lists]
+    locs = [pool.alloc_slots(r, p + e) for r, p, e in zip(rows, prefix_lens, extend)]
+    out_cache_loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=pool.device)
+    ids = [t for toks in token_lists for t in toks]
+    return ForwardBatch.build(mode, ids, prefix_lens, extend, rows, out_cache_loc, pool.device)
+
+
+class Scheduler:
+    """Continuous batching over one KV pool (see the module docstring for the policy).
+
+    Args:
+        pool: the KV pool (one request row of it is kept by the engine as the dummy row).
+        max_batch_size: requests admitted at once.
+        chunked_prefill_size: prompt tokens per PREFILL step at most.
+    """
+
+    def __init__(self, pool: KVPool, *, max_batch_size: int, chunked_prefill_size: int) -> None:
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.chunked_prefill_size = chunked_prefill_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._allocated: dict[int, int] = {}  # rid -> positions with a KV slot
+
+    @property
+    def usable_pages(self) -> int:
+        """Pages requests can ever hold (page 0 is reserved)."""
+        return self.pool.num_slots // self.pool.page_size - 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_fits(self, rid: int, max_cached_tokens: int) -> None:
+        """Raise ValueError when a request caching up to ``max_cached_tokens`` could never fit in the pool."""
+        need = self._pages(max_cached_tokens)
+        if need > self.usable_pages:
+            raise ValueError(
+                f"request {rid} needs {max_cached_tokens} cached tokens ({need} pages) but the KV pool "
+                f"holds {self.usable_pages} pages of {self.pool.page_size}; shorten the prompt or max_new_tokens, "
+                "or give the KV pool more memory"
+            )
+
+    def add(self, req: Request) -> None:
+        """Queue ``req``. Raises ValueError when its whole life could never fit in the KV pool."""
+        self.check_fits(req.rid, req.max_cached_tokens)
+        self.waiting.append(req)
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step: a PREFILL step when any prompt work can run, else a DECODE step, else None."""
+        step = self._schedule_prefill()
+        if step is not None:
+            return step
+        decoding = [r for r in self.running if r.state is RequestState.DECODING]
+        if not decoding:
+            return None
+        batch = make_batch(self.pool, ForwardMode.DECODE, [r.row for r in decoding],
+                           [r.num_computed for r in decoding], [[r.output_ids[-1]] for r in decoding])
+        for r in decoding:
+            self._note_alloc(r, r.num_computed + 1)
+        return ScheduledStep(ForwardMode.DECODE, decoding, batch, list(range(len(decoding))), decoding)
+
+    def check_verify(self, drafts: dict[int, list[int]], max_tokens_per_req: int) -> list[Request]:
+        """Validate a VERIFY request; returns the requests in ``drafts`` order.
+
+        Raises:
+            ValueError: no drafts, an id is not a decoding request, the k differ, k+1 exceeds
+                ``max_tokens_per_req``, or k+1 new tokens could pass a request's ``max_new_tokens``.
+        """
+        if not drafts:
+            raise ValueError("VERIFY needs draft tokens for at least one decoding request")
+        by_id = {r.rid: r for r in self.running if r.state is RequestState.DECODING}
+        lens = {len(t) for t in drafts.values()}
+        if len(lens) != 1:
+            raise ValueError(f"every request in a VERIFY step needs the same number of draft tokens, got {lens}")
+        k = lens.pop()
+        if k + 1 > max_tokens_per_req:
+            raise ValueError(f"{k} draft tokens make {k + 1} tokens per request, above max_verify_tokens="
+                             f"{max_tokens_per_req}; send fewer drafts or raise max_verify_tokens")
+        reqs = []
+        for rid in drafts:
+            r = by_id.get(rid)
+            if r is None:
+                raise ValueError(f"request {rid} is not decoding; VERIFY runs on requests whose prompt is done")
+            if len(r.output_ids) + k + 1 > r.params.max_new_tokens:
+                raise ValueError(
+                    f"request {rid} has {len(r.output_ids)} of max_new_tokens={r.params.max_new_tokens} tokens; "
+                    f"{k} draft tokens could pass that limit"
+                )
+            reqs.append(r)
+        return reqs
+
+    def schedule_verify(self, drafts: dict[int, list[int]], max_tokens_per_req: int) -> ScheduledStep:
+        """A VERIFY step: each listed DECODING request feeds its pending token plus its k draft tokens.
+
+        Args:
+            drafts: request id -> k draft token ids (the same k for all).
+            max_tokens_per_req: the largest k+1 allowed (EngineConfig.max_verify_tokens).
+
+        Raises:
+            ValueError: see ``check_verify``.
+        """
+        reqs = self.check_verify(drafts, max_tokens_per_req)
+        k1 = len(next(iter(drafts.values()))) + 1
+        batch = make_batch(self.pool, ForwardMode.VERIFY, [r.row for r in reqs], [r.num_computed for r in reqs],
+                           [[r.output_ids[-1], *drafts[r.rid]] for r in reqs])
+        for r in reqs:
+            self._note_alloc(r, r.num_computed + k1)
+        return ScheduledStep(ForwardMode.VERIFY, reqs, batch, list(range(k1 * len(reqs))),
+                             [r for r in reqs for _ in range(k1)], drafts={r.rid: list(drafts[r.rid]) for r in reqs})
+
+    def update(self, step: ScheduledStep, new_tokens: dict[int, list[int]], now: float) -> list[Request]:
+        """Apply a step's results and retire finished requests.
+
+        Args:
+            step: the step that ran.
+            new_tokens: request id -> tokens accepted this step (PREFILL/DECODE: one for each sampled request;
+                VERIFY: accepted drafts plus the bonus token).
+            now: ``time.perf_counter()`` after the step.
+
+        Returns:
+            The requests that finished, whose KV rows and pages are back in the pool.
+        """
+        for r in step.requests:
+            if step.mode is ForwardMode.PREFILL:
+                r.num_computed = self._allocated[r.rid]
+                if r.prompt_left == 0:
+                    r.state = RequestState.DECODING
+            else:
+                r.num_computed += len(new_tokens.get(r.rid, ())) if step.mode is ForwardMode.VERIFY else 1
+                if step.mode is ForwardMode.VERIFY:
+                    self.pool.truncate(r.row, r.num_computed)
+                    self._allocated[r.rid] = r.num_computed
+        finished = []
+        for r in step.requests:
+            toks = new_tokens.get(r.rid)
+            if not toks:
+                continue
+            if r.t_first_token is None:
+                r.t_first_token = now
+            for t in toks:
+                r.output_ids.append(t)
+                if r.params.stop_at_eos and t in r.eos_ids:
+                    r.finish_reason = "eos"
+                elif len(r.output_ids) >= r.params.max_new_tokens:
+                    r.finish_reason = "length"
+                if r.finish_reason:
+                    break
+            if r.finish_reason:
+                self._finish(r, now)
+                finished.append(r)
+        return finished
+
+    def abort_all(self) -> None:
+        """Drop every request and give its KV back (after a failed step)."""
+        for r in list(self.running):
+            self._finish(r, 0.0)
+        self.waiting.clear()
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.pool.page_size)
+
+    def _note_alloc(self, r: Request, length: int) -> None:
+        self._allocated[r.rid] = length
+
+    def _promised_pages(self) -> int:
+        """Pages the running requests may still allocate."""
+        return sum(self._pages(r.max_cached_tokens) - self._pages(self._allocated[r.rid]) for r in self.running)
+
+    def _can_admit(self, req: Request) -> bool:
+        if len(self.running) >= self.max_batch_size or self.pool.free_rows == 0:
+            return False
+        return self._pages(req.max_cached_tokens) <= self.pool.free_pages - self._promised_pages()
+
+    def _schedule_prefill(self) -> ScheduledStep | None:
+        budget = self.chunked_prefill_size
+        reqs: list[Request] = []
+        chunks: list[int] = []
+        for r in self.running:
+            if r.state is RequestState.PREFILLING and budget > 0:
+                n = min(r.prompt_left, budget)
+                reqs.append(r)
+                chunks.append(n)
+                budget -= n
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            r = self.waiting.popleft()
+            r.row = self.pool.alloc_req()
+            r.state = RequestState.PREFILLING
+            self._allocated[r.rid] = 0
+            self.running.append(r)
+            n = min(r.prompt_left, budget)
+            reqs.append(r)
+            chunks.append(n)
+            budget -= n
+        if not reqs:
+            return None
+        prefix = [r.num_computed for r in reqs]
+        batch = make_batch(self.pool, ForwardMode.PREFILL, [r.row for r in reqs], prefix,
+                           [r.prompt_ids[p:p + n] for r, p, n in zip(reqs, prefix, chunks)])
+        for r, p, n in zip(reqs, prefix, chunks):
+            self._note_alloc(r, p + n)
+        done = [i for i, (r, p, n) in enumerate(zip(reqs, prefix, chunks)) if p + n == len(r.prompt_ids)]
+        return ScheduledStep(ForwardMode.PREFILL, reqs, batch, done, [reqs[i] for i in done])
+
+    def _finish(self, r: Request, now: float) -> None:
+        r.state = RequestState.FINISHED
+        r.t_finish = now
+        if r.row is not None:
+            self.pool.free_req(r.row)
+            r.row = None
+        self._allocated.pop(r.rid, None)
+        self.running.remove(r)

@@ -1,0 +1,54 @@
+"""``lowlat plugins`` as a user runs it: a subprocess over real installed distributions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from plugin_dists import GOOD_SPEC, make_plugin_dist
+
+
+def lowlat(site, *args, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "lowlat.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_plugins_json_lists_good_broken_and_guard(tmp_path):
+    site = tmp_path / "site"
+    make_plugin_dist(site, "good", GOOD_SPEC, version="1.2")
+    make_plugin_dist(site, "boom", "raise ImportError('no kernels')\n", version="0.3")
+    out = lowlat(site, "plugins", "--json", "--device", "cpu", env_extra={"LOWLAT_PLUGINS": "good,boom,nvidia_mega"})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    by_name = {p["name"]: p for p in report["plugins"]}
+    assert by_name["boom"]["status"] == "broken" and "no kernels" in by_name["boom"]["error"]
+    assert by_name["good"]["version"] == "1.2" and by_name["good"]["specs"][0]["guard"] == "pass"
+    mega = by_name["nvidia_mega"]
+    assert mega["distribution"] == "lowlat-nvidia-mega"
+    assert {s["guard"] for s in mega["specs"]} == {"fail"}
+    assert "needs platform cuda with capability >= 9.0" in mega["specs"][0]["reason"]
+    assert "this machine: cpu" in mega["specs"][0]["reason"]
+
+
+def test_plugins_table_and_explain(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    out = lowlat(site, "plugins", "--device", "cpu", env_extra={"LOWLAT_PLUGINS": "nvidia_mega,amd_mono"})
+    assert out.returncode == 0, out.stderr
+    assert "nvidia_mega" in out.stdout and "Qwen3MoeForCausalLM" in out.stdout and "guard here: fail" in out.stdout
+    out = lowlat(site, "plugins", "--device", "cpu", "--explain", "Qwen3ForCausalLM", "--dtype", "bfloat16",
+                 env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "nvidia_mega (lowlat-nvidia-mega" in out.stdout and ": PASS" in out.stdout
+    assert "[pass] platform: cpu (Triton interpreter on)" in out.stdout
+
+
+def test_unknown_allowlisted_plugin_is_a_clear_cli_error(tmp_path):
+    out = lowlat(tmp_path, "plugins", env_extra={"LOWLAT_PLUGINS": "nosuch"})
+    assert out.returncode == 2
+    assert "nosuch" in out.stderr and "found:" in out.stderr and "Traceback" not in out.stderr

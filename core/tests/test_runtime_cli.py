@@ -1,0 +1,61 @@
+"""``lowlat run`` through its own parser, in-process."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from lowlat.cli import run as run_cli
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lowlat")
+    run_cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["run", *argv])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_defaults():
+    args = _parse([])
+    config, params, prompts = run_cli.configs_from_args(args)
+    assert args.func is run_cli.run
+    assert config.model == "tiny-llama" and config.cuda_graph and config.tp_size == 1
+    assert params.max_new_tokens == 32 and params.greedy and prompts == [run_cli.DEFAULT_PROMPT]
+
+
+def test_run_prints_completions_and_summary(capsys):
+    args = _parse(["--device", "cpu", "--max-context-len", "64", "--max-new-tokens", "5", "--prompt", "hello",
+                   "--prompt", "second prompt", "--temperature", "0.8", "--top-k", "50", "--top-p", "0.9",
+                   "--seed", "3", "--page-size", "8", "--max-batch-size", "2", "--no-cuda-graph"])
+    assert run_cli.run(args) == 0
+    out = capsys.readouterr().out
+    assert "[0] hello" in out and "[1] second prompt" in out
+    for word in ("prefill ms", "decode tok/s", "PREFILL", "DECODE", "steps by forward mode"):
+        assert word in out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--model", "no-such-preset"], "neither a directory"),
+    (["--device", "cpu", "--max-context-len", "8", "--prompt", "far too long a prompt"], "max_context_len=8"),
+    (["--device", "cpu", "--top-p", "0"], "top_p"),
+    (["--device", "cpu", "--max-batch-size", "0"], "max_batch_size"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, msg):
+    monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
+    assert run_cli.run(_parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_debug_shows_the_exception(monkeypatch):
+    monkeypatch.setenv("LOWLAT_DEBUG", "1")
+    with pytest.raises(ValueError, match="top_p"):
+        run_cli.run(_parse(["--device", "cpu", "--top-p", "0"]))

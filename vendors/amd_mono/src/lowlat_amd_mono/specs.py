@@ -1,0 +1,29 @@
+"""The ModelSpecs lowlat-amd-mono registers: one per architecture, same requirements for all."""
+
+from __future__ import annotations
+
+from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
+from lowlat.runtime.forward_batch import ForwardMode
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MAX_ROWS = 8  # tokens per step the persistent kernels are built for
+
+REQUIREMENTS = Requirements(
+    platforms=(
+        PlatformRequirement("rocm", archs=("gfx942", "gfx950")),
+        PlatformRequirement("cuda", min_capability=(9, 0)),  # development and measurement on Hopper
+        PlatformRequirement("cpu", triton_interpreter=True),  # stage-per-launch mode for CPU tests
+    ),
+    dtypes=frozenset({"bfloat16"}),
+    tp_sizes=frozenset({1}),
+    libraries=(("triton", ">=3.6,<3.10"),),
+)
+COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
+
+
+def model_specs() -> list[ModelSpec]:
+    """One spec per architecture; ``build`` is imported only when an engine builds the plugin."""
+    return [
+        ModelSpec(architecture=a, requirements=REQUIREMENTS, coverage=COVERAGE, build="lowlat_amd_mono.build:build")
+        for a in ARCHITECTURES
+    ]

@@ -1,0 +1,28 @@
+"""The ModelSpecs lowlat-nvidia-mega registers: one per architecture, same requirements for all."""
+
+from __future__ import annotations
+
+from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
+from lowlat.runtime.forward_batch import ForwardMode
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MAX_ROWS = 8  # every kernel is specialized for at most 8 rows (tokens) per step
+
+REQUIREMENTS = Requirements(
+    platforms=(
+        PlatformRequirement("cuda", min_capability=(9, 0)),
+        PlatformRequirement("cpu", triton_interpreter=True),
+    ),
+    dtypes=frozenset({"bfloat16"}),
+    tp_sizes=frozenset({1}),
+    libraries=(("triton", ">=3.6,<3.10"),),
+)
+COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
+
+
+def model_specs() -> list[ModelSpec]:
+    """One spec per architecture; ``build`` is imported only when an engine builds the plugin."""
+    return [
+        ModelSpec(architecture=a, requirements=REQUIREMENTS, coverage=COVERAGE, build="lowlat_nvidia_mega.build:build")
+        for a in ARCHITECTURES
+    ]
