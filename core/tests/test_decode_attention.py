@@ -1,21 +1,20 @@
-"""Tests of the paged decode attention kernel, run by Triton's interpreter on CPU tensors.
+"""Tests of the paged decode attention kernel: on the GPU when there is one, else under Triton's interpreter.
 
 Triton 3.9 reads TRITON_INTERPRET when ``@triton.jit`` decorates a function, and triton.language's own jit
 helpers (tl.max, tl.sum, tl.cdiv) are decorated when ``triton`` is first imported, so the variable must be set
-before the first ``import triton`` in the process. It is set here before any import; if another module
-imported triton earlier without it, the launcher raises a ValueError saying so.
+before the first ``import triton`` in the process. conftest.py sets it (only on machines without CUDA) before
+any test module is imported; if triton was imported earlier without it, the launcher raises a ValueError.
 """
 
 from __future__ import annotations
 
 import math
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
 
 import lowlat.kernels.decode_attention as da
 import pytest
 import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},
        torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
@@ -43,10 +42,10 @@ def make_case(lens, n, hkv, group, head_dim, dtype, seed=0, max_len=None, extra_
 
 
 def run_both(case, n, num_kv_splits=None, q=None):
-    q0, k, v, r2t, rows, seq_lens = case
-    q = q0 if q is None else q
+    q0, k, v, r2t, rows, seq_lens = (t.to(DEVICE) for t in case)
+    q = q0 if q is None else q.to(DEVICE)
     scale = q.shape[-1] ** -0.5
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # poisoned: every element must be written
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)  # poisoned: every element must be written
     got = da.decode_attention(q, k, v, r2t, rows, seq_lens, n, scale, num_kv_splits, out=out)
     want = da.decode_attention_reference(q, k, v, r2t, rows, seq_lens, n, scale)
     assert got.data_ptr() == out.data_ptr()
@@ -132,8 +131,9 @@ def test_default_splits_follow_shapes(monkeypatch):
 
 def _args(**over):
     q, k, v, r2t, rows, seq_lens = make_case([4, 6], 1, hkv=2, group=2, head_dim=16, dtype=torch.float32)
-    args = {"q": q, "k_buffer": k, "v_buffer": v, "req_to_token": r2t, "req_pool_indices": rows,
-            "seq_lens": seq_lens, "tokens_per_req": 1, "sm_scale": 0.25}
+    args = {"q": q.to(DEVICE), "k_buffer": k.to(DEVICE), "v_buffer": v.to(DEVICE), "req_to_token": r2t.to(DEVICE),
+            "req_pool_indices": rows.to(DEVICE), "seq_lens": seq_lens.to(DEVICE), "tokens_per_req": 1,
+            "sm_scale": 0.25}
     args.update(over)
     return args
 
@@ -142,15 +142,15 @@ def _args(**over):
     ("over", "needle"),
     [
         ({"tokens_per_req": 2}, r"B \* tokens_per_req"),
-        ({"q": torch.zeros(2, 3, 16)}, "multiple of KV heads"),
-        ({"q": torch.zeros(2, 4, 16, dtype=torch.bfloat16)}, "share one dtype"),
-        ({"q": torch.zeros(2, 4, 32)[..., ::2]}, "contiguous in its last dimension"),
-        ({"q": torch.zeros(2, 4, 8)}, "head_dim differs"),
-        ({"req_to_token": torch.zeros(4, 11, dtype=torch.int64)}, "req_to_token"),
-        ({"seq_lens": torch.tensor([4], dtype=torch.int32)}, "seq_lens has 1 requests"),
-        ({"v_buffer": torch.zeros(3, 2, 16)}, "v_buffer shape"),
+        ({"q": torch.zeros(2, 3, 16, device=DEVICE)}, "multiple of KV heads"),
+        ({"q": torch.zeros(2, 4, 16, dtype=torch.bfloat16, device=DEVICE)}, "share one dtype"),
+        ({"q": torch.zeros(2, 4, 32, device=DEVICE)[..., ::2]}, "contiguous in its last dimension"),
+        ({"q": torch.zeros(2, 4, 8, device=DEVICE)}, "head_dim differs"),
+        ({"req_to_token": torch.zeros(4, 11, dtype=torch.int64, device=DEVICE)}, "req_to_token"),
+        ({"seq_lens": torch.tensor([4], dtype=torch.int32, device=DEVICE)}, "seq_lens has 1 requests"),
+        ({"v_buffer": torch.zeros(3, 2, 16, device=DEVICE)}, "v_buffer shape"),
         ({"num_kv_splits": 0}, "num_kv_splits"),
-        ({"out": torch.zeros(2, 4, 8)}, "out must be"),
+        ({"out": torch.zeros(2, 4, 8, device=DEVICE)}, "out must be"),
     ],
 )
 def test_launcher_rejects_bad_input(over, needle):
@@ -158,6 +158,7 @@ def test_launcher_rejects_bad_input(over, needle):
         da.decode_attention(**_args(**over))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal; CUDA machines run the compiled kernel")
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(da, "_interpreting", lambda: False)
     with pytest.raises(ValueError, match="decode_attention_reference"):
@@ -168,6 +169,7 @@ def _plain_max(x):
     return x
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter behaviour; CUDA machines run the compiled kernel")
 def test_interpreter_enabled_too_late_is_named(monkeypatch):
     """TRITON_INTERPRET set after ``import triton`` leaves tl.max a compiled-mode JITFunction: a ValueError says so."""
     monkeypatch.setattr(da.tl, "max", da.triton.runtime.JITFunction(_plain_max))

@@ -67,9 +67,9 @@ def test_with_layers() -> None:
 def test_hf_tensor_shapes_layout() -> None:
     qwen = dict(hf_tensor_shapes(get_preset("tiny-qwen3")))
     assert "lm_head.weight" not in qwen  # tied
-    assert qwen["model.layers.0.self_attn.q_proj.weight"] == (8 * 16, 64)
-    assert qwen["model.layers.0.self_attn.o_proj.weight"] == (64, 8 * 16)
-    assert qwen["model.layers.1.self_attn.k_norm.weight"] == (16,)
+    assert qwen["model.layers.0.self_attn.q_proj.weight"] == (8 * 32, 64)
+    assert qwen["model.layers.0.self_attn.o_proj.weight"] == (64, 8 * 32)
+    assert qwen["model.layers.1.self_attn.k_norm.weight"] == (32,)
     llama = dict(hf_tensor_shapes(get_preset("tiny-llama")))
     assert "lm_head.weight" in llama and "model.layers.0.self_attn.q_norm.weight" not in llama
     moe = dict(hf_tensor_shapes(get_preset("tiny-qwen3-moe")))

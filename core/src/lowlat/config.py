@@ -179,6 +179,7 @@ class EngineConfig:
         plugin: "none", "auto" or a plugin name.
         seed: seed for presets' random weights and for sampling.
         speculative: the engine runs a speculative verifier (a feature plugins may require or refuse).
+        num_layers: run only the first N decoder layers (benchmarks use two depths to get per-layer latency).
     """
 
     model: str = "tiny-llama"
@@ -195,6 +196,7 @@ class EngineConfig:
     plugin: str = "auto"
     seed: int = 0
     speculative: bool = False
+    num_layers: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -206,6 +208,8 @@ class EngineConfig:
                      "chunked_prefill_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ConfigError(f"num_layers must be >= 1 or None, got {self.num_layers}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.plugin:

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-SUBCOMMANDS = ("plugins", "run", "make_checkpoint")
+SUBCOMMANDS = ("plugins", "run", "make_checkpoint", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,15 +44,33 @@ class CompareReport:
         out = [f"tokens identical: {'yes' if self.identical else 'NO'}",
                f"largest |logit difference| over matching steps: {self.max_abs_logit_diff:.4g}"]
         for i, d in enumerate(self.first_divergence):
-            if d is not None:
-                out.append(f"  request {i}: first differing token at position {d}: general "
-                           f"{g.token_ids[i][d] if d < len(g.token_ids[i]) else '-'}, plugin "
-                           f"{p.token_ids[i][d] if d < len(p.token_ids[i]) else '-'}")
+            if d is None:
+                continue
+            out.append(f"  request {i}: first differing token at position {d}: general "
+                       f"{g.token_ids[i][d] if d < len(g.token_ids[i]) else '-'}, plugin "
+                       f"{p.token_ids[i][d] if d < len(p.token_ids[i]) else '-'}")
+            tie = near_tie(self, i, d)
+            if tie:
+                out.append(f"    {tie}")
         speedup = g.decode_ms_per_step / p.decode_ms_per_step if p.decode_ms_per_step else float("nan")
         out.append(f"decode ms/step: general {g.decode_ms_per_step:.3f}, {p.label} {p.decode_ms_per_step:.3f} "
                    f"({speedup:.2f}x)")
         out.append(f"steps per path with the plugin: {p.path_steps}")
         return out
+
+
+def near_tie(report: CompareReport, i: int, d: int) -> str:
+    """At request ``i``'s first divergence ``d``: both runs' logits for both tokens, and the top-2 gap."""
+    g, p = report.general, report.plugin
+    if d >= min(len(g.token_ids[i]), len(p.token_ids[i])) or d >= min(len(g.logits.get(i, [])),
+                                                                        len(p.logits.get(i, []))):
+        return ""
+    a, b = g.token_ids[i][d], p.token_ids[i][d]
+    lg, lp = g.logits[i][d], p.logits[i][d]
+    top2 = torch.topk(lg, 2).values
+    return (f"general logits: {a}={float(lg[a]):.4f} {b}={float(lg[b]):.4f} (top-2 gap "
+            f"{float(top2[0] - top2[1]):.4f}); plugin logits: {a}={float(lp[a]):.4f} {b}={float(lp[b]):.4f}; "
+            f"largest |difference| on this row {float((lg - lp).abs().max()):.4f}")
 
 
 def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) -> RunRecord:

@@ -44,7 +44,8 @@ class Dispatcher:
         plugin_forward: what the plugin's build returned.
         general_forward: ``fn(batch) -> float32 logits [R, V]``, the general path.
         vocab_size: V, for output checks.
-        tp_group: the tensor-parallel process group, None at TP size 1.
+        tp_size: tensor-parallel ranks; above 1 the ranks agree on the path per step.
+        tp_group: the tensor-parallel process group (None is torch.distributed's default group).
         check_outputs: verify shape, dtype and finiteness of plugin outputs on eager steps (one host sync).
     """
 
@@ -56,6 +57,7 @@ class Dispatcher:
         plugin_forward: PluginForward,
         general_forward: Callable[[ForwardBatch], torch.Tensor],
         vocab_size: int,
+        tp_size: int = 1,
         tp_group: Any = None,
         check_outputs: bool = True,
     ) -> None:
@@ -64,6 +66,7 @@ class Dispatcher:
         self.plugin_forward = plugin_forward
         self.general_forward = general_forward
         self.vocab_size = vocab_size
+        self.tp_size = tp_size
         self.tp_group = tp_group
         self.check_outputs = check_outputs
         self.stats = PathStats()
@@ -77,9 +80,9 @@ class Dispatcher:
             ok = forced == PLUGIN
         else:
             ok = self.coverage.covers(batch.forward_mode, batch.num_tokens) and bool(self._supports(batch))
-        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int32,
-                                device="cuda" if dist.get_backend(self.tp_group) == "nccl" else "cpu")
+        if self.tp_size > 1:
+            backend = str(dist.get_backend(self.tp_group))
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device="cpu" if "gloo" in backend else "cuda")
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.tp_group)
             ok = bool(flag.item())
         return PLUGIN if ok else GENERAL

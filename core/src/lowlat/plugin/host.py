@@ -79,8 +79,12 @@ class PluginHost:
 
     def build(self, *, model: torch.nn.Module, engine: EngineConfig, model_config: ModelConfig,
               device: torch.device, dtype: torch.dtype, tp_rank: int, tp_size: int, tp_group: object,
+              agree_group: object = None,
               general_forward, workspace_budget_bytes: int | None) -> Dispatcher | None:  # type: ignore[no-untyped-def]
         """check_model, then build the plugin and wrap it in a Dispatcher.
+
+        ``tp_group`` goes to the binding (collectives on device tensors); ``agree_group`` (default: the same)
+        carries the dispatcher's per-step agreement on a host tensor.
 
         Returns:
             The Dispatcher, or None when no plugin was selected.
@@ -116,7 +120,7 @@ class PluginHost:
                                    f"supports(batch) and forward(batch)")
         self.dispatcher = Dispatcher(plugin=name, coverage=spec.coverage, plugin_forward=forward,
                                      general_forward=general_forward, vocab_size=model_config.vocab_size,
-                                     tp_group=tp_group if tp_size > 1 else None)
+                                     tp_size=tp_size, tp_group=agree_group if agree_group is not None else tp_group)
         return self.dispatcher
 
     def install_graph_hooks(self, graph_runner: Any) -> Callable[[ForwardBatch], torch.Tensor]:

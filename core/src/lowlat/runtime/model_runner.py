@@ -79,6 +79,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, *, tp: TPInfo | None = None, device: torch.device | None = None,
                  cpu_group: object = None, show_progress: bool = True) -> None:
         from lowlat.loader import resolve_model
+        from lowlat.loader.presets import with_layers
 
         self.config = config
         self.tp = tp or SINGLE
@@ -97,6 +98,8 @@ class ModelRunner:
         self.last_path = GENERAL
         try:
             self.model_config: ModelConfig = resolve_model(config.model)
+            if config.num_layers is not None:
+                self.model_config = with_layers(self.model_config, config.num_layers)
             self.dtype = config.resolved_dtype(self.model_config)
             self.plugin_host = PluginHost.select(config, self.model_config)  # the guard: before any weight loads
             self.load_model()
@@ -146,7 +149,7 @@ class ModelRunner:
         dispatcher = self.plugin_host.build(
             model=self.model, engine=self.config, model_config=self.model_config, device=self.device,
             dtype=self.dtype, tp_rank=self.tp.rank, tp_size=self.tp.size,
-            tp_group=self.cpu_group if self.tp.size > 1 else None, general_forward=self.general_forward,
+            tp_group=self.tp.group, agree_group=self.cpu_group, general_forward=self.general_forward,
             workspace_budget_bytes=workspace_budget(self.device))
         if dispatcher is not None:
             self.forward_fn = dispatcher

@@ -6,6 +6,7 @@ from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
 from lowlat.runtime.forward_batch import ForwardMode
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile
 MAX_ROWS = 8  # tokens per step the persistent kernels are built for
 
 REQUIREMENTS = Requirements(
@@ -17,6 +18,7 @@ REQUIREMENTS = Requirements(
     dtypes=frozenset({"bfloat16"}),
     tp_sizes=frozenset({1}),
     libraries=(("triton", ">=3.6,<3.10"),),
+    model=(("head_dim", HEAD_DIMS),),
 )
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 

@@ -6,6 +6,7 @@ from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
 from lowlat.runtime.forward_batch import ForwardMode
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile
 MAX_ROWS = 8  # every kernel is specialized for at most 8 rows (tokens) per step
 
 REQUIREMENTS = Requirements(
@@ -16,6 +17,7 @@ REQUIREMENTS = Requirements(
     dtypes=frozenset({"bfloat16"}),
     tp_sizes=frozenset({1}),
     libraries=(("triton", ">=3.6,<3.10"),),
+    model=(("head_dim", HEAD_DIMS),),
 )
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 

@@ -1,0 +1,73 @@
+"""Expose the suite's own plugins (the reference and the broken ones) as installed plugins in a site dir.
+
+``install_fixture_plugins(site_dir)`` writes one real ``*.dist-info`` per plugin (METADATA with a
+``Requires-Dist`` on lowlat, ``entry_points.txt`` in the ``lowlat.plugins`` group, RECORD), exactly what pip
+would leave, so discovery reads them through importlib.metadata like any vendor's. Put ``site_dir`` on
+``sys.path`` (or ``PYTHONPATH`` for a subprocess) to see them; nothing is installed anywhere else, so
+``lowlat run --plugin auto`` in a normal environment never picks them.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+from lowlat_contract import __version__
+
+FIXTURE_PLUGINS: dict[str, str] = {
+    "reference": "lowlat_contract.plugins.reference:HOOKS",
+    "broken_kv_slot": "lowlat_contract.plugins.broken:KV_SLOT_HOOKS",
+    "broken_ignores_weight": "lowlat_contract.plugins.broken:IGNORES_WEIGHT_HOOKS",
+    "broken_verify": "lowlat_contract.plugins.broken:VERIFY_HOOKS",
+    "broken_dtype": "lowlat_contract.plugins.broken:DTYPE_HOOKS",
+    "broken_rank": "lowlat_contract.plugins.broken:RANK_HOOKS",
+}
+"""Plugin name -> entry point value (an object whose ``lowlat_model_specs`` hook returns its specs)."""
+
+DEFAULT_CORE_RANGE = ">=0.1.0.dev0,<0.2"
+
+
+def core_range() -> str:
+    """The core range this distribution declares (its own Requires-Dist on lowlat); the fixtures declare it too."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        lines = metadata.requires("lowlat-contract-tests") or []
+    except metadata.PackageNotFoundError:
+        return DEFAULT_CORE_RANGE
+    for line in lines:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.name == "lowlat" and req.marker is None and str(req.specifier):
+            return str(req.specifier)
+    return DEFAULT_CORE_RANGE
+
+
+def install_fixture_plugins(site_dir: str | Path, names: list[str] | None = None) -> list[str]:
+    """Write dist-info for the fixture plugins ``names`` (default: all of FIXTURE_PLUGINS) into ``site_dir``.
+
+    Returns:
+        The plugin names written.
+    Raises:
+        KeyError: a name that is not a fixture plugin (the message lists them).
+        FileExistsError: ``site_dir`` already holds that plugin's dist-info.
+    """
+    site = Path(site_dir)
+    site.mkdir(parents=True, exist_ok=True)
+    names = list(FIXTURE_PLUGINS) if names is None else names
+    unknown = [n for n in names if n not in FIXTURE_PLUGINS]
+    if unknown:
+        raise KeyError(f"{unknown} are not fixture plugins; known: {', '.join(FIXTURE_PLUGINS)}")
+    requires = core_range()
+    for name in names:
+        dist = f"lowlat-contract-fixture-{name.replace('_', '-')}"
+        info = site / f"{dist.replace('-', '_')}-{__version__}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {__version__}\n"
+                                       f"Summary: lowlat contract-suite fixture plugin {name}\n"
+                                       f"Requires-Dist: lowlat{requires}\n")
+        (info / "entry_points.txt").write_text(f"[lowlat.plugins]\n{name} = {FIXTURE_PLUGINS[name]}\n")
+        (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/entry_points.txt,,\n{info.name}/RECORD,,\n")
+    return names

@@ -1,0 +1,128 @@
+"""Render a results dict (the ``results.json`` of ``lowlat bench``) as a markdown section or a console table.
+
+``lowlat bench --report results.json`` prints ``render_markdown``: the section docs/benchmarks.md's "Latest H200
+results" is made of (header lines, one table, the skipped rows' reasons).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+HEADERS = ("model", "path", "step", "median ms", "p10-p90 ms", "repeat ms", "replay ms", "tok/s/req",
+           "roofline ms", "% roofline", "us/layer", "layer roofline us", "launches/layer", "x general", "x hf")
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """Read a results JSON. Raises ValueError when it is missing or not a lowlat bench results file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p} does not exist; give the results.json a `lowlat bench` run wrote")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith("lowlat-bench/"):
+        raise ValueError(f"{p} is not a lowlat bench results file (no 'schema': 'lowlat-bench/...')")
+    return data
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def step_label(row: dict[str, Any]) -> str:
+    """"decode b=4" or "verify b=1 x6"."""
+    extra = f" x{row['tokens_per_req']}" if row["mode"] == "VERIFY" else ""
+    return f"{row['mode'].lower()} b={row['batch_size']}{extra}"
+
+
+def table_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One list of cells (``HEADERS`` order) per row; a skipped row says "skipped" and is explained by ``skipped``."""
+    out = []
+    for r in results["rows"]:
+        head = [r["model"], r["path"], step_label(r)]
+        if r["status"] != "ok":
+            out.append(head + ["skipped"] + ["-"] * 3 + ["-", _f(r.get("roofline_ms"), 4)] + ["-"] * 6)
+            continue
+        s = r["step_ms"]
+        ran = "" if r["ran_on"] in (r["path"], "plugin") else f" (ran on {r['ran_on']})"
+        out.append(head[:1] + [r["path"] + ran, head[2]] + [
+            _f(s["median"], 4), f"{s['p10']:.4f}-{s['p90']:.4f}", _f(r["repeat_ms"]["median"], 4),
+            _f(r["replay_ms"]["median"], 4) if r.get("replay_ms") else "-", _f(r["tokens_per_s_per_req"], 1),
+            _f(r.get("roofline_ms"), 4), _f(r.get("pct_of_roofline"), 1), _f(r.get("per_layer_us"), 1),
+            _f(r.get("layer_roofline_us"), 1), _f(r.get("launches_per_layer"), 1),
+            _f(r.get("speedup_vs_general"), 2), _f(r.get("speedup_vs_hf"), 2),
+        ])
+    return out
+
+
+def skipped(results: dict[str, Any]) -> list[str]:
+    """"model path (steps): reason" for the skipped rows, rows sharing a model, path and reason grouped."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for r in results["rows"]:
+        if r["status"] != "ok":
+            groups.setdefault((r["model"], r["path"], r["reason"]), []).append(step_label(r))
+    return [f"{m} {p} ({', '.join(steps)}): {reason}" for (m, p, reason), steps in groups.items()]
+
+
+def header_lines(results: dict[str, Any]) -> list[str]:
+    """What ran where: device, commit, versions, bandwidth, settings, and the CPU note when it applies."""
+    m, s = results["meta"], results["settings"]
+    bw, bw_end = results.get("copy_bandwidth") or {}, results.get("copy_bandwidth_end") or {}
+    where = m.get("gpu") or f"CPU ({m.get('cpu') or 'unknown'})"
+    commit = (m.get("commit") or "unknown")[:12] + (" (dirty)" if m.get("dirty") else "")
+    lines = [
+        f"{m.get('date', '?')}, {where}, driver {m.get('driver') or '-'}, commit {commit}; torch {m.get('torch')}, "
+        f"triton {m.get('triton') or '-'}, transformers {m.get('transformers') or '-'}.",
+        f"Copy bandwidth (device-to-device, read + write, median of {s.get('copy_reps')}): "
+        f"{_f(bw.get('gb_per_s'), 1)} GB/s at the start, {_f(bw_end.get('gb_per_s'), 1)} GB/s at the end.",
+        f"Context {s['context']} tokens per request, {s['dtype']}, {s['input_sets']} input sets rotated, "
+        f"{s['warmup']} warm-up + 2 x {s['iters']} timed steps per row; per-layer figures from the slope between "
+        + ", ".join(f"{' and '.join(map(str, v['depths']))} layers ({k})" for k, v in results["models"].items())
+        + ".",
+        f"Command: `{m.get('command', '?')}`",
+    ]
+    if m.get("note"):
+        lines.insert(0, f"**{m['note']}.**")
+    return lines
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The markdown section: header lines, the table, then the reasons of skipped rows."""
+    lines = [*header_lines(results), ""]
+    lines.append("| " + " | ".join(HEADERS) + " |")
+    lines.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(HEADERS) - 3)) + "|")
+    for cells in table_rows(results):
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    notes = skipped(results)
+    if notes:
+        lines += ["", "Skipped rows:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(results: dict[str, Any]) -> None:
+    """Print the figures with rich as two tables (latency; roofline, per-layer and ratios), header lines above and
+    the skipped rows' reasons below. Output that is not a terminal gets 160 columns, so tables are not squeezed."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    for line in header_lines(results):
+        console.print(Text(line))
+    cpu = " (CPU figures)" if results["meta"].get("figures") == "cpu" else ""
+    cells = table_rows(results)
+    for title, cols in ((f"step latency{cpu}", range(0, 8)),
+                        (f"roofline, per layer and ratios{cpu}", [0, 1, 2, *range(8, len(HEADERS))])):
+        table = Table(title=title)
+        for i in cols:
+            table.add_column(HEADERS[i], justify="left" if i < 3 else "right")
+        for row in cells:
+            table.add_row(*(row[i] for i in cols))
+        console.print(table)
+    for n in skipped(results):
+        console.print(Text(f"skipped: {n}", style="dim"))

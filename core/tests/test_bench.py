@@ -1,0 +1,138 @@
+"""``lowlat bench`` end to end on a CPU: tiny-llama and tiny-qwen3-moe, general path, hf skipped, JSON, PNG, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lowlat.bench.config import BenchConfig, Shape
+from lowlat.bench.roofline import step_bytes
+from lowlat.cli import main
+from lowlat.loader.presets import get_preset
+from lowlat.runtime.forward_batch import ForwardMode
+
+ARGS = ["bench", "--device", "cpu", "--model", "tiny-llama,tiny-qwen3-moe", "--paths", "general,no_such_plugin,hf",
+        "--batch-sizes", "1,2", "--verify-tokens", "3", "--context", "24", "--input-sets", "2", "--warmup", "1",
+        "--iters", "2", "--copy-bytes", str(1 << 20), "--page-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    out = tmp_path_factory.mktemp("bench")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc = main([*ARGS, "--out", str(out)])
+    finally:
+        torch.set_num_threads(n)
+    assert rc == 0
+    return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def _rows(results: dict, **match: object) -> list[dict]:
+    return [r for r in results["rows"] if all(r[k] == v for k, v in match.items())]
+
+
+def test_files_and_metadata(bench_run):
+    out, results, md = bench_run
+    png = (out / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    meta = results["meta"]
+    assert results["schema"] == "lowlat-bench/1" and meta["figures"] == "cpu" and "CPU figures" in meta["note"]
+    for key in ("commit", "date", "command", "torch", "triton", "gpu", "driver"):
+        assert key in meta
+    assert meta["command"].startswith("lowlat bench --model tiny-llama,tiny-qwen3-moe")
+    assert "--device cpu" in meta["command"]
+    assert results["copy_bandwidth"]["gb_per_s"] > 0 and results["copy_bandwidth_end"]["gb_per_s"] > 0
+    assert results["paths"] == ["general", "no_such_plugin", "hf"]
+    assert "CPU figures" in md and "| tiny-qwen3-moe | general | verify b=1 x3 |" in md
+
+
+def test_every_row_is_there_and_general_rows_are_measured(bench_run):
+    _, results, _ = bench_run
+    assert len(results["rows"]) == 2 * 3 * 3  # models x paths x (decode 1, 2 + verify 1)
+    general = _rows(results, path="general")
+    assert len(general) == 6 and all(r["status"] == "ok" for r in general)
+    for r in general:
+        s = r["step_ms"]
+        assert 0 < s["p10"] <= s["median"] <= s["p90"] and s["n"] == 2 and r["repeat_ms"]["n"] == 2
+        assert r["ran_on"] == "general" and not r["graphed"] and r["replay_ms"] is None
+        assert r["tokens_per_s_per_req"] == pytest.approx(r["tokens_per_req"] * 1e3 / s["median"])
+        assert r["pct_of_roofline"] == pytest.approx(100 * r["roofline_ms"] / s["median"])
+        assert r["speedup_vs_general"] == pytest.approx(1.0) and r["speedup_vs_hf"] is None
+        assert r["layers"] == 2 and r["second_depth"] == 1 and r["second_depth_ms"]["n"] == 2
+        assert r["per_layer_us"] == pytest.approx(1e3 * (s["median"] - r["second_depth_ms"]["median"]))
+        assert r["launches"]["2"] > r["launches"]["1"] > 0 and "aten" in r["launches_how"]
+        assert r["launches_per_layer"] == r["launches"]["2"] - r["launches"]["1"]
+
+
+def test_failing_paths_are_skipped_rows_with_reasons(bench_run):
+    _, results, md = bench_run
+    hf = _rows(results, path="hf")
+    assert len(hf) == 6 and all(r["status"] == "skipped" and "CUDA" in r["reason"] for r in hf)
+    missing = _rows(results, path="no_such_plugin")
+    assert len(missing) == 6 and all(r["status"] == "skipped" and "no_such_plugin" in r["reason"] for r in missing)
+    assert "Skipped rows:" in md and "the hf peer needs a CUDA GPU" in md
+
+
+def test_roofline_of_the_moe_rows_uses_the_measured_union(bench_run):
+    _, results, _ = bench_run
+    cfg = get_preset("tiny-qwen3-moe")
+    touched = results["models"]["tiny-qwen3-moe"]["experts_touched"]
+    assert results["models"]["tiny-qwen3-moe"]["routing_source"].startswith("lowlat general forward")
+    for shape in (Shape(ForwardMode.DECODE, 1, 1), Shape(ForwardMode.DECODE, 2, 1), Shape(ForwardMode.VERIFY, 1, 3)):
+        per_layer = touched[shape.label]
+        k, tokens = cfg.num_experts_per_tok, shape.num_tokens
+        assert len(per_layer) == 2 and all(k <= e <= min(cfg.num_experts, k * tokens) for e in per_layer)
+        if tokens == 1:
+            assert per_layer == [k, k]  # one token picks exactly top-k distinct experts
+        row = _rows(results, model="tiny-qwen3-moe", path="general", mode=shape.mode.name,
+                    batch_size=shape.batch_size)[0]
+        want = step_bytes(cfg, dtype_bytes=2, batch_size=shape.batch_size, tokens_per_req=shape.tokens_per_req,
+                          context=24, experts_touched=per_layer)
+        assert row["roofline_bytes"] == pytest.approx(want.as_dict())
+        assert row["roofline_ms"] == pytest.approx(want.total / (results["copy_bandwidth"]["gb_per_s"] * 1e6))
+
+
+def test_report_prints_the_markdown_of_a_results_file(bench_run, capsys):
+    out, _, md = bench_run
+    assert main(["bench", "--report", str(out / "results.json")]) == 0
+    assert capsys.readouterr().out == md
+
+
+def test_report_of_a_bad_file_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"rows": []}))
+    assert main(["bench", "--report", str(bad)]) == 2
+    assert "not a lowlat bench results file" in capsys.readouterr().err
+    assert main(["bench", "--report", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--batch-sizes", "1,x"], "--batch-sizes must be comma-separated integers"),
+    (["--modes", "prefill"], "--modes takes decode and verify"),
+    (["--verify-tokens", "1"], "--verify-tokens is k+1"),
+    (["--context", "0"], "context must be >= 1"),
+    (["--model", "no-such-preset", "--copy-bytes", str(1 << 20)], "no-such-preset"),
+])
+def test_bad_flags_are_one_error_line(capsys, monkeypatch, tmp_path, argv, msg):
+    monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
+    assert main(["bench", "--device", "cpu", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_cpu_and_gpu_defaults():
+    cpu = BenchConfig.with_defaults("cpu")
+    gpu = BenchConfig.with_defaults("cuda")
+    assert cpu.models == ("tiny-llama",) and cpu.batch_sizes == (1, 2) and cpu.context == 64
+    assert gpu.models == ("llama-3.2-1b",) and gpu.batch_sizes == (1, 2, 4, 8) and gpu.context == 1024
+    assert gpu.paths == ("general", "plugins", "hf") and gpu.verify_tokens == 6 and gpu.verify_batch_sizes == (1,)
+    assert [s.label for s in gpu.shapes()] == ["DECODE b=1", "DECODE b=2", "DECODE b=4", "DECODE b=8",
+                                               "VERIFY b=1 k+1=6"]
+    assert gpu.depths(16) == (16, 8) and gpu.depths(1) is None
+    assert BenchConfig.with_defaults("cpu", layer_depth=3).depths(2) is None

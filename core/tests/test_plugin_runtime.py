@@ -1,0 +1,166 @@
+"""The plugin in the runtime: order at start, dispatch, fallback, faults (issue 4's behaviour)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowlat import Engine, EngineConfig, ForwardMode, SamplingParams
+from lowlat.plugin import PluginBuildError, PluginStepError, UnsupportedConfiguration
+from lowlat.plugin.binding import KVPoolNotReady
+from plugin_dists import activate, make_plugin_dist
+from plugin_fakes import mirror_source
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def install(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    activate(site, monkeypatch)
+
+    def _install(name: str, fault: str = "") -> str:
+        make_plugin_dist(site, name, mirror_source(fault))
+        monkeypatch.setenv("LOWLAT_PLUGINS", name)
+        return name
+
+    return _install
+
+
+def engine(plugin: str, **kw) -> Engine:
+    return Engine(EngineConfig(model=kw.pop("model", "tiny-llama"), device="cpu", dtype="float32", plugin=plugin,
+                               max_batch_size=4, max_context_len=64, **kw))
+
+
+def greedy(e: Engine, n: int = 6) -> list[list[int]]:
+    return [c.token_ids for c in e.generate(PROMPTS, SamplingParams(max_new_tokens=n))]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
+def test_plugin_serves_decode_and_general_serves_prefill(install, model):
+    install("mirror")
+    with engine("none", model=model) as e:
+        want = greedy(e)
+    with engine("mirror", model=model) as e:
+        assert greedy(e) == want
+        paths = e.stats.paths_as_dict()
+        assert set(paths["general"]) == {"PREFILL"} and set(paths["plugin"]) == {"DECODE"}
+        steps = e.runner.plugin_host.dispatcher.stats.steps
+        assert steps[("plugin", ForwardMode.DECODE)] == paths["plugin"]["DECODE"]["steps"] > 0
+
+
+def test_auto_selects_and_says_why(install):
+    install("mirror")
+    with engine("auto") as e:
+        sel = e.runner.plugin_host.selection
+        assert sel is not None and sel.plugin.name == "mirror" and sel.reason.startswith("auto")
+
+
+def test_verify_runs_on_plugin_and_matches(install):
+    install("mirror")
+    outs = []
+    for plugin in ("none", "mirror"):
+        with engine(plugin) as e:
+            rid = e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
+            e.step()  # prefill
+            res = e.verify({rid: [1, 2, 3]})
+            outs.append(res.accepted)
+            if plugin == "mirror":
+                assert e.runner.last_path == "plugin"
+    assert outs[0] == outs[1]
+
+
+def test_alternating_paths_equal_all_general(install):
+    install("mirror")
+    with engine("none") as e:
+        want = greedy(e, 8)
+    with engine("mirror") as e:
+        d = e.runner.plugin_host.dispatcher
+        flips = iter(range(1000))
+        d.force_path = lambda b: "plugin" if next(flips) % 2 else "general"
+        assert greedy(e, 8) == want
+        assert {p for p, _ in e.stats.by_path} == {"plugin", "general"}
+
+
+def test_explicit_plugin_on_unsupported_dtype_is_refused_before_weights_load(install, monkeypatch):
+    install("mirror")
+    import lowlat.runtime.model_runner as mr
+
+    def boom(self):
+        raise AssertionError("weights must not load")
+
+    monkeypatch.setattr(mr.ModelRunner, "load_model", boom)
+    with pytest.raises(UnsupportedConfiguration, match="dtype: needs dtype bfloat16/float32; the engine runs float16"):
+        Engine(EngineConfig(model="tiny-llama", device="cpu", dtype="float16", plugin="mirror"))
+
+
+def test_explicit_plugin_on_unsupported_tp_is_refused(install):
+    install("mirror")
+    with pytest.raises(UnsupportedConfiguration, match="tp_size"):
+        Engine(EngineConfig(model="tiny-llama", device="cpu", dtype="float32", plugin="mirror", tp_size=4))
+
+
+@pytest.mark.parametrize(("fault", "error", "message"), [
+    ("build_raises", PluginBuildError, "plugin 'bad' failed to build for LlamaForCausalLM: ValueError: unsupported"),
+    ("build_too_big", PluginBuildError, "plugin 'bad' asked for workspace 'scratch'"),
+    ("reads_kv_early", KVPoolNotReady, "before the KV pool exists"),
+])
+def test_build_faults_are_clear_errors(install, fault, error, message):
+    install("bad", fault)
+    with pytest.raises(error, match=message):
+        engine("bad")
+
+
+@pytest.mark.parametrize(("fault", "message"), [
+    ("raises", "plugin 'bad' failed during a DECODE step of 2 tokens over 2 requests: RuntimeError: kernel exploded"),
+    ("wrong_shape", r"plugin 'bad' returned \(2, 511\) torch.float32.*float32 logits of shape \(2, 512\)"),
+    ("wrong_dtype", r"returned \(2, 512\) torch.bfloat16"),
+    ("nan", "non-finite logits"),
+])
+def test_step_faults_stop_the_engine_with_the_plugin_named(install, fault, message):
+    install("bad", fault)
+    with engine("bad") as e:
+        with pytest.raises(PluginStepError, match=message):
+            greedy(e)
+        assert not e.has_unfinished()  # nothing keeps serving garbage
+
+
+def test_tp_ranks_agree_when_one_rank_refuses(install, monkeypatch, tmp_path):
+    install("mirror", "refuse_on_rank1")
+    import os
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    with engine("none") as e:
+        want = greedy(e, 4)
+    with engine("mirror", tp_size=2) as e:
+        assert greedy(e, 4) == want
+        assert set(e.stats.paths_as_dict()) == {"general"}  # rank 0 could, rank 1 refused: none did
+
+
+def test_compare_reports_identical_tokens_and_speed(install, capsys):
+    install("mirror")
+    from lowlat.cli import main
+
+    rc = main(["run", "--compare", "--plugin", "mirror", "--device", "cpu", "--dtype", "float32",
+               "--max-new-tokens", "5", "--prompt", "abc", "--max-context-len", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "tokens identical: yes" in out and "decode ms/step: general" in out and "plugin mirror" in out
+
+
+def test_compare_shows_the_near_tie_at_a_divergence(install):
+    install("noisy", "noisy")
+    from lowlat.cli.compare import compare
+
+    cfg = EngineConfig(model="tiny-llama", device="cpu", dtype="float32", plugin="noisy", max_context_len=64)
+    report = compare(cfg, SamplingParams(max_new_tokens=12), ["abc"])
+    assert not report.identical and report.first_divergence[0] is not None
+    text = "\n".join(report.lines())
+    assert "first differing token" in text and "top-2 gap" in text

@@ -1,0 +1,293 @@
+"""Time ``moe_forward`` and the fused LM head (logits, greedy, filtered sampling) at Qwen3-30B-A3B shapes on an
+sm90 GPU, with PDL on and off, against the byte floor; check them against torch first. About a minute.
+
+    PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/bench_moe_head.py [--sweep]
+
+Method: each measurement is one CUDA graph holding ``--layers`` back-to-back launches over distinct weight copies
+(so the 50 MB L2 never holds the next weights, and consecutive launches overlap through PDL as in a real step);
+the graph is replayed ``--reps`` times and the median replay time is divided by the number of launches. Floor:
+bytes that must move (router + the experts actually selected, counted from each launch's routing; or the whole
+vocabulary weight) divided by the copy bandwidth measured at the start (device-to-device copy, bytes read plus
+written, as in FACTS.md). Targets: qwen3-30b-a3b decode <= 2.0 ms per step at batch 1 (48 MoE layers + LM head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from lowlat.layers.norm import rms_norm
+from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample
+from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward
+from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
+
+H, E, TOP_K, INTER, V = 2048, 128, 8, 768, 151936
+EPS = 1e-6
+DT = torch.bfloat16
+DEV = "cuda"
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + written), median of 10 after 2 warm-ups."""
+    if DEV != "cuda":
+        return float("nan")
+    a = torch.empty(2**30, dtype=torch.int16, device=DEV)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * a.nbytes / statistics.median(times[2:])
+
+
+def graph_seconds(chain: Callable[[], int], reps: int) -> float:
+    """Seconds per launch of ``chain`` (issues its launches, returns how many) from median CUDA-graph replays."""
+    if DEV != "cuda":  # --smoke: run once, no timing
+        chain()
+        return float("nan")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            n = chain()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        n = chain()
+    times = []
+    for _ in range(reps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return statistics.median(times[3:]) / n
+
+
+def rand(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, device=DEV) * std).to(DT)
+
+
+class MoELayers:
+    """``n`` distinct MoE layers (router std chosen so routing is decisive, few bf16 ties)."""
+
+    def __init__(self, n: int, gen: torch.Generator) -> None:
+        self.gate = [rand(gen, E, H, std=3 / H**0.5) for _ in range(n)]
+        self.w13 = [rand(gen, E, 2 * INTER, H, std=0.02) for _ in range(n)]
+        self.w2 = [rand(gen, E, H, INTER, std=0.02) for _ in range(n)]
+        self.norm = [(1 + 0.1 * torch.randn(H, generator=gen, device=DEV)).to(DT) for _ in range(n)]
+
+
+def moe_reference(x, residual, norm_w, gate_w, w13, w2):  # type: ignore[no-untyped-def]
+    """HF order of operations; top-k by a stable sort (ties -> lower expert id, as the kernel)."""
+    h = rms_norm(x, norm_w, EPS)
+    probs = torch.softmax(F.linear(h, gate_w), dim=-1, dtype=torch.float32)
+    w, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    w, ids = w[:, :TOP_K], ids[:, :TOP_K]
+    w = (w / w.sum(-1, keepdim=True)).to(DT)
+    y = residual.float().clone()
+    for r in range(x.shape[0]):
+        for j in range(TOP_K):
+            e = int(ids[r, j])
+            act = F.silu(F.linear(h[r], w13[e, :INTER])) * F.linear(h[r], w13[e, INTER:])
+            y[r] += F.linear(act, w2[e]).float() * w[r, j].float()
+    return y.to(DT), ids
+
+
+def check_moe(layers: MoELayers, gen: torch.Generator, cfg: MoEKernelConfig) -> list[str]:
+    notes = []
+    for rows in (1, 8):
+        x, res = rand(gen, rows, H, std=1.0), rand(gen, rows, H, std=1.0)
+        ws = MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV)
+        outs = []
+        for pdl in (True, False, True) if DEV == "cuda" else (False, False):
+            out = torch.full_like(x, float("nan"))
+            moe_forward(x, res, layers.norm[0], EPS, layers.gate[0], layers.w13[0], layers.w2[0], TOP_K, True,
+                        out, ws, pdl=pdl, config=cfg)
+            outs.append(out)
+        want, ids = moe_reference(x, res, layers.norm[0], layers.gate[0], layers.w13[0], layers.w2[0])
+        err = ((outs[0].float() - want.float()).norm() / (want.float() - res.float()).norm()).item()
+        same_ids = torch.equal(ws.topk_ids[:rows].long(), ids)
+        ok = err < 2e-2 and same_ids and all(torch.equal(outs[0], o) for o in outs[1:])
+        notes.append(f"moe rows={rows}: rel err {err:.2e}, top-k ids equal: {same_ids}, "
+                     f"pdl on/off/on bitwise equal: {all(torch.equal(outs[0], o) for o in outs[1:])} "
+                     f"-> {'OK' if ok else 'FAILED'}")
+    return notes
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, offset_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.rand(tl.load(seed_ptr + r), tl.load(offset_ptr + r) + offs.to(tl.int64))
+    tl.store(out_ptr + r * V + offs, u, mask=offs < V)
+
+
+def reference_tokens(logits, temp, top_k, top_p, u, cand):  # type: ignore[no-untyped-def]
+    """The semantics documented in kernels/sampling.py (same as tests/test_kernels_lm_head.py)."""
+    out = []
+    for r in range(logits.shape[0]):
+        lg, t, k, p = logits[r], float(temp[r]), int(top_k[r]), float(top_p[r])
+        if t <= 0:
+            out.append(int(torch.argmax(lg)))
+            continue
+        score = lg / t - torch.log(-torch.log(u[r]))
+        k_on = 0 < k < lg.numel()
+        if not (k_on or p < 1.0):
+            out.append(int(torch.argmax(score)))
+            continue
+        ids = torch.argsort(-lg, stable=True)[:cand][:min(k, cand) if k_on else cand]
+        e = torch.exp((lg[ids] - lg[ids[0]]) / t)
+        z = e.sum() if k_on and k <= cand else torch.exp((lg - lg[ids[0]]) / t).sum()
+        keep = ids[(torch.cumsum(e, 0) - e) < p * z]
+        out.append(int(keep[torch.argmax(score[keep])]))
+    return out
+
+
+def check_lm_head(w: torch.Tensor, norm_w: torch.Tensor, gen: torch.Generator, ws: LMHeadWorkspace) -> list[str]:
+    x = rand(gen, 8, H, std=1.0)
+    logits = torch.empty(8, V, device=DEV)
+    pdl = DEV == "cuda"
+    lm_head_logits(x, norm_w, w, EPS, logits, pdl=pdl)
+    want = F.linear(rms_norm(x, norm_w, EPS), w).float()
+    err = (logits - want).abs().max().item()
+    toks = torch.empty(8, dtype=torch.int64, device=DEV)
+    lm_head_sample(x, norm_w, w, EPS, None, None, None, None, None, toks, ws, pdl=pdl)
+    greedy_ok = torch.equal(toks, torch.argmax(logits, -1))
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.6, 1.0, 2.0, 0.9], device=DEV)
+    top_k = torch.tensor([0, 0, 20, 0, 50, 64, 100, 0], dtype=torch.int32, device=DEV)
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.95, 0.8, 1.0, 0.3], device=DEV)
+    seeds = torch.arange(8, device=DEV) + 77
+    offsets = torch.arange(8, device=DEV) * V
+    lg2 = torch.empty_like(logits)
+    lm_head_sample(x, norm_w, w, EPS, temp, top_k, top_p, seeds, offsets, toks, ws, pdl=pdl, out_logits=lg2)
+    u = torch.empty(8, V, device=DEV)
+    _uniform_kernel[(8, triton.cdiv(V, 1024))](seeds, offsets, u, V, BLOCK=1024)
+    ref = reference_tokens(lg2.cpu(), temp.cpu(), top_k.cpu(), top_p.cpu(), u.cpu(), ws.candidates)
+    sample_ok = toks.cpu().tolist() == ref
+    ok = err <= 0.0625 * max(1.0, want.abs().max().item() / 8) and greedy_ok and sample_ok
+    return [f"lm_head: max |logit err| {err:.3g}, greedy == argmax: {greedy_ok}, sampled == reference "
+            f"(same noise): {sample_ok} {toks.cpu().tolist()} vs {ref} -> {'OK' if ok else 'FAILED'}"]
+
+
+def bench_moe(layers: MoELayers, rows: int, pdl: bool, reps: int, gen: torch.Generator, bw: float,
+              cfg: MoEKernelConfig) -> tuple[float, float]:
+    n = len(layers.gate)
+    x = rand(gen, rows, H, std=1.0)
+    outs = [torch.empty_like(x) for _ in range(n)]
+    wss = [MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV) for _ in range(n)]
+
+    def chain() -> int:
+        for i in range(n):  # layer i reads layer i-1's output, like the residual stream
+            src = x if i == 0 else outs[i - 1]
+            moe_forward(src, src, layers.norm[i], EPS, layers.gate[i], layers.w13[i], layers.w2[i], TOP_K, True,
+                        outs[i], wss[i], pdl=pdl, config=cfg)
+        return n
+    sec = graph_seconds(chain, reps)
+    experts = sum(int(ws.num_slots) for ws in wss) / n
+    floor = (E * H + experts * 3 * INTER * H + 3 * rows * H) * 2 / bw
+    return sec, floor
+
+
+def bench_lm_head(ws_list, norms, rows, mode, pdl, reps, gen, bw, cfg):  # type: ignore[no-untyped-def]
+    x = rand(gen, rows, H, std=1.0)
+    out = torch.empty(rows, V, device=DEV)
+    toks = torch.empty(rows, dtype=torch.int64, device=DEV)
+    temp = torch.full((rows,), 0.7, device=DEV)
+    top_k = torch.full((rows,), 20, dtype=torch.int32, device=DEV)
+    top_p = torch.full((rows,), 0.95, device=DEV)
+    seeds = torch.arange(rows, device=DEV)
+    offsets = torch.zeros(rows, dtype=torch.int64, device=DEV)
+    wss, weights = ws_list
+
+    def chain() -> int:
+        for i, w in enumerate(weights):
+            if mode == "logits":
+                lm_head_logits(x, norms[i], w, EPS, out, pdl=pdl, config=cfg)
+            elif mode == "greedy":
+                lm_head_sample(x, norms[i], w, EPS, None, None, None, None, None, toks, wss, pdl=pdl, config=cfg)
+            else:
+                lm_head_sample(x, norms[i], w, EPS, temp, top_k, top_p, seeds, offsets, toks, wss, pdl=pdl,
+                               config=cfg)
+        return len(weights)
+    sec = graph_seconds(chain, reps)
+    return sec, (V * H * 2 + rows * H * 2 + (rows * V * 4 if mode == "logits" else 0)) / bw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8, help="distinct MoE layers per graph (default 8)")
+    ap.add_argument("--reps", type=int, default=20, help="graph replays (median taken)")
+    ap.add_argument("--sweep", action="store_true", help="also try other tile sizes (PDL on)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="check the script itself: tiny shapes on the CPU with TRITON_INTERPRET=1, no timing")
+    args = ap.parse_args()
+    global H, E, TOP_K, INTER, V, DEV
+    if args.smoke:
+        H, E, TOP_K, INTER, V, DEV = 64, 8, 2, 32, 512, "cpu"
+        args.layers, args.reps = 2, 1
+    else:
+        assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU (sm90 for PDL)"
+    pdl_modes = (True, False) if DEV == "cuda" else (False,)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    device_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
+    print(f"{device_name} | torch {torch.__version__} | triton {triton.__version__}")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read + written): {bw / 1e12:.2f} TB/s")
+    layers = MoELayers(args.layers, gen)
+    lm_w = [rand(gen, V, H, std=0.02) for _ in range(3)]
+    lm_norm = [(1 + 0.1 * torch.randn(H, generator=gen, device=DEV)).to(DT) for _ in range(3)]
+    lm_ws = LMHeadWorkspace.allocate(8, V, DEV)
+    moe_cfg, lm_cfg = MoEKernelConfig(), LMHeadConfig()
+    for note in check_moe(layers, gen, moe_cfg) + check_lm_head(lm_w[0], lm_norm[0], gen, lm_ws):
+        print("check:", note)
+
+    table = []
+    for rows in (1, 8):
+        for pdl in pdl_modes:
+            sec, floor = bench_moe(layers, rows, pdl, args.reps, gen, bw, moe_cfg)
+            table.append(("moe_forward (per layer)", rows, pdl, "default", sec, floor))
+    for mode in ("logits", "greedy", "sample top-k 20 top-p 0.95"):
+        for rows in (1, 8):
+            for pdl in pdl_modes:
+                sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, pdl, args.reps, gen, bw, lm_cfg)
+                table.append((f"lm_head {mode}", rows, pdl, "default", sec, floor))
+    if args.sweep and DEV == "cuda":
+        moe_sweep = [(dict(gate_up_block_n=gn, gate_up_block_k=gk, down_block_n=dn), f"gu {gn}x{gk} down {dn}")
+                     for gn, gk, dn in ((32, 256, 16), (16, 512, 16), (16, 128, 16), (16, 256, 32), (32, 128, 32))]
+        moe_sweep += [(dict(route_warps=rw, route_programs=rp), f"route {rp}x{rw}w")
+                      for rw, rp in ((1, 32), (2, 32), (4, 16), (4, 64))]
+        moe_sweep += [(dict(gate_up_stages=st, gate_up_warps=wp), f"gu {st}st {wp}w") for st, wp in ((3, 4), (4, 8))]
+        for kwargs, label in moe_sweep:
+            cfg = MoEKernelConfig(**kwargs)
+            for rows in (1, 8):
+                sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
+                table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
+        for bv, bk, st in ((64, 64, 4), (128, 128, 3), (256, 64, 4), (128, 64, 3), (64, 128, 4)):
+            cfg = LMHeadConfig(block_v=bv, block_k=bk, num_stages=st)
+            for rows in (1, 8):
+                sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, "logits", True, args.reps, gen, bw, cfg)
+                table.append(("lm_head logits", rows, True, f"v{bv} k{bk} s{st}", sec, floor))
+
+    print(f"\n{'kernel':34} {'rows':>4} {'pdl':>4} {'config':>18} {'median us':>10} {'floor us':>9} {'% floor':>8}")
+    for name, rows, pdl, cfg_name, sec, floor in table:
+        print(f"{name:34} {rows:>4} {'on' if pdl else 'off':>4} {cfg_name:>18} {sec * 1e6:>10.1f} "
+              f"{floor * 1e6:>9.1f} {100 * floor / sec:>7.0f}%")
+    moe1 = next(s for n, r, p, c, s, f in table if n.startswith("moe") and r == 1 and p == pdl_modes[0])
+    head1 = next(s for n, r, p, c, s, f in table if n == "lm_head greedy" and r == 1 and p == pdl_modes[0])
+    print(f"\nqwen3-30b-a3b batch 1, MoE part of a step: 48 x {moe1 * 1e6:.1f} us + greedy LM head "
+          f"{head1 * 1e6:.1f} us = {(48 * moe1 + head1) * 1e3:.3f} ms (target for the whole step: 2.0 ms)")
+
+
+if __name__ == "__main__":
+    main()

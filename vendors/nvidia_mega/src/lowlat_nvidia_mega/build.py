@@ -1,0 +1,164 @@
+"""``build(binding) -> MegaForward``: the entry the ModelSpecs name ("lowlat_nvidia_mega.build:build").
+
+Runs after the general model's weights are loaded and before the KV pool is sized. It takes views of the
+loaded parameters (no weight copies: the kernels read the brief's layouts directly), picks launch plans for
+every GEMM shape by heuristics (no autotuning, so nothing tunes during CUDA-graph capture), allocates every
+intermediate once through ``binding.alloc_workspace`` (so the memory is accounted before the KV pool is sized)
+and registers for the KV pool with ``binding.on_kv_pool_ready``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lowlat.plugin.errors import PluginBuildError
+
+from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
+from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
+from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
+from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_workspace_numel, rope_cos_sin
+from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, plan_gemm, splitk_workspace_numel
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def build(binding: Any) -> MegaForward:
+    """Build the nvidia_mega forward for the model the binding carries.
+
+    Args:
+        binding: a ``lowlat.plugin.binding.PluginBinding`` (model_config, engine_config, device, dtype, params,
+            tp_size, alloc_workspace, on_kv_pool_ready).
+    Returns:
+        a MegaForward; it serves steps once the KV pool is attached.
+    Raises:
+        PluginBuildError: unsupported architecture, dtype, TP size or head_dim, or a missing / misshapen
+            parameter (the message names it and the fix).
+    """
+    mc, ec = binding.model_config, binding.engine_config
+    dev, dt = torch.device(binding.device), binding.dtype
+    if mc.architecture not in ARCHITECTURES:
+        raise PluginBuildError(f"nvidia_mega builds {', '.join(ARCHITECTURES)}, not {mc.architecture}")
+    if dt not in DTYPES:
+        raise PluginBuildError(f"nvidia_mega runs bfloat16, float16 or float32 models, not {dt}")
+    if binding.tp_size != 1:
+        raise PluginBuildError(f"nvidia_mega runs with tp_size=1, got {binding.tp_size}; use plugin='none' for TP")
+    d = mc.head_dim
+    if d < 32 or d & (d - 1):
+        raise PluginBuildError(f"nvidia_mega needs a power-of-two head_dim >= 32, got {d}")
+    p = _Params(binding.params, dt, dev)
+    hq, hkv, hid = mc.num_attention_heads, mc.num_key_value_heads, mc.hidden_size
+    layers = [_layer(p, mc, i) for i in range(mc.num_hidden_layers)]
+    embed = p.get("model.embed_tokens.weight", (mc.vocab_size, hid))
+    tied = mc.tie_word_embeddings and "lm_head.weight" not in binding.params
+    lm_head = embed if tied else p.get("lm_head.weight", (mc.vocab_size, hid))
+    final_norm = p.get("model.norm.weight", (hid,))
+
+    sms = num_sms(dev)
+    plans = {"qkv": plan_qkv(hq, hkv, d, hid, dt, sms), "o_proj": plan_gemm(hid, hq * d, dt, sms)}
+    dense_inter = mc.intermediate_size
+    has_dense = any(not lw.is_moe for lw in layers)
+    if has_dense:
+        plans["gate_up"] = plan_gemm(dense_inter, hid, dt, sms, gated=True)
+        plans["down"] = plan_gemm(hid, dense_inter, dt, sms)
+
+    def alloc(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return binding.alloc_workspace(f"nvidia_mega.{name}", shape, dtype)
+
+    f32 = torch.float32
+    gemm_need = max(
+        [splitk_workspace_numel(plans["o_proj"], hid, gated=False)]
+        + ([splitk_workspace_numel(plans["gate_up"], dense_inter, gated=True),
+            splitk_workspace_numel(plans["down"], hid, gated=False)] if has_dense else [])
+    )
+    tiles = {"qkv": hq + 2 * hkv, "o_proj": plans["o_proj"].n_tiles(hid)}
+    if has_dense:
+        tiles.update(gate_up=plans["gate_up"].n_tiles(dense_inter), down=plans["down"].n_tiles(hid))
+    cnt = alloc("counters", (sum(tiles.values()),), torch.int32)
+    cnt.zero_()
+    counters, off = {}, 0
+    for name, n in tiles.items():
+        counters[name] = cnt[off:off + n]
+        off += n
+    n_o, n_l = _attention_partials(mc, ec.max_context_len, sms)
+    cos, sin = rope_cos_sin(d, mc.rope_theta, ec.max_context_len, mc.rope_scaling, dev)
+    cos_ws, sin_ws = alloc("rope_cos", tuple(cos.shape), f32), alloc("rope_sin", tuple(sin.shape), f32)
+    cos_ws.copy_(cos)
+    sin_ws.copy_(sin)
+    ws = Workspaces(
+        x=alloc("x", (MAX_ROWS, hid), dt), q=alloc("q", (MAX_ROWS, hq * d), dt),
+        attn=alloc("attn", (MAX_ROWS, hq * d), dt),
+        act=alloc("act", (MAX_ROWS, dense_inter), dt) if has_dense else None,
+        gemm_ws=alloc("gemm_splitk", (max(1, gemm_need),), f32),
+        qkv_ws=alloc("qkv_splitk", (max(1, qkv_workspace_numel(plans["qkv"], hq, hkv, d)),), f32),
+        counters=counters, o_partial=alloc("attn_o_partial", (n_o,), f32),
+        lse_partial=alloc("attn_lse_partial", (n_l,), f32), cos=cos_ws, sin=sin_ws,
+        moe=_moe_workspace(mc, dt, dev, alloc) if mc.is_moe else None,
+    )
+    fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
+                      layers=layers, ws=ws, plans=plans, max_context_len=ec.max_context_len, sms=sms)
+    binding.on_kv_pool_ready(fwd.attach_kv_pool)
+    return fwd
+
+
+class _Params:
+    """Looks parameters up by name, checking shape, dtype and device; errors name the parameter."""
+
+    def __init__(self, params: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.params, self.dtype, self.device = params, dtype, device
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.params.get(name)
+        if t is None:
+            raise PluginBuildError(f"nvidia_mega needs parameter {name!r}, which the loaded model lacks")
+        if tuple(t.shape) != shape:
+            raise PluginBuildError(f"parameter {name!r} is {tuple(t.shape)}, nvidia_mega expects {shape}")
+        if t.dtype != self.dtype or t.device.type != self.device.type:
+            raise PluginBuildError(f"parameter {name!r} is {t.dtype} on {t.device}; the model runs {self.dtype} on "
+                                   f"{self.device}")
+        return t if t.is_contiguous() else t.contiguous()
+
+
+def _layer(p: _Params, mc: Any, i: int) -> LayerWeights:
+    pre, hid, d = f"model.layers.{i}.", mc.hidden_size, mc.head_dim
+    hq, hkv = mc.num_attention_heads, mc.num_key_value_heads
+    kw: dict[str, torch.Tensor | None] = {
+        "input_norm": p.get(pre + "input_layernorm.weight", (hid,)),
+        "qkv": p.get(pre + "self_attn.qkv_proj.weight", ((hq + 2 * hkv) * d, hid)),
+        "o_proj": p.get(pre + "self_attn.o_proj.weight", (hid, hq * d)),
+        "post_norm": p.get(pre + "post_attention_layernorm.weight", (hid,)),
+    }
+    if mc.has_qk_norm:
+        kw["q_norm"] = p.get(pre + "self_attn.q_norm.weight", (d,))
+        kw["k_norm"] = p.get(pre + "self_attn.k_norm.weight", (d,))
+    if mc.is_moe_layer(i):
+        e, inter = mc.num_experts, mc.moe_intermediate_size
+        kw["router"] = p.get(pre + "mlp.gate.weight", (e, hid))
+        kw["w13"] = p.get(pre + "mlp.experts.w13_weight", (e, 2 * inter, hid))
+        kw["w2"] = p.get(pre + "mlp.experts.w2_weight", (e, hid, inter))
+    else:
+        kw["gate_up"] = p.get(pre + "mlp.gate_up_proj.weight", (2 * mc.intermediate_size, hid))
+        kw["down"] = p.get(pre + "mlp.down_proj.weight", (hid, mc.intermediate_size))
+    return LayerWeights(**kw)  # type: ignore[arg-type]
+
+
+def _attention_partials(mc: Any, max_context_len: int, sms: int) -> tuple[int, int]:
+    """Largest (o_partial, lse_partial) fp32 sizes over every (batch, rows per request) with B * R <= 8."""
+    n_o = n_l = 1
+    for b in range(1, MAX_ROWS + 1):
+        for r in range(1, MAX_ROWS // b + 1):
+            s = plan_splits(b, mc.num_key_value_heads, max_context_len, mc.head_dim, sms)
+            o, lse = partial_numel(b, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, r, s)
+            n_o, n_l = max(n_o, o), max(n_l, lse)
+    return n_o, n_l
+
+
+def _moe_workspace(mc: Any, dt: torch.dtype, dev: torch.device, alloc: Any) -> MoEWorkspace:
+    count = iter(range(1 << 30))
+
+    def moe_alloc(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        return alloc(f"moe.{next(count)}", tuple(shape), dtype)
+
+    return MoEWorkspace.allocate(MAX_ROWS, mc.hidden_size, mc.moe_intermediate_size, mc.num_experts,
+                                 mc.num_experts_per_tok, dt, dev, alloc=moe_alloc)

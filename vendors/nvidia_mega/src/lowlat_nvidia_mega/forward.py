@@ -1,0 +1,193 @@
+"""MegaForward: one DECODE or VERIFY step of 1 to 8 rows as a chain of PDL-linked Triton kernels.
+
+Per decoder layer (dense)::
+
+    qkv_rope   x -> rmsnorm -> QKV GEMM -> q/k norm (Qwen3) -> RoPE -> q buffer, K/V at out_cache_loc
+    attention  split-KV paged attention (packed GQA, causal among the new rows) + merge
+    o_proj     x += attn @ Wo^T                       (small GEMM, split-K, residual epilogue, in place)
+    gate_up    act = silu(g) * u of rmsnorm(x) @ Wgu^T (small GEMM, norm prologue, SwiGLU epilogue)
+    down       x += act @ Wd^T                        (small GEMM, split-K, residual epilogue, in place)
+
+A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
+The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits). The embedding is
+a torch ``index_select`` into a fixed buffer. Every intermediate lives in a workspace allocated once at build
+(sized for 8 rows), so the step is CUDA-graph capturable: it reads only device tensors of the batch and its
+shapes, and makes no host sync. Math and parameter layout: docs/agent-brief.md of the lowlat repository.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lowlat.config import ModelConfig
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+
+from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, plan_splits
+from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
+from lowlat_nvidia_mega.kernels.moe import moe_forward
+from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
+from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
+from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan, small_gemm
+
+MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's parameters (views of the general model's, per the brief's layout).
+
+    Dense layers set ``gate_up`` [2I, H] and ``down`` [H, I]; MoE layers set ``router`` [E, H],
+    ``w13`` [E, 2I, H] and ``w2`` [E, H, I]. ``q_norm`` / ``k_norm`` [D] are Qwen3's, else None.
+    """
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None
+    down: torch.Tensor | None = None
+    router: torch.Tensor | None = None
+    w13: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.router is not None
+
+
+@dataclass(frozen=True)
+class Workspaces:
+    """Buffers allocated once at build (``binding.alloc_workspace``), rows padded to 8.
+
+    x [8, H] residual stream; q [8, Hq*D]; attn [8, Hq*D]; act [8, I] (dense layers); gemm_ws / qkv_ws fp32
+    split-K partials; counters int32 per split-K call site (zero between launches); o_partial / lse_partial
+    fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; moe: the MoE workspace or None.
+    """
+
+    x: torch.Tensor
+    q: torch.Tensor
+    attn: torch.Tensor
+    act: torch.Tensor | None
+    gemm_ws: torch.Tensor
+    qkv_ws: torch.Tensor
+    counters: dict[str, torch.Tensor]
+    o_partial: torch.Tensor
+    lse_partial: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    moe: object | None = None
+
+
+class MegaForward:
+    """The plugin forward built by ``lowlat_nvidia_mega.build.build`` (PluginForward protocol).
+
+    Args:
+        config: the model's ModelConfig.
+        device, dtype: where and in what dtype the model runs.
+        embed: [V, H] embedding; final_norm: [H]; lm_head: [V, H] (may be ``embed``).
+        layers: one LayerWeights per decoder layer.
+        ws: the Workspaces.
+        plans: GemmPlan per call site: "qkv", "o_proj", "gate_up", "down" (the last two absent for MoE-only).
+        max_context_len: the engine's longest sequence (bounds the attention split plan).
+        sms: streaming multiprocessors of the device (for the split plans).
+    """
+
+    def __init__(self, *, config: ModelConfig, device: torch.device, dtype: torch.dtype, embed: torch.Tensor,
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, layers: list[LayerWeights], ws: Workspaces,
+                 plans: dict[str, GemmPlan], max_context_len: int, sms: int) -> None:
+        self.config, self.device, self.dtype = config, device, dtype
+        self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
+        self.layers, self.ws, self.plans = layers, ws, plans
+        self.max_context_len, self.sms = max_context_len, sms
+        self.eps = config.rms_norm_eps
+        self.sm_scale = config.head_dim ** -0.5
+        self.k_buffers: list[torch.Tensor] | None = None
+        self.v_buffers: list[torch.Tensor] | None = None
+        self.req_to_token: torch.Tensor | None = None
+
+    def attach_kv_pool(self, kv_pool) -> None:  # type: ignore[no-untyped-def]
+        """``binding.on_kv_pool_ready`` callback: keep the pool's per-layer buffers and ``req_to_token``.
+
+        Raises:
+            ValueError: when the pool's layers, KV heads, head_dim, dtype or device do not match the model.
+        """
+        c = self.config
+        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device.type)
+        got = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device.type)
+        if want != got:
+            raise ValueError(f"KV pool has (layers, kv heads, head_dim, dtype, device) = {got}; nvidia_mega was built "
+                             f"for {want}")
+        self.k_buffers, self.v_buffers = list(kv_pool.k_buffers), list(kv_pool.v_buffers)
+        self.req_to_token = kv_pool.req_to_token
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        """True for a DECODE/VERIFY step of 1..8 tokens, uniform per request, on this device, once the pool exists.
+
+        Host-side checks of shapes only (no device sync), so the dispatcher may call it every step.
+        """
+        if self.k_buffers is None or batch.forward_mode not in MODES:
+            return False
+        t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
+        if not (1 <= t <= MAX_ROWS and b >= 1 and t % b == 0):
+            return False
+        if batch.forward_mode is ForwardMode.DECODE and t != b:
+            return False
+        if batch.tokens_per_req is not None and batch.tokens_per_req != t // b:
+            return False
+        dev = batch.input_ids.device
+        return dev.type == self.device.type and (dev.index is None or self.device.index is None
+                                                 or dev.index == self.device.index)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the step: float32 logits [T, vocab]; writes every layer's K/V at exactly ``batch.out_cache_loc``.
+
+        Raises:
+            ValueError: for a step ``supports`` refuses (names the mode, token count and the fix).
+        """
+        if not self.supports(batch):
+            raise ValueError(
+                f"nvidia_mega serves DECODE/VERIFY steps of 1..{MAX_ROWS} tokens, uniform per request, on "
+                f"{self.device} after the KV pool is attached; got {batch.forward_mode.name} with "
+                f"{batch.num_tokens} tokens for {batch.batch_size} requests: route it to the general path"
+            )
+        assert self.k_buffers is not None and self.v_buffers is not None and self.req_to_token is not None
+        c, ws, plans = self.config, self.ws, self.plans
+        use_pdl = pdl_enabled(self.device)
+        t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
+        rows = t // b
+        splits = plan_splits(b, c.num_key_value_heads, self.max_context_len, c.head_dim, self.sms)
+        x, q, attn = ws.x[:t], ws.q[:t], ws.attn[:t]
+        torch.index_select(self.embed, 0, batch.input_ids, out=x)
+        for i, lw in enumerate(self.layers):
+            qkv_rope(x, lw.input_norm, lw.qkv, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                     q_norm=lw.q_norm, k_norm=lw.k_norm, cos=ws.cos, sin=ws.sin, positions=batch.positions,
+                     out_cache_loc=batch.out_cache_loc, q_out=q, k_buffer=self.k_buffers[i],
+                     v_buffer=self.v_buffers[i], eps=self.eps, plan=plans["qkv"], workspace=ws.qkv_ws,
+                     counters=ws.counters["qkv"], use_pdl=use_pdl)
+            paged_decode_attention(q, self.k_buffers[i], self.v_buffers[i], self.req_to_token,
+                                   batch.req_pool_indices, batch.seq_lens, attn, rows_per_req=rows,
+                                   sm_scale=self.sm_scale, num_splits=splits, o_partial=ws.o_partial,
+                                   lse_partial=ws.lse_partial, use_pdl=use_pdl)
+            small_gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
+                       workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)
+            if lw.is_moe:
+                self._moe(x, lw, use_pdl)
+            else:
+                assert lw.gate_up is not None and lw.down is not None and ws.act is not None
+                act = ws.act[:t]
+                small_gemm(x, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=lw.post_norm,
+                           eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
+                small_gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
+                           workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
+        # A fresh output per step (inside a CUDA graph it comes from the graph's pool), so logits a caller
+        # keeps are never overwritten by the next step.
+        logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
+        return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl)
+
+    def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool) -> None:
+        c = self.config
+        moe_forward(x, x, lw.post_norm, self.eps, lw.router, lw.w13, lw.w2, c.num_experts_per_tok, c.norm_topk_prob,
+                    x, self.ws.moe, pdl=use_pdl)

@@ -1,0 +1,248 @@
+"""Final RMSNorm + LM head (+ fused sampling) for at most 8 rows: one pass over the vocabulary weight.
+
+``logits = rmsnorm(x) * norm_w @ lm_head_w^T`` (HF order: ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``), float32
+accumulation, rounded to the model dtype and widened to float32 as ``F.linear(h, W).float()`` does
+(``lowlat.layers.logits``), so ties resolve like the general path.
+
+Grid ``(ceil(V / BLOCK_V),)``: program p owns vocab rows ``[p*BLOCK_V, (p+1)*BLOCK_V)`` of the weight, streams
+them once (K loop over H, software-pipelined by ``tl.dot`` with the weight as the M operand: "swap AB", so the
+T rows, padded to a power of two ``ROWS_C`` <= 8, are the small N side) and computes that tile's logits for all
+rows. ``ROWS_C`` follows T (one compiled variant per 1, 2, 4, 8) because the sampling epilogue's work scales with
+it. For Qwen3 (V = 151936, H = 2048, bf16, 622 MB) that is 1187 programs of 512 KiB each. Every program
+recomputes the rows' RMS from x (T*H elements from L2) before its loop. Nothing precedes ``gdc_wait``: the first
+weight tiles are issued by the software pipeline right after it. With ``lm_head_sample`` the tile's logits never
+leave the chip unless asked: each program writes a small record and a merge tree of atomic tickets reduces them
+across programs (``sampling.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
+from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace, merge_records, pick_tokens, tile_record
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
+
+ROWS = 8
+
+
+@dataclass(frozen=True)
+class LMHeadConfig:
+    """Launch settings (powers of two). ``block_v`` is used by ``lm_head_logits``; ``lm_head_sample`` takes it
+    from its workspace (the merge tree's shape depends on it)."""
+
+    block_v: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_v", "block_k", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= 1")
+
+
+@triton.jit
+def _lm_head_kernel(
+    x_ptr, norm_w_ptr, w_ptr, logits_ptr,
+    temp_ptr, topk_ptr, topp_ptr, seed_ptr, offset_ptr, tokens_ptr,
+    greedy_ptr, gumbel_ptr, max_ptr, sum_ptr, key_ptr, counters_ptr,
+    n_rows, H, V, n_tiles, eps, stride_x, stride_logits,
+    ROWS_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CAND: tl.constexpr,
+    FAN_IN: tl.constexpr, WRITE_LOGITS: tl.constexpr, SAMPLE: tl.constexpr, FILTER: tl.constexpr,
+    ROUND_LOGITS: tl.constexpr, DOT_F32: tl.constexpr, BITONIC: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = x_ptr.dtype.element_ty
+    rows = tl.arange(0, ROWS_C)
+    row_ok = rows < n_rows
+    offs_v = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+    vmask = offs_v < V
+    w_rows = w_ptr + offs_v[:, None].to(tl.int64) * H
+    gdc_wait(USE_PDL)
+    gdc_launch_dependents(USE_PDL)
+
+    ss = tl.zeros([ROWS_C], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xk = tl.load(x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                     mask=row_ok[:, None] & (offs_k < H)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(xk * xk, axis=1)
+    rstd = tl.rsqrt(ss / H + eps)
+
+    acc = tl.zeros([BLOCK_V, ROWS_C], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < H
+        w = tl.load(w_rows + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + rows[None, :] * stride_x + offs_k[:, None], mask=kmask[:, None] & row_ok[None, :],
+                     other=0.0).to(tl.float32)
+        nw = tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        ht = to_act(nw[:, None] * to_act(xt * rstd[None, :], dtype).to(tl.float32), dtype)
+        acc = dot_acc(w, ht, acc, DOT_F32)
+    if ROUND_LOGITS:
+        acc = to_act(acc, dtype).to(tl.float32)
+    if WRITE_LOGITS:
+        tl.store(logits_ptr + rows[None, :] * stride_logits + offs_v[:, None], acc,
+                 mask=vmask[:, None] & row_ok[None, :])
+
+    if SAMPLE > 0:
+        tile_record(acc, offs_v, vmask, rows, row_ok, pid, temp_ptr, seed_ptr, offset_ptr,
+                    greedy_ptr, gumbel_ptr, max_ptr, sum_ptr, key_ptr, ROWS_C, CAND, SAMPLE, FILTER, BITONIC)
+        # Merge tree: level records lie one after another; the last arriver of each group merges it.
+        node = pid
+        n = n_tiles + pid * 0
+        base = pid * 0
+        cbase = pid * 0
+        active = pid >= 0
+        while (n > 1) & active:
+            group = node // FAN_IN
+            first = group * FAN_IN
+            cnt = tl.minimum(n - first, FAN_IN)
+            n_next = (n + FAN_IN - 1) // FAN_IN
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counters_ptr + cbase + group, 1, sem="acq_rel")
+            active = ticket == cnt - 1
+            if active:
+                tl.atomic_xchg(counters_ptr + cbase + group, 0)
+                merge_records(base + first, cnt, base + n + group, rows, row_ok, temp_ptr,
+                              greedy_ptr, gumbel_ptr, max_ptr, sum_ptr, key_ptr,
+                              ROWS_C, CAND, FAN_IN, SAMPLE, FILTER, BITONIC)
+            base += n
+            cbase += n_next
+            node = group
+            n = n_next
+        if active:
+            tl.debug_barrier()
+            pick_tokens(base, rows, row_ok, V, temp_ptr, topk_ptr, topp_ptr, seed_ptr, offset_ptr, tokens_ptr,
+                        greedy_ptr, gumbel_ptr, max_ptr, sum_ptr, key_ptr, ROWS_C, CAND, SAMPLE, FILTER)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_common(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, pdl: bool) -> None:
+    _check(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with unit stride in H, got {tuple(x.shape)}")
+    t, hidden = x.shape
+    _check(1 <= t <= ROWS, f"x has {t} rows; the LM head kernel serves 1..{ROWS} rows")
+    _check(w.dim() == 2 and w.shape[1] == hidden and w.is_contiguous() and w.dtype == x.dtype,
+           f"lm_head_w must be contiguous [V, H={hidden}] {x.dtype}, got {tuple(w.shape)} {w.dtype}")
+    _check(tuple(norm_w.shape) == (hidden,) and norm_w.is_contiguous(), f"norm_w must be [H={hidden}] contiguous")
+    _check(len({x.device, w.device, norm_w.device}) == 1, "x, norm_w and lm_head_w must be on one device")
+    _check(not pdl or pdl_supported(x.device),
+           "pdl=True needs a CUDA GPU of capability >= 9.0 and no TRITON_INTERPRET; pass pdl=pdl_enabled(device)")
+
+
+def _launch(x, norm_w, w, eps, logits, samp, ws, block_v, cfg, pdl):  # type: ignore[no-untyped-def]
+    t, hidden = x.shape
+    vocab = w.shape[0]
+    n_tiles = triton.cdiv(vocab, block_v)
+    temp, topk, topp, seeds, offsets, tokens = samp if samp is not None else (x,) * 6
+    sample = 0 if samp is None else (1 if samp[0] is None else 2)
+    filt = samp is not None and samp[1] is not None
+    if sample == 1:
+        temp, topk, topp, seeds, offsets = (tokens,) * 5
+    elif not filt:
+        topk, topp = temp, temp
+    bufs = (ws.greedy, ws.gumbel, ws.row_max, ws.row_sum, ws.keys, ws.counters) if ws is not None else (x,) * 6
+    _lm_head_kernel[(n_tiles,)](
+        x, norm_w, w, logits if logits is not None else x,
+        temp, topk, topp, seeds, offsets, tokens, *bufs,
+        t, hidden, vocab, n_tiles, float(eps), x.stride(0), logits.stride(0) if logits is not None else 0,
+        ROWS_C=triton.next_power_of_2(t), BLOCK_V=block_v,
+        BLOCK_K=min(cfg.block_k, max(16, triton.next_power_of_2(hidden))),
+        CAND=ws.candidates if ws is not None else 1, FAN_IN=ws.fan_in if ws is not None else 2,
+        WRITE_LOGITS=logits is not None, SAMPLE=sample, FILTER=filt, ROUND_LOGITS=x.dtype != torch.float32,
+        DOT_F32=x.dtype == torch.float32 or interpreting(), BITONIC=not interpreting(),
+        USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl))
+
+
+def _check_logits(out: torch.Tensor, t: int, vocab: int, device: torch.device) -> None:
+    _check(out.dim() == 2 and tuple(out.shape) == (t, vocab) and out.dtype == torch.float32 and out.stride(1) == 1
+           and out.device == device, f"logits out must be float32 [T={t}, V={vocab}] with unit stride on {device}")
+
+
+def lm_head_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tensor, eps: float, out: torch.Tensor,
+                   *, pdl: bool, config: LMHeadConfig | None = None) -> torch.Tensor:
+    """``out = (rmsnorm(x) * norm_w) @ lm_head_w^T`` as float32 (values rounded to x.dtype first).
+
+    Args:
+        x: [T, H] final hidden states (T <= 8; bf16 or float32), unit stride in H.
+        norm_w: [H] final norm weight. lm_head_w: [V, H] contiguous, x's dtype. eps: RMSNorm epsilon.
+        out: [T, V] float32, unit stride in V (written in full).
+        pdl: launch with programmatic dependent launch (sm90+). config: tile sizes (``LMHeadConfig()``).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: a shape, dtype, stride or device mismatch, T outside [1, 8], or pdl where it cannot run.
+    """
+    cfg = config or LMHeadConfig()
+    _check_common(x, norm_w, lm_head_w, pdl)
+    _check_logits(out, x.shape[0], lm_head_w.shape[0], x.device)
+    _launch(x, norm_w, lm_head_w, eps, out, None, None, cfg.block_v, cfg, pdl)
+    return out
+
+
+def lm_head_sample(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tensor, eps: float,
+                   temperature: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                   seeds: torch.Tensor | None, offsets: torch.Tensor | None, out_tokens: torch.Tensor,
+                   workspace: LMHeadWorkspace, *, pdl: bool, out_logits: torch.Tensor | None = None,
+                   config: LMHeadConfig | None = None) -> torch.Tensor:
+    """Final norm + LM head + sampling in one launch and one pass over ``lm_head_w``; semantics in ``sampling.py``.
+
+    Args:
+        x, norm_w, lm_head_w, eps: as in :func:`lm_head_logits`.
+        temperature: [T] float32, <= 0 means greedy for that row; None: every row greedy (cheapest path).
+        top_k: [T] int32 (<= 0 or >= V: off) and top_p: [T] float32 in (0, 1] (>= 1: off); both None: no filtering
+            (cheaper: no candidate lists). Give both or neither.
+        seeds: [T] int64 Philox seeds; offsets: [T] int64 Philox offsets (token i uses ``offset + i``; advance
+            by >= V per step). Required when ``temperature`` is given.
+        out_tokens: [T] int64, written.
+        workspace: ``LMHeadWorkspace.allocate(max_rows >= T, vocab=V, ...)``; its ``block_v`` sets the tiles.
+        pdl: launch with programmatic dependent launch (sm90+).
+        out_logits: optional [T, V] float32 that also receives the logits.
+        config: ``block_k``, warps and stages (``LMHeadConfig()``).
+
+    Returns:
+        ``out_tokens``.
+
+    Raises:
+        ValueError: a shape, dtype or device mismatch, a missing seed/offset, top_k without top_p (or the
+            reverse), a workspace for another vocabulary or fewer rows, or pdl where it cannot run.
+    """
+    cfg = config or LMHeadConfig()
+    _check_common(x, norm_w, lm_head_w, pdl)
+    t = x.shape[0]
+    vocab = lm_head_w.shape[0]
+    _check(workspace.vocab == vocab and workspace.max_rows >= t,
+           f"workspace was allocated for vocab={workspace.vocab}, max_rows={workspace.max_rows}; "
+           f"this call has V={vocab}, T={t}: allocate LMHeadWorkspace for it")
+    _check(workspace.counters.device == x.device, "workspace must be on x's device")
+    _check((top_k is None) == (top_p is None), "give both top_k and top_p (use 0 and 1.0 to disable) or neither")
+    _check(temperature is not None or top_k is None, "top_k/top_p need a temperature tensor (rows with 0 are greedy)")
+    specs = (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
+             ("top_p", top_p, torch.float32), ("seeds", seeds, torch.int64), ("offsets", offsets, torch.int64),
+             ("out_tokens", out_tokens, torch.int64))
+    for name, v, dt in specs:
+        if v is None:
+            _check(temperature is None or name not in ("seeds", "offsets"),
+                   f"{name} is required when temperature is given")
+            continue
+        _check(tuple(v.shape) == (t,) and v.dtype == dt and v.is_contiguous() and v.device == x.device,
+               f"{name} must be a contiguous [T={t}] {dt} tensor on {x.device}, got {tuple(v.shape)} {v.dtype}")
+    if out_logits is not None:
+        _check_logits(out_logits, t, vocab, x.device)
+    samp = (temperature, top_k, top_p, seeds, offsets, out_tokens)
+    _launch(x, norm_w, lm_head_w, eps, out_logits, samp, workspace, workspace.block_v, cfg, pdl)
+    return out_tokens

@@ -1,0 +1,319 @@
+"""Sparse MoE (Qwen3-MoE) for at most 8 rows per step, in three PDL-chained Triton kernels.
+
+Math (HF ``Qwen3MoeSparseMoeBlock``, ``lowlat.layers.moe``)::
+
+    h   = rmsnorm(x) * norm_w                                  (optional post-attention norm, HF rounding order)
+    p   = softmax(h @ gate_w^T, float32); top-k; / sum when renormalize; cast to x.dtype
+    out = residual + sum_k w_k * down_e(silu(gate_e(h)) * up_e(h))     (e = k-th expert of the row)
+
+Kernels (the routing one is in ``moe_route.py``):
+
+1. ``moe_route_kernel``: norm + router + softmax + top-k + presence bitmap; each selected expert gets a slot, one
+   8-row tile (rows that did not select it have weight 0 and are masked). No sort.
+2. ``_moe_gate_up_kernel``, grid ``(cdiv(I, BLOCK_N), S)`` with ``S = min(E, T * top_k)`` (static for a given T, so
+   CUDA-graph capturable): program (n, s) streams rows ``[n*BLOCK_N, (n+1)*BLOCK_N)`` of the gate and up weights
+   of slot s's expert once, for all rows of the tile at once, and writes ``silu(gate) * up``. Programs whose slot
+   is unused (``s >= num_slots``: padding of the static grid) exit right after ``gdc_wait``. It is launched with
+   PDL, so its programs are resident and waiting while routing finishes.
+3. ``_moe_down_kernel``, grid ``(cdiv(H, BLOCK_N), S)``: before its ``gdc_wait`` a program reads its slot's expert
+   id and loads its [BLOCK_N, I] slice of that expert's down weights into registers (overlapping kernel 2); it
+   then multiplies by the routing weight and writes a float32 partial per (slot, row). The last program to finish
+   an H tile (atomic ticket per tile, self-resetting) sums the row's top-k partials in k order and adds the
+   residual: deterministic (fixed order, no float atomics) and no extra combine kernel.
+
+Why slot-major grids: every selected expert's weights are read exactly once (one tile covers all rows), and at
+batch 1 the 8 experts x 48 (gate/up) or x 128 (down) tiles give several programs per SM, enough memory requests
+in flight to approach the copy bandwidth; an (E, N) grid would launch 16x more programs that mostly exit.
+
+PDL ordering: kernel 2 issues ``gdc_launch_dependents`` only after its own ``gdc_wait`` returned, i.e. after the
+routing kernel completed; that is what makes kernel 3's pre-wait reads of the routing (``.cg``, bypassing L1)
+safe. Precision: accumulation in float32; gate, up, silu and the expert output are rounded to the activation dtype
+as HF's bf16 modules do; the weighted sum over experts and the residual add stay in float32 and are rounded once
+(HF accumulates them in bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+import triton
+import triton.language as tl
+
+from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    """Tile sizes and launch settings (powers of two, except ``route_programs``: the number of router programs
+    to aim for). Defaults aim at Qwen3-30B-A3B shapes on an H200; ``bench_moe_head.py --sweep`` tries others."""
+
+    gate_up_block_n: int = 16
+    gate_up_block_k: int = 256
+    gate_up_warps: int = 4
+    gate_up_stages: int = 4
+    down_block_n: int = 16
+    down_warps: int = 4
+    route_warps: int = 4
+    route_programs: int = 32
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "route_programs":
+                continue
+            v = getattr(self, f.name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"MoEKernelConfig.{f.name}={v} must be a power of two >= 1")
+        if self.down_block_n < 8:
+            raise ValueError(f"down_block_n={self.down_block_n} must be >= 8 (the workspace counts H/8 tiles)")
+
+
+@dataclass(frozen=True)
+class MoEWorkspace:
+    """Scratch tensors of :func:`moe_forward`, allocated once (CUDA-graph safe: fixed addresses).
+
+    Rows are padded to 8 (``ROWS``); ``S = min(num_experts, max_rows * top_k)`` slots. Tensors:
+    ``h`` [8, H] dtype (normalized input), ``logits`` [8, E] f32, ``topk_ids`` [8, top_k] int32,
+    ``topk_weights`` [8, top_k] f32, ``row_slot`` [8, top_k] int32, ``slot_expert`` [S] int32,
+    ``slot_weight`` [S, 8] f32, ``num_slots`` [1] int32, ``bitmap`` [max(1, next_pow2(E) / 32)] int32 (bit e%32 of
+    word e//32 set when expert e is selected by any row), ``act`` [S, 8, I] dtype, ``partial`` [S, 8, H] f32,
+    ``counters`` [1 + ceil(H/8)] int32 (zero between launches; every kernel resets what it used).
+    """
+
+    max_rows: int
+    hidden: int
+    inter: int
+    num_experts: int
+    top_k: int
+    dtype: torch.dtype
+    h: torch.Tensor
+    logits: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    row_slot: torch.Tensor
+    slot_expert: torch.Tensor
+    slot_weight: torch.Tensor
+    num_slots: torch.Tensor
+    bitmap: torch.Tensor
+    act: torch.Tensor
+    partial: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_rows: int, hidden: int, inter: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 device: torch.device | str, alloc: Callable[..., torch.Tensor] = torch.empty) -> MoEWorkspace:
+        """Allocate with ``alloc(shape, dtype=..., device=...)`` (``torch.empty`` or an accounted equivalent).
+
+        Raises:
+            ValueError: ``max_rows`` not in [1, 8], ``top_k`` not in [1, num_experts], or a size < 1.
+        """
+        if not 1 <= max_rows <= ROWS:
+            raise ValueError(f"max_rows={max_rows} must be in [1, {ROWS}]: these kernels serve at most {ROWS} rows")
+        if min(hidden, inter, num_experts) < 1 or not 1 <= top_k <= num_experts:
+            raise ValueError(f"bad MoE sizes hidden={hidden} inter={inter} num_experts={num_experts} top_k={top_k}")
+        slots = min(num_experts, max_rows * top_k)
+        words = triton.next_power_of_2(num_experts) // min(32, triton.next_power_of_2(num_experts))
+        f32, i32 = torch.float32, torch.int32
+
+        def new(shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return alloc(shape, dtype=dt, device=device)
+
+        counters = new((1 + triton.cdiv(hidden, 8),), i32)
+        counters.zero_()
+        return cls(max_rows, hidden, inter, num_experts, top_k, dtype,
+                   h=new((ROWS, hidden), dtype), logits=new((ROWS, num_experts), f32),
+                   topk_ids=new((ROWS, top_k), i32), topk_weights=new((ROWS, top_k), f32),
+                   row_slot=new((ROWS, top_k), i32), slot_expert=new((slots,), i32),
+                   slot_weight=new((slots, ROWS), f32), num_slots=new((1,), i32), bitmap=new((words,), i32),
+                   act=new((slots, ROWS, inter), dtype), partial=new((slots, ROWS, hidden), f32),
+                   counters=counters)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the workspace tensors."""
+        tensors = (getattr(self, f.name) for f in fields(self))
+        return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    h_ptr, w13_ptr, act_ptr, slot_expert_ptr, slot_weight_ptr, num_slots_ptr,
+    n_rows, H, INTER,
+    ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    dtype = act_ptr.dtype.element_ty
+    gdc_wait(USE_PDL)
+    gdc_launch_dependents(USE_PDL)  # after the wait on purpose: see the module docstring
+    num = tl.load(num_slots_ptr)
+    if slot < num:
+        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+        rows = tl.arange(0, ROWS_C)
+        wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows)
+        rmask = (wrow != 0.0) & (rows < n_rows)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < INTER
+        gate_ptr = w13_ptr + e * (2 * INTER * H) + offs_n[:, None] * H
+        up_ptr = gate_ptr + INTER * H
+        acc_g = tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < H
+            wmask = nmask[:, None] & kmask[None, :]
+            wg = tl.load(gate_ptr + offs_k[None, :], mask=wmask, other=0.0)
+            wu = tl.load(up_ptr + offs_k[None, :], mask=wmask, other=0.0)
+            h_t = tl.load(h_ptr + rows[None, :] * H + offs_k[:, None], mask=kmask[:, None] & rmask[None, :],
+                          other=0.0)
+            acc_g = dot_acc(wg, h_t, acc_g, DOT_F32)
+            acc_u = dot_acc(wu, h_t, acc_u, DOT_F32)
+        g = to_act(acc_g, dtype).to(tl.float32)
+        u = to_act(acc_u, dtype).to(tl.float32)
+        a = to_act(g * tl.sigmoid(g), dtype).to(tl.float32) * u
+        tl.store(act_ptr + (slot * ROWS_C + rows[None, :]) * INTER + offs_n[:, None], to_act(a, dtype),
+                 mask=nmask[:, None])
+
+
+@triton.jit
+def _moe_down_kernel(
+    act_ptr, w2_ptr, partial_ptr, out_ptr, residual_ptr,
+    slot_expert_ptr, slot_weight_ptr, num_slots_ptr, row_slot_ptr, counters_ptr,
+    n_rows, H, INTER, stride_out, stride_res,
+    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    I_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.arange(0, ROWS_C)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    offs_i = tl.arange(0, I_PAD)
+    imask = offs_i < INTER
+    # Pre-wait: the routing (written by the kernel before the previous one, complete once the previous kernel
+    # released us) and this slot's down weights.
+    num = tl.load(num_slots_ptr, cache_modifier=".cg")
+    active = slot < num
+    e = tl.load(slot_expert_ptr + slot, mask=active, other=0, cache_modifier=".cg").to(tl.int64)
+    n_lim = tl.where(active, H, 0)  # (a scalar & tensor mask breaks the interpreter; limit the range instead)
+    w = tl.load(w2_ptr + e * (H * INTER) + offs_n[:, None] * INTER + offs_i[None, :],
+                mask=(offs_n < n_lim)[:, None] & imask[None, :], other=0.0)
+    gdc_wait(USE_PDL)
+    gdc_launch_dependents(USE_PDL)
+    if active:
+        wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows)
+        rmask = (wrow != 0.0) & (rows < n_rows)
+        a_t = tl.load(act_ptr + (slot * ROWS_C + rows[None, :]) * INTER + offs_i[:, None],
+                      mask=imask[:, None] & rmask[None, :], other=0.0)
+        d = dot_acc(w, a_t, tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32), DOT_F32)
+        d = to_act(d, dtype).to(tl.float32) * wrow[None, :]
+        tl.store(partial_ptr + (slot * ROWS_C + rows[None, :]) * H + offs_n[:, None], d, mask=nmask[:, None])
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == num - 1:
+            tl.atomic_xchg(counters_ptr + pid_n, 0)
+            kk = tl.arange(0, TOPK_PAD)
+            row_ok = rows < n_rows
+            rk_mask = row_ok[:, None] & (kk < TOP_K)[None, :]
+            rs = tl.load(row_slot_ptr + rows[:, None] * TOP_K + kk[None, :], mask=rk_mask, other=0)
+            parts = tl.load(partial_ptr + (rs[:, :, None] * ROWS_C + rows[:, None, None]) * H
+                            + offs_n[None, None, :],
+                            mask=rk_mask[:, :, None] & nmask[None, None, :], other=0.0, cache_modifier=".cg")
+            acc = tl.sum(parts, axis=1)
+            omask = row_ok[:, None] & nmask[None, :]
+            if HAS_RESIDUAL:
+                acc += tl.load(residual_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=omask,
+                               other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], to_act(acc, dtype), mask=omask)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws) -> None:  # type: ignore[no-untyped-def]
+    _check(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with unit stride in H, got {tuple(x.shape)}")
+    t, hidden = x.shape
+    _check(1 <= t <= ws.max_rows, f"x has {t} rows; this workspace serves 1..{ws.max_rows} rows (allocate more)")
+    e, inter = ws.num_experts, ws.inter
+    _check((hidden, top_k) == (ws.hidden, ws.top_k) and x.dtype == ws.dtype,
+           f"x {tuple(x.shape)} {x.dtype} / top_k={top_k} do not match the workspace (H={ws.hidden}, "
+           f"top_k={ws.top_k}, {ws.dtype}); allocate the workspace for this layer's sizes")
+    for name, w, shape in (("gate_w", gate_w, (e, hidden)), ("w13", w13, (e, 2 * inter, hidden)),
+                           ("w2", w2, (e, hidden, inter))):
+        _check(tuple(w.shape) == shape and w.is_contiguous() and w.dtype == x.dtype,
+               f"{name} must be contiguous {shape} {x.dtype}, got {tuple(w.shape)} {w.dtype}")
+    _check(norm_w is None or (tuple(norm_w.shape) == (hidden,) and norm_w.is_contiguous()),
+           f"norm_w must be [H={hidden}] contiguous or None")
+    for name, y in (("out", out), ("residual", residual)):
+        _check(y is None or (tuple(y.shape) == (t, hidden) and y.stride(1) == 1 and y.dtype == x.dtype),
+               f"{name} must be [T={t}, H={hidden}] {x.dtype} with unit stride in H")
+    devs = {y.device for y in (x, residual, norm_w, gate_w, w13, w2, out, ws.h) if y is not None}
+    _check(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
+
+
+def moe_forward(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float,
+                gate_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+                out: torch.Tensor, workspace: MoEWorkspace, *, pdl: bool,
+                config: MoEKernelConfig | None = None) -> torch.Tensor:
+    """``out = residual + MoE(rmsnorm(x) * norm_w)`` for T <= 8 rows, in three PDL-chained launches.
+
+    Args:
+        x: [T, H] activations (bf16 or float32; the model dtype), unit stride in H.
+        residual: [T, H] like x, or None (then ``out = MoE(h)``). May be the same tensor as ``out`` or ``x``.
+        norm_w: [H] post-attention RMSNorm weight, or None when x is already normalized (then h = x).
+        eps: RMSNorm epsilon.
+        gate_w: [E, H] router weight. w13: [E, 2I, H] gate rows then up rows. w2: [E, H, I]. All contiguous.
+        top_k: experts per row; renormalize: divide the k weights by their sum (``norm_topk_prob``).
+        out: [T, H] like x, written in full.
+        workspace: from ``MoEWorkspace.allocate`` with these sizes and ``max_rows >= T``.
+        pdl: launch with programmatic dependent launch (needs sm90+; pass ``pdl_enabled(device)``).
+        config: tile sizes (default ``MoEKernelConfig()``).
+
+    Returns:
+        ``out``. After the call the workspace also holds the routing (``topk_ids``, ``topk_weights``, ``bitmap``,
+        ``num_slots``, ...) for inspection.
+
+    Raises:
+        ValueError: a shape, dtype, stride or device does not match, T is outside [1, max_rows], or ``pdl=True``
+            where PDL cannot run (CPU, the Triton interpreter, GPUs before sm90).
+    """
+    cfg = config or MoEKernelConfig()
+    ws = workspace
+    _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws)
+    _check(not pdl or pdl_supported(x.device),
+           "pdl=True needs a CUDA GPU of capability >= 9.0 and no TRITON_INTERPRET; pass pdl=pdl_enabled(device)")
+    t, hidden = x.shape
+    e, inter = ws.num_experts, ws.inter
+    slots = min(e, t * top_k)
+    dot_f32 = x.dtype == torch.float32 or interpreting()  # exact fp32 products; the interpreter's bf16 dot is wrong
+    kw = launch_kwargs(pdl)
+    rp = route_launch_params(hidden, e, top_k, cfg.route_programs)
+    moe_route_kernel[(rp["grid"],)](
+        x, norm_w if norm_w is not None else x, gate_w,
+        ws.h, ws.logits, ws.topk_ids, ws.topk_weights, ws.row_slot,
+        ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
+        t, hidden, e, float(eps), x.stride(0),
+        TOP_K=top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"], H_PAD=rp["H_PAD"],
+        ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=norm_w is not None, RENORM=bool(renormalize), USE_PDL=pdl,
+        num_warps=cfg.route_warps, **kw)
+    _moe_gate_up_kernel[(triton.cdiv(inter, cfg.gate_up_block_n), slots)](
+        ws.h, w13, ws.act, ws.slot_expert, ws.slot_weight, ws.num_slots,
+        t, hidden, inter,
+        ROWS_C=ROWS, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=min(cfg.gate_up_block_k, triton.next_power_of_2(hidden)),
+        DOT_F32=dot_f32, USE_PDL=pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **kw)
+    res = residual if residual is not None else out
+    _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), slots)](
+        ws.act, w2, ws.partial, out, res,
+        ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
+        t, hidden, inter, out.stride(0), res.stride(0),
+        TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), ROWS_C=ROWS, BLOCK_N=cfg.down_block_n,
+        I_PAD=triton.next_power_of_2(inter), HAS_RESIDUAL=residual is not None, DOT_F32=dot_f32, USE_PDL=pdl,
+        num_warps=cfg.down_warps, **kw)
+    return out

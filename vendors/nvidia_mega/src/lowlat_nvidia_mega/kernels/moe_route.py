@@ -1,0 +1,158 @@
+"""MoE routing for at most 8 rows in one kernel: post-attention RMSNorm, router GEMV, float32 softmax, top-k,
+renormalization, expert presence bitmap and per-expert 8-row tiles.
+
+Routing semantics are HF ``Qwen3MoeSparseMoeBlock`` (and ``lowlat.layers.moe.route``): router logits are computed
+in the activation dtype (``F.linear`` output, then rounded), ``softmax`` over all experts in float32, ``topk``,
+division by the sum of the k weights when ``renormalize`` (``norm_topk_prob``), and a cast of the weights to the
+activation dtype. Among equal probabilities the lower expert index wins (first-occurrence order).
+
+One launch, grid ``(cdiv(E, E_BLOCK),)``:
+
+1. Before ``gdc_wait`` (PDL) every program loads its ``E_BLOCK`` router rows ([E_BLOCK, H], weights only).
+2. After the wait it normalizes every row (``h = w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``; program 0 also stores
+   ``h`` for the expert GEMMs) and writes its block of router logits.
+3. The last program to arrive (an atomic ticket, the CUDA "threadFenceReduction" pattern; the ticket resets itself
+   for the next launch) computes softmax and top-k over all ``E`` logits, marks each selected expert in a presence
+   mask, and gives every present expert a compact slot = the population count of present experts below it
+   (an exclusive prefix sum; no sort). A slot is one tile of all (at most 8) rows: ``slot_weight[slot, r]`` is
+   row r's routing weight for that expert, 0 for a row that did not select it. It also writes the presence bitmap
+   (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the combine), the
+   top-k ids and weights, and the number of slots.
+
+Memory ordering of the ticket: each program's stores, then a CTA barrier, then an ``acq_rel`` atomic (release for
+the stores, acquire for the last program's loads, which bypass L1 with ``.cg``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait
+from lowlat_nvidia_mega.kernels.small_gemm import to_act
+
+ROWS = 8  # every MoE kernel is specialized for at most 8 rows
+
+
+@triton.jit
+def moe_route_kernel(
+    x_ptr, norm_w_ptr, gate_w_ptr,
+    h_ptr, logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr,
+    slot_expert_ptr, slot_weight_ptr, num_slots_ptr, bitmap_ptr, counter_ptr,
+    n_rows, H, E, eps, stride_x,
+    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
+    H_PAD: tl.constexpr, ROWS_C: tl.constexpr, BITS: tl.constexpr,
+    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    dtype = h_ptr.dtype.element_ty
+    offs_h = tl.arange(0, H_PAD)
+    mask_h = offs_h < H
+    offs_e = pid * E_BLOCK + tl.arange(0, E_BLOCK)
+    mask_e = offs_e < E
+    # Pre-wait: the router rows are weights, written by no kernel of the step.
+    wg = tl.load(gate_w_ptr + offs_e[:, None].to(tl.int64) * H + offs_h[None, :],
+                 mask=mask_e[:, None] & mask_h[None, :], other=0.0)
+    if HAS_NORM:
+        nw = tl.load(norm_w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    gdc_wait(USE_PDL)
+    gdc_launch_dependents(USE_PDL)
+
+    for r in range(n_rows):
+        x = tl.load(x_ptr + r * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+            h = to_act(nw * to_act(x * rstd, dtype).to(tl.float32), dtype)
+        else:
+            h = to_act(x, dtype)
+        if pid == 0:
+            tl.store(h_ptr + r * H + offs_h, h, mask=mask_h)
+        logit = to_act(tl.sum(wg.to(tl.float32) * h.to(tl.float32)[None, :], axis=1), dtype)
+        logit = logit.to(tl.float32)
+        tl.store(logits_ptr + r * E + offs_e, logit, mask=mask_e)
+
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        tl.atomic_xchg(counter_ptr, 0)
+        _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
+                        num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
+                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, BITS, RENORM)
+
+
+@triton.jit
+def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
+                    num_slots_ptr, bitmap_ptr, n_rows, E, dtype: tl.constexpr,
+                    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS_C: tl.constexpr,
+                    BITS: tl.constexpr, RENORM: tl.constexpr):
+    rows = tl.arange(0, ROWS_C)
+    ee = tl.arange(0, E_PAD)
+    kk = tl.arange(0, TOPK_PAD)
+    row_ok = rows < n_rows
+    valid = row_ok[:, None] & (ee < E)[None, :]
+    lg = tl.load(logits_ptr + rows[:, None] * E + ee[None, :], mask=valid, other=float("-inf"),
+                 cache_modifier=".cg")
+    mx = tl.where(row_ok, tl.max(lg, axis=1), 0.0)
+    p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
+    work = tl.where(valid, p, -1.0)
+
+    sel = tl.zeros([ROWS_C, E_PAD], dtype=tl.int32)
+    sel_w = tl.zeros([ROWS_C, E_PAD], dtype=tl.float32)
+    ids = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.int32)
+    wts = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(work, axis=1)
+        idx = tl.min(tl.where(work == best[:, None], ee[None, :], E_PAD), axis=1)
+        hit = ee[None, :] == idx[:, None]
+        sel = tl.where(hit, 1, sel)
+        sel_w = tl.where(hit, p, sel_w)
+        ids = tl.where(kk[None, :] == k, idx[:, None], ids)
+        wts = tl.where(kk[None, :] == k, best[:, None], wts)
+        work = tl.where(hit, -2.0, work)
+    if RENORM:
+        denom = tl.where(row_ok, tl.sum(wts, axis=1), 1.0)
+        wts = wts / denom[:, None]
+        sel_w = sel_w / denom[:, None]
+    # HF casts the routing weights to the activation dtype.
+    wts = to_act(wts, dtype).to(tl.float32)
+    sel_w = tl.where(row_ok[:, None], to_act(sel_w, dtype).to(tl.float32), 0.0)
+    sel = tl.where(row_ok[:, None], sel, 0)
+
+    present = tl.max(sel, axis=0)  # [E_PAD] 0/1
+    slot_of = tl.cumsum(present, axis=0) - 1  # population count of present experts below e
+    num = tl.sum(present, axis=0)
+    tl.store(num_slots_ptr, num)
+    is_present = present > 0
+    tl.store(slot_expert_ptr + slot_of, ee, mask=is_present)
+    tl.store(slot_weight_ptr + slot_of[None, :] * ROWS_C + rows[:, None], sel_w, mask=is_present[None, :])
+    bits = tl.reshape(present, [E_PAD // BITS, BITS]) << tl.arange(0, BITS)[None, :]
+    words = tl.sum(bits, axis=1)  # distinct powers of two: the sum is the bitwise OR
+    tl.store(bitmap_ptr + tl.arange(0, E_PAD // BITS), words)
+
+    slot_rk = tl.sum(tl.where(ids[:, :, None] == ee[None, None, :], slot_of[None, None, :], 0), axis=2)
+    out_mask = row_ok[:, None] & (kk < TOP_K)[None, :]
+    out_offs = rows[:, None] * TOP_K + kk[None, :]
+    tl.store(topk_ids_ptr + out_offs, ids, mask=out_mask)
+    tl.store(topk_w_ptr + out_offs, wts, mask=out_mask)
+    tl.store(row_slot_ptr + out_offs, slot_rk, mask=out_mask)
+
+
+def route_launch_params(hidden: int, num_experts: int, top_k: int, programs: int) -> dict[str, int]:
+    """Compile-time sizes and grid of :func:`moe_route_kernel` for these model sizes.
+
+    ``E_BLOCK`` router rows per program, a power of two giving about ``programs`` programs: with 32 programs for
+    128 experts the 0.5 MiB router matrix of Qwen3-30B-A3B is read by many SMs at once (one SM alone would take
+    several microseconds).
+    """
+    e_pad = triton.next_power_of_2(num_experts)
+    e_block = max(1, min(e_pad, triton.next_power_of_2(triton.cdiv(num_experts, max(1, programs)))))
+    return {
+        "E_BLOCK": e_block,
+        "E_PAD": e_pad,
+        "H_PAD": triton.next_power_of_2(hidden),
+        "TOP_K": top_k,
+        "TOPK_PAD": triton.next_power_of_2(top_k),
+        "BITS": min(32, e_pad),
+        "grid": triton.cdiv(num_experts, e_block),
+    }

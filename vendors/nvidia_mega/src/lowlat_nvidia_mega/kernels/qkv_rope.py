@@ -1,0 +1,280 @@
+"""Fused attention input: RMSNorm -> QKV GEMM -> (Qwen3) q/k RMSNorm -> RoPE -> KV-cache write, one kernel.
+
+    h = rmsnorm(x) * w_in                              (prologue, HF order; see small_gemm.py)
+    [q | k | v] = h @ Wqkv^T                           (Wqkv rows: Hq q heads, Hkv k heads, Hkv v heads, D each)
+    q, k = rmsnorm_head(q) * q_norm, ... * k_norm     (Qwen3 only, per head over D)
+    q, k = q * cos + rotate_half(q) * sin              (RoPE, neox / HF ``rotate_half`` style)
+    q -> q_out[t, head];  k, v -> k_buffer / v_buffer[out_cache_loc[t], kv_head]
+
+One program owns one head (D output columns), computed as two half-head accumulators (columns [0, D/2) and
+[D/2, D)), so ``rotate_half`` is a swap of the two halves and the per-head norm is a reduction over both:
+no cross-lane shuffles. Split-K over H (when heads alone give too few programs) uses the deterministic
+last-arriver reduction of ``small_gemm.py``; the epilogue (norm, RoPE, stores) runs in that last program.
+
+RoPE rounds like the general path (``lowlat.layers.rotary``): cos/sin cast to the model dtype, each product and the
+sum rounded to it (no-ops for fp32 models).
+PDL: the first ``PRE_K`` columns of both half-head weight tiles are loaded before ``gdc_wait``; nothing is
+written before it (see pdl.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from lowlat.layers.rotary import rope_inv_freq
+
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.small_gemm import (
+    BLOCK_M,
+    MAX_ROWS,
+    GemmPlan,
+    default_block_k,
+    dot_acc,
+    dot_in_f32,
+    load_rows,
+    load_tile,
+    pre_wait_k,
+    rnd,
+    row_rstd,
+    to_act,
+)
+
+
+@triton.jit
+def _qkv_epilogue(
+    lo, hi, head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr, kn_ptr,
+    q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+):
+    dt = q_ptr.dtype.element_ty
+    lo = rnd(lo, dt)  # the projection's output is rounded, as in the unfused path
+    hi = rnd(hi, dt)
+    mask = m_mask[:, None]
+    loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    if head < HQ + HKV:
+        if HAS_QK_NORM:
+            if head < HQ:
+                nw_ptr = qn_ptr
+            else:
+                nw_ptr = kn_ptr
+            ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
+            r = 1.0 / tl.sqrt(ss / (2 * HALF) + eps)
+            w_lo = tl.load(nw_ptr + offs_h).to(tl.float32)
+            w_hi = tl.load(nw_ptr + HALF + offs_h).to(tl.float32)
+            lo = rnd(w_lo[None, :] * rnd(lo * r[:, None], dt), dt)
+            hi = rnd(w_hi[None, :] * rnd(hi * r[:, None], dt), dt)
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # memory safety; the engine keeps pos < max_pos
+        # cos/sin cast to the activation dtype and every product rounded, as lowlat.layers.rotary does in torch.
+        cs = rnd(tl.load(cos_ptr + pos[:, None] * HALF + offs_h[None, :]), dt)
+        sn = rnd(tl.load(sin_ptr + pos[:, None] * HALF + offs_h[None, :]), dt)
+        out_lo = to_act(rnd(lo * cs, dt) + rnd(-hi * sn, dt), dt)
+        out_hi = to_act(rnd(hi * cs, dt) + rnd(lo * sn, dt), dt)
+        if head < HQ:
+            dst = q_ptr + offs_m[:, None] * stride_qt + head * (2 * HALF) + offs_h[None, :]
+        else:
+            dst = k_ptr + loc[:, None] * stride_ks + (head - HQ) * (2 * HALF) + offs_h[None, :]
+        tl.store(dst, out_lo, mask=mask)
+        tl.store(dst + HALF, out_hi, mask=mask)
+    else:
+        dst = v_ptr + loc[:, None] * stride_ks + (head - HQ - HKV) * (2 * HALF) + offs_h[None, :]
+        tl.store(dst, to_act(lo, dt), mask=mask)
+        tl.store(dst + HALF, to_act(hi, dt), mask=mask)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    x_ptr, stride_xm, w_ptr, stride_wn, nw_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, max_pos, pos_ptr, loc_ptr,
+    q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, ws_ptr, cnt_ptr,
+    T, K, K_PER_SPLIT, eps,
+    NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    head = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < T
+    offs_h = tl.arange(0, HALF)
+    all_h = offs_h < HALF
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    ks = k_start + tl.arange(0, PRE_K)
+    k_mask = ks < k_end
+    w_lo = w_ptr + (head * (2 * HALF) + offs_h)[:, None] * stride_wn
+    w_hi = w_lo + HALF * stride_wn
+    wl0 = load_tile(w_lo + ks[None, :], all_h, k_mask, EVEN_K)  # weights: safe before the wait
+    wh0 = load_tile(w_hi + ks[None, :], all_h, k_mask, EVEN_K)
+    gdc_launch_dependents(USE_PDL)
+    gdc_wait(USE_PDL)
+
+    rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
+    xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)
+    lo = dot_acc(xk, tl.trans(wl0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
+    hi = dot_acc(xk, tl.trans(wh0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
+    for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
+        kl = k0 + tl.arange(0, BLOCK_K)
+        kl_mask = kl < k_end
+        wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
+        wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
+        xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
+        lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)
+        hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
+
+    if SPLIT_K == 1:
+        _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr,
+                      kn_ptr, q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
+    else:
+        # Partials: ws[split, row, head * D + col] fp32; the last arriver sums them in split order.
+        NCOL: tl.constexpr = (HQ + 2 * HKV) * 2 * HALF
+        tile = offs_m[:, None] * NCOL + head * (2 * HALF) + offs_h[None, :]
+        pmask = m_mask[:, None]
+        tl.store(ws_ptr + pid_k * T * NCOL + tile, lo, mask=pmask)
+        tl.store(ws_ptr + pid_k * T * NCOL + tile + HALF, hi, mask=pmask)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tl.debug_barrier()
+            lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+            hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                lo += tl.load(ws_ptr + s * T * NCOL + tile, mask=pmask, other=0.0, cache_modifier=".cg")
+                hi += tl.load(ws_ptr + s * T * NCOL + tile + HALF, mask=pmask, other=0.0, cache_modifier=".cg")
+            _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr,
+                          kn_ptr, q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
+            tl.atomic_xchg(cnt_ptr + head, 0)
+
+
+def plan_qkv(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype, sms: int,
+             *, split_k: int | None = None, block_k: int | None = None) -> GemmPlan:
+    """Tiles for the fused QKV kernel: one program per head, split-K until ~1.75 x ``sms`` programs.
+
+    ``block_n`` of the plan is the head dim. ``split_k`` and ``block_k`` override the heuristic.
+    """
+    heads = num_heads + 2 * num_kv_heads
+    bk = block_k or default_block_k(hidden, dtype)
+    target = max(1, (7 * sms) // 4)
+    s = 1
+    if split_k is None:
+        while heads * s < target and hidden // (2 * s) >= 2 * bk:
+            s *= 2
+    else:
+        s = split_k
+    kps = triton.cdiv(triton.cdiv(hidden, s), bk) * bk
+    s = triton.cdiv(hidden, kps)
+    iters = kps // bk
+    return GemmPlan(block_n=head_dim, block_k=bk, split_k=s, k_per_split=kps, num_warps=4,
+                    num_stages=2 if iters <= 2 else 3, pre_k=pre_wait_k(hidden, kps, bk, head_dim))
+
+
+def qkv_workspace_numel(plan: GemmPlan, num_heads: int, num_kv_heads: int, head_dim: int,
+                        rows: int = MAX_ROWS) -> int:
+    """fp32 elements of split-K partials the fused QKV kernel needs (0 without split-K)."""
+    return 0 if plan.split_k == 1 else plan.split_k * rows * (num_heads + 2 * num_kv_heads) * head_dim
+
+
+def qkv_rope(
+    x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    positions: torch.Tensor, out_cache_loc: torch.Tensor, q_out: torch.Tensor, k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor, eps: float, plan: GemmPlan, workspace: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None, use_pdl: bool | None = None,
+) -> torch.Tensor:
+    """Launch the fused norm + QKV + q/k-norm + RoPE + KV-write kernel.
+
+    Args:
+        x: [T, H] residual stream (T in 1..8), unit stride along H.
+        norm_weight: [H] input_layernorm weight.
+        w_qkv: [(Hq + 2*Hkv) * D, H] contiguous; rows q heads, then k heads, then v heads.
+        num_heads, num_kv_heads: Hq and Hkv.
+        q_norm, k_norm: [D] Qwen3 per-head norm weights, both or neither.
+        cos, sin: [max_pos, D/2] fp32 RoPE tables (``rope_cache.rope_cos_sin``).
+        positions: [T] integer positions; out_cache_loc: [T] integer KV slots.
+        q_out: [T, Hq * D] (or [T, Hq, D]) output, rows contiguous.
+        k_buffer, v_buffer: [num_slots, Hkv, D] contiguous, the layer's KV-pool buffers; only rows
+            ``out_cache_loc`` are written.
+        eps: RMSNorm epsilon (shared by input norm and q/k norm, as in HF).
+        plan: from ``plan_qkv``; workspace / counters as for ``small_gemm`` when ``plan.split_k > 1``.
+    Returns:
+        ``q_out``.
+    Raises:
+        ValueError: on a shape, stride, dtype or device mismatch.
+    """
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
+    t, hidden = x.shape
+    d = k_buffer.shape[-1]
+    if not 1 <= t <= MAX_ROWS:
+        raise ValueError(f"qkv_rope serves 1..{MAX_ROWS} rows, got {t}")
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two, got {d}")
+    if plan.block_n != d:
+        raise ValueError(f"plan is for head_dim {plan.block_n}, the KV buffers have {d}; build it with plan_qkv")
+    nq = (num_heads + 2 * num_kv_heads) * d
+    if w_qkv.shape != (nq, hidden) or not w_qkv.is_contiguous():
+        raise ValueError(f"w_qkv must be contiguous [{nq}, {hidden}], got {tuple(w_qkv.shape)}")
+    for name, buf in (("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if buf.dim() != 3 or buf.shape[1:] != (num_kv_heads, d) or not buf.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [num_slots, {num_kv_heads}, {d}], got {tuple(buf.shape)}")
+    if v_buffer.shape != k_buffer.shape:
+        raise ValueError("k_buffer and v_buffer must have the same shape")
+    q2 = q_out.reshape(t, -1) if q_out.is_contiguous() else q_out
+    if q2.shape != (t, num_heads * d) or q2.stride(1) != 1:
+        raise ValueError(f"q_out must be [{t}, {num_heads * d}] with unit column stride, got {tuple(q_out.shape)}")
+    for name, tns in (("norm_weight", norm_weight), ("w_qkv", w_qkv), ("q_out", q_out), ("k_buffer", k_buffer),
+                      ("v_buffer", v_buffer)):
+        if tns.dtype != x.dtype or tns.device != x.device:
+            raise ValueError(f"{name} is {tns.dtype} on {tns.device}; x is {x.dtype} on {x.device}")
+    if norm_weight.shape != (hidden,):
+        raise ValueError(f"norm_weight must be [{hidden}], got {tuple(norm_weight.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("pass both q_norm and k_norm (Qwen3) or neither (Llama)")
+    if q_norm is not None and (q_norm.shape != (d,) or k_norm.shape != (d,)):
+        raise ValueError(f"q_norm and k_norm must be [{d}]")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2 or cos.dtype != torch.float32 \
+            or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError(f"cos and sin must be contiguous fp32 [max_pos, {d // 2}], got {tuple(cos.shape)} {cos.dtype}")
+    for name, idx in (("positions", positions), ("out_cache_loc", out_cache_loc)):
+        if idx.shape != (t,) or idx.dtype not in (torch.int32, torch.int64) or idx.device != x.device:
+            raise ValueError(f"{name} must be an int32/int64 [{t}] tensor on {x.device}, got {tuple(idx.shape)} "
+                             f"{idx.dtype}")
+    if plan.split_k > 1:
+        need = qkv_workspace_numel(plan, num_heads, num_kv_heads, d, rows=t)
+        if workspace is None or workspace.dtype != torch.float32 or workspace.numel() < need:
+            raise ValueError(f"split-K={plan.split_k} needs an fp32 workspace of >= {need} elements")
+        if counters is None or counters.dtype != torch.int32 or counters.numel() < num_heads + 2 * num_kv_heads:
+            raise ValueError(f"split-K needs int32 zero counters of >= {num_heads + 2 * num_kv_heads} elements")
+    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    qn = q_norm if q_norm is not None else norm_weight
+    kn = k_norm if k_norm is not None else norm_weight
+    grid = (num_heads + 2 * num_kv_heads, plan.split_k)
+    _qkv_rope_kernel[grid](
+        x, x.stride(0), w_qkv, w_qkv.stride(0), norm_weight, qn, kn, cos, sin, cos.shape[0], positions,
+        out_cache_loc, q2, q2.stride(0), k_buffer, v_buffer, k_buffer.stride(0),
+        workspace if workspace is not None else cos, counters if counters is not None else cos,
+        t, hidden, plan.k_per_split, eps,
+        NORM_K=hidden, RSTD_BLOCK=min(triton.next_power_of_2(hidden), 512), PRE_K=plan.pre_k,
+        HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
+        EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
+        BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
+    )
+    return q_out
+
+
+def rope_cos_sin(head_dim: int, rope_theta: float, max_pos: int, rope_scaling: dict | None,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``cos, sin`` tables [max_pos, head_dim / 2] for positions 0..max_pos-1.
+
+    The first half of the general path's tables (``lowlat.layers.rotary.RotaryEmbedding``, whose two halves are
+    equal), computed the same way, so they match it bit for bit: ``inv_freq`` from ``rope_inv_freq`` (HF's
+    default, linear and Llama-3 rules, on the CPU), angles ``float(pos) * inv_freq`` in fp32 on ``device``.
+
+    Raises:
+        ValueError: for a rope type ``rope_inv_freq`` does not support.
+    """
+    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
+    freqs = torch.arange(max_pos, device=device, dtype=torch.int64).float()[:, None] * inv_freq
+    return freqs.cos().contiguous(), freqs.sin().contiguous()

@@ -1,0 +1,357 @@
+"""Small-row GEMM: ``out[T, N] = epilogue(prologue(x)[T, K] @ W[N, K]^T)`` for T <= 8 rows.
+
+Decode at 1 to 8 rows is memory bound: the kernel's job is to stream every weight byte exactly once, with
+enough programs to fill the GPU. Design (after the split-K GEMV kernels of FlashInfer / vLLM, written for
+Triton):
+
+- Rows are padded to ``BLOCK_M = 16`` (the smallest ``tl.dot`` tile); x is tiny and re-read from L2.
+- Each program owns ``BLOCK_N`` output columns and a ``K / SPLIT_K`` slice of K, and loads its weight tile
+  ``[BLOCK_N, BLOCK_K]`` row-major, contiguous along K (16-byte vector loads).
+- Prologue (optional): RMSNorm of the input rows, ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` in HF's order;
+  every program computes the row statistics itself from the whole row, so no separate norm kernel runs.
+- Epilogues: ``none``; ``silu_mul`` (W holds gate rows then up rows, out = silu(gate) * up, SwiGLU);
+  ``residual`` (out = residual + x @ W^T; ``residual`` may be ``out`` itself for an in-place update).
+  Intermediates are rounded to the activation dtype where the unfused torch path rounds them.
+- Split-K (when N alone gives too few programs): each program stores its fp32 partial to a workspace, then
+  takes a ticket from a per-column-tile counter (``atomic_add``, acq_rel). The program that draws the last
+  ticket sums all partials *in split order* and runs the epilogue, then resets the counter to 0. The sum order
+  never depends on arrival order, so results are bit-identical run to run (unlike float atomics), and no
+  second kernel is launched. Nothing spins, so it also runs under the Triton interpreter.
+- PDL: the first ``PRE_K`` columns of the weight tile are loaded before ``gdc_wait``; see ``pdl.py`` for the
+  rules.
+
+Shared device helpers (``to_act``, ``rnd``, ``load_tile``, ``row_rstd``, ``load_rows``, ``dot_acc``) are reused
+by ``qkv_rope.py`` and ``attention.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_enabled
+
+MAX_ROWS = 8
+BLOCK_M = 16
+EPILOGUES = {"none": 0, "silu_mul": 1, "residual": 2}
+# The interpreter (triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even as GPUs do;
+# ``to_act`` then rounds with integer arithmetic so CPU results round like the GPU's and like torch's.
+_EMULATE_BF16_ROUNDING = tl.constexpr(interpreting())
+
+
+@triton.jit
+def to_act(x, dt: tl.constexpr):
+    """Cast fp32 ``x`` to the activation dtype ``dt``, rounding to nearest even (also under the interpreter)."""
+    if _EMULATE_BF16_ROUNDING:
+        if dt == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(dt)
+    else:
+        return x.to(dt)
+
+
+@triton.jit
+def rnd(x, dt: tl.constexpr):
+    """fp32 ``x`` rounded to ``dt`` and back: what storing an intermediate in the activation dtype does."""
+    return to_act(x, dt).to(tl.float32)
+
+
+@triton.jit
+def dot_acc(a, b, acc, DOT_F32: tl.constexpr):
+    """acc += a @ b. ``DOT_F32``: upcast to fp32 and multiply exactly (fp32 models, and the interpreter,
+    whose bf16 ``tl.dot`` is wrong in triton 3.9)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def load_tile(ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
+    """A [rows, BLOCK_K] weight tile. With ``EVEN_K`` the K mask is dropped, so the mask is constant along K
+    and the loads stay 16-byte vectors."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        return tl.load(ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+
+
+@triton.jit
+def row_rstd(x_ptr, stride_xm, offs_m, m_mask, K: tl.constexpr, eps, BLOCK: tl.constexpr):
+    """[BLOCK_M] fp32 ``rsqrt(mean(x^2) + eps)`` over the first K columns of each row.
+
+    The loop is unrolled (K is a constexpr), so all loads are in flight at once: this runs right after
+    ``gdc_wait``, on the critical path, and a rolled loop would pay one L2 round trip per chunk."""
+    ss = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK):
+        ks = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+                    mask=m_mask[:, None] & (ks < K)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(ss / K + eps)
+
+
+@triton.jit
+def load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, HAS_NORM: tl.constexpr):
+    """x[rows, ks] in the input dtype, RMS-normalized and scaled by ``nw[ks]`` when ``HAS_NORM`` (HF order)."""
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if HAS_NORM:
+        h = rnd(x.to(tl.float32) * rstd[:, None], x.dtype)
+        nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0)
+        x = to_act(nw.to(tl.float32)[None, :] * h, x.dtype)
+    return x
+
+
+@triton.jit
+def _gemm_epilogue(acc, acc_u, offs_m, offs_n, mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE: tl.constexpr):
+    dt = out_ptr.dtype.element_ty
+    if EPILOGUE == 1:
+        g = rnd(acc, dt)
+        u = rnd(acc_u, dt)
+        s = rnd(g / (1.0 + tl.exp(-g)), dt)
+        y = to_act(s * u, dt)
+    elif EPILOGUE == 2:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0)
+        y = to_act(rnd(acc, dt) + r.to(tl.float32), dt)
+    else:
+        y = to_act(acc, dt)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+
+
+@triton.jit
+def _small_gemm_kernel(
+    x_ptr, stride_xm, w_ptr, stride_wn, nw_ptr, res_ptr, stride_rm, out_ptr, stride_om, ws_ptr, cnt_ptr,
+    T, N, K, K_PER_SPLIT, eps,
+    NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, HAS_NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr, NPART: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    GATED: tl.constexpr = EPILOGUE == 1
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    ks = k_start + tl.arange(0, PRE_K)
+    k_mask = ks < k_end
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
+    # Weights never depend on the previous kernel: fetch the first PRE_K columns before waiting on it.
+    w0 = load_tile(w_rows + ks[None, :], n_mask, k_mask, EVEN_K)
+    if GATED:
+        w0u = load_tile(w_rows + N * stride_wn + ks[None, :], n_mask, k_mask, EVEN_K)
+    gdc_launch_dependents(USE_PDL)
+    gdc_wait(USE_PDL)
+
+    rstd = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if HAS_NORM:
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
+    xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, HAS_NORM)
+    acc = dot_acc(xk, tl.trans(w0), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GATED:
+        acc_u = dot_acc(xk, tl.trans(w0u), acc_u, DOT_F32)
+    for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
+        kl = k0 + tl.arange(0, BLOCK_K)
+        kl_mask = kl < k_end
+        w = load_tile(w_rows + kl[None, :], n_mask, kl_mask, EVEN_K)
+        xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)
+        acc = dot_acc(xl, tl.trans(w), acc, DOT_F32)
+        if GATED:
+            wu = load_tile(w_rows + N * stride_wn + kl[None, :], n_mask, kl_mask, EVEN_K)
+            acc_u = dot_acc(xl, tl.trans(wu), acc_u, DOT_F32)
+
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        _gemm_epilogue(acc, acc_u, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
+    else:
+        # Partials: ws[split, part, row, col] fp32, part 0 = acc (gate), part 1 = up (NPART = 2 when GATED).
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * (NPART * T * N) + tile, acc, mask=o_mask)
+        if GATED:
+            tl.store(ws_ptr + pid_k * (NPART * T * N) + T * N + tile, acc_u, mask=o_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            tl.debug_barrier()
+            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            tot_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                tot += tl.load(ws_ptr + s * (NPART * T * N) + tile, mask=o_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    tot_u += tl.load(ws_ptr + s * (NPART * T * N) + T * N + tile, mask=o_mask, other=0.0,
+                                     cache_modifier=".cg")
+            _gemm_epilogue(tot, tot_u, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-arm for the next launch (graph replays included)
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Launch configuration of one small GEMM shape (chosen by ``plan_gemm``, never autotuned at capture)."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    num_warps: int
+    num_stages: int
+    pre_k: int  # K elements of the weight tile(s) loaded before gdc_wait (a multiple of block_k)
+
+    def n_tiles(self, n: int) -> int:
+        return triton.cdiv(n, self.block_n)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 on CPU, so interpreter tests exercise split-K)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def plan_gemm(n: int, k: int, dtype: torch.dtype, sms: int, *, gated: bool = False,
+              block_n: int | None = None, split_k: int | None = None, block_k: int | None = None) -> GemmPlan:
+    """Pick tiles for ``[<=8, k] @ [n, k]^T`` so that about 1.75 x ``sms`` programs stream the weight.
+
+    ``n`` is the output width (for ``gated`` the weight has 2n rows). BLOCK_N is 64 when that alone fills the
+    GPU, else 32; split-K doubles while the grid is short and each split keeps >= 2 K-blocks. ``block_n``,
+    ``split_k`` and ``block_k`` override the heuristic (tests, tuning). BLOCK_K = 128 elements for 2-byte dtypes
+    (a warp's row of 16-byte loads).
+    """
+    bk = block_k or default_block_k(k, dtype)
+    target = max(1, (7 * sms) // 4)
+    bn = block_n or (64 if triton.cdiv(n, 64) >= target else 32)
+    tiles = triton.cdiv(n, bn)
+    s = 1
+    if split_k is None:
+        while tiles * s < target and k // (2 * s) >= 2 * bk:
+            s *= 2
+    else:
+        s = split_k
+    kps = triton.cdiv(triton.cdiv(k, s), bk) * bk
+    s = triton.cdiv(k, kps)  # no empty split
+    iters = kps // bk
+    stages = 2 if iters <= 2 else (3 if gated else 4)
+    pre = pre_wait_k(k, kps, bk, (2 if gated else 1) * bn)
+    return GemmPlan(block_n=bn, block_k=bk, split_k=s, k_per_split=kps, num_warps=4, num_stages=stages, pre_k=pre)
+
+
+PRE_WAIT_ELEMENTS = 16384  # weight elements a program holds in registers while it waits (32 KB of bf16)
+
+
+def pre_wait_k(k: int, k_per_split: int, block_k: int, rows: int) -> int:
+    """K extent of the tile loaded before ``gdc_wait``: block_k times a power of two, at most 4 blocks, within
+    ``PRE_WAIT_ELEMENTS`` for ``rows`` weight rows and within the shortest split (the last one)."""
+    last = k - (triton.cdiv(k, k_per_split) - 1) * k_per_split
+    pre = block_k
+    while pre * 2 <= min(4 * block_k, last) and rows * pre * 2 <= PRE_WAIT_ELEMENTS:
+        pre *= 2
+    return pre
+
+
+def default_block_k(k: int, dtype: torch.dtype) -> int:
+    """128 elements for 2-byte dtypes, 64 for fp32, at most next_power_of_2(k)."""
+    elt = torch.empty(0, dtype=dtype).element_size()
+    return min(128 if elt <= 2 else 64, triton.next_power_of_2(k))
+
+
+def splitk_workspace_numel(plan: GemmPlan, n: int, *, gated: bool, rows: int = MAX_ROWS) -> int:
+    """fp32 elements of split-K partials a launch of ``plan`` needs (0 without split-K)."""
+    return 0 if plan.split_k == 1 else plan.split_k * (2 if gated else 1) * rows * n
+
+
+def small_gemm(
+    x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str = "none",
+    norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None, use_pdl: bool | None = None,
+) -> torch.Tensor:
+    """Launch the small-row GEMM.
+
+    Args:
+        x: [T, K] activations (T in 1..8), unit stride along K, dtype = ``w.dtype``.
+        w: [N, K] weight (``[2N, K]``, gate rows then up rows, for ``silu_mul``), contiguous.
+        out: [T, N] output, unit stride along N, same dtype; may be ``residual``.
+        plan: tiles from ``plan_gemm`` for this (N, K).
+        epilogue: "none", "silu_mul" or "residual".
+        norm_weight: [K] RMSNorm weight: normalizes x's rows in the prologue when given.
+        eps: RMSNorm epsilon.
+        residual: [T, N] added in the "residual" epilogue.
+        workspace: fp32 tensor of >= ``splitk_workspace_numel`` elements (split-K only).
+        counters: int32 zeros, >= N / BLOCK_N elements (split-K only; left zero after each launch).
+        use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
+    Returns:
+        ``out``.
+    Raises:
+        ValueError: on a shape, stride, dtype or device mismatch, naming the argument.
+    """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
+    gated = epilogue == "silu_mul"
+    _check_2d("x", x, unit_last=True)
+    _check_2d("w", w, unit_last=True)
+    _check_2d("out", out, unit_last=True)
+    t, k = x.shape
+    n = out.shape[1]
+    if not 1 <= t <= MAX_ROWS:
+        raise ValueError(f"small_gemm serves 1..{MAX_ROWS} rows, got x with {t}; use a general GEMM for more")
+    if w.shape != (2 * n if gated else n, k):
+        raise ValueError(f"w must be [{2 * n if gated else n}, {k}] for out {tuple(out.shape)} and x "
+                         f"{tuple(x.shape)} with epilogue {epilogue!r}, got {tuple(w.shape)}")
+    if out.shape[0] != t:
+        raise ValueError(f"out has {out.shape[0]} rows, x has {t}")
+    for name, tns in (("w", w), ("out", out)):
+        if tns.dtype != x.dtype or tns.device != x.device:
+            raise ValueError(f"{name} is {tns.dtype} on {tns.device}, x is {x.dtype} on {x.device}; they must match")
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
+                                    or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight must be a contiguous [{k}] {x.dtype} tensor, got {tuple(norm_weight.shape)} "
+                         f"{norm_weight.dtype}")
+    if epilogue == "residual":
+        if residual is None or residual.shape != out.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"epilogue 'residual' needs residual [{t}, {n}] {x.dtype} with unit column stride")
+    elif residual is not None:
+        raise ValueError(f"residual given but epilogue is {epilogue!r}; pass epilogue='residual'")
+    if plan.split_k > 1:
+        need = splitk_workspace_numel(plan, n, gated=gated, rows=t)
+        if workspace is None or workspace.dtype != torch.float32 or workspace.numel() < need:
+            raise ValueError(f"split-K={plan.split_k} needs an fp32 workspace of >= {need} elements")
+        if counters is None or counters.dtype != torch.int32 or counters.numel() < plan.n_tiles(n):
+            raise ValueError(f"split-K={plan.split_k} needs int32 zero counters of >= {plan.n_tiles(n)} elements")
+    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    res = residual if residual is not None else out
+    dummy = out
+    grid = (plan.n_tiles(n), plan.split_k)
+    _small_gemm_kernel[grid](
+        x, x.stride(0), w, w.stride(0), norm_weight if norm_weight is not None else dummy, res, res.stride(0),
+        out, out.stride(0), workspace if workspace is not None else dummy, counters if counters is not None else dummy,
+        t, n, k, plan.k_per_split, eps,
+        NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512),
+        PRE_K=plan.pre_k, HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], NPART=2 if gated else 1,
+        SPLIT_K=plan.split_k,
+        EVEN_K=(k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
+        BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
+    )
+    return out
+
+
+def dot_in_f32(dtype: torch.dtype) -> bool:
+    """Whether ``dot_acc`` must upcast: fp32 operands, or any operands under the interpreter."""
+    return dtype == torch.float32 or interpreting()
+
+
+def _check_2d(name: str, t: torch.Tensor, *, unit_last: bool) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if unit_last and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}; "
+                         "pass .contiguous()")

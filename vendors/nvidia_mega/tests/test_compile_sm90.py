@@ -1,0 +1,99 @@
+"""Compile the dense kernels for sm90 at production shapes, without a GPU (opt-in: LOWLAT_MEGA_COMPILE_CHECK=1).
+
+The Triton interpreter runs kernels as Python, so it misses what only the compiler rejects (a loop-carried
+variable whose shape changes, a non-constexpr where one is needed). This compiles each kernel to a cubin for
+``GPUTarget("cuda", 90, 32)`` through ``triton.compile`` (ptxas ships with Triton) at the launch plans of
+llama-3.2-1b and qwen3-30b-a3b, with the 16-byte divisibility hints real launches get, and checks the PDL
+instructions are present. Run without ``TRITON_INTERPRET``:
+
+    LOWLAT_MEGA_COMPILE_CHECK=1 PYTHONPATH=core/src:vendors/nvidia_mega/src \\
+        python -m pytest vendors/nvidia_mega/tests/test_compile_sm90.py -q
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+from lowlat_nvidia_mega.kernels import pdl
+
+if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
+    pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
+                allow_module_level=True)
+
+from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
+    _attn_merge_kernel,
+    _attn_split_kernel,
+    attention_block_m,
+)
+from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel, plan_qkv  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, plan_gemm  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+BF = "*bf16"
+NOT_DIVISIBLE = {"T", "eps", "max_pos", "scale_log2"}  # every other int and pointer is a multiple of 16 here
+GEMM_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, stride_rm="i32",
+                out_ptr=BF, stride_om="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32", N="i32", K="i32",
+                K_PER_SPLIT="i32", eps="fp32")
+QKV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, qn_ptr=BF, kn_ptr=BF,
+               cos_ptr="*fp32", sin_ptr="*fp32", max_pos="i32", pos_ptr="*i64", loc_ptr="*i64", q_ptr=BF,
+               stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32",
+               K="i32", K_PER_SPLIT="i32", eps="fp32")
+ATTN_SIG = dict(q_ptr=BF, stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", rtt_ptr="*i32", stride_rtt="i32",
+                rpi_ptr="*i64", seqlen_ptr="*i32", op_ptr="*fp32", lse_ptr="*fp32", scale_log2="fp32")
+MERGE_SIG = dict(op_ptr="*fp32", lse_ptr="*fp32", seqlen_ptr="*i32", out_ptr=BF, stride_ot="i32")
+MODELS = {"llama-3.2-1b": (2048, 32, 8, 64, 8192, False), "qwen3-30b-a3b": (2048, 32, 4, 128, 768, True)}
+
+
+def _compile(fn, types: dict[str, str], consts: dict[str, object], warps: int = 4, stages: int = 3) -> str:
+    sig = {n: "constexpr" if n in consts else types[n] for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n not in NOT_DIVISIBLE}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    return kernel.asm["ptx"]
+
+
+def _assert_pdl(ptx: str) -> None:
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_small_gemm_compiles_for_sm90(model: str) -> None:
+    hid, hq, _, d, inter, _ = MODELS[model]
+    sites = [("o_proj", hid, hq * d, 2, False)] + ([("gate_up", inter, hid, 1, True), ("down", hid, inter, 2, False)]
+                                                    if model == "llama-3.2-1b" else [])
+    for _, n, k, epilogue, norm in sites:
+        plan = plan_gemm(n, k, torch.bfloat16, 132, gated=epilogue == 1)
+        ptx = _compile(_small_gemm_kernel, GEMM_SIG, dict(
+            NORM_K=k if norm else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512), PRE_K=plan.pre_k,
+            HAS_NORM=norm, EPILOGUE=epilogue, NPART=2 if epilogue == 1 else 1, SPLIT_K=plan.split_k, EVEN_K=True,
+            BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
+            stages=plan.num_stages)
+        _assert_pdl(ptx)
+        assert "ld.global.v4" in ptx, "weight loads must be 16-byte vectors"
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_qkv_rope_compiles_for_sm90(model: str) -> None:
+    hid, hq, hkv, d, _, qk_norm = MODELS[model]
+    plan = plan_qkv(hq, hkv, d, hid, torch.bfloat16, 132)
+    _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
+        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
+        SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
+        stages=plan.num_stages))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("rows", [1, 8])
+def test_attention_compiles_for_sm90(model: str, rows: int) -> None:
+    _, hq, hkv, d, _, _ = MODELS[model]
+    bm = attention_block_m(hq, hkv, rows)
+    _assert_pdl(_compile(_attn_split_kernel, ATTN_SIG, dict(
+        HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=64, NUM_SPLITS=32, DOT_F32=False, USE_PDL=True),
+        warps=4 if bm * d <= 4096 else 8, stages=2))
+    _assert_pdl(_compile(_attn_merge_kernel, MERGE_SIG, dict(
+        HQ=hq, HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=64, NUM_SPLITS=32, USE_PDL=True)))

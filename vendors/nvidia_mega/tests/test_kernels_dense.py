@@ -1,0 +1,236 @@
+"""Each dense nvidia_mega kernel against a torch reference built from the general path's layers.
+
+Runs on CPU under ``TRITON_INTERPRET=1`` (tiny shapes) and, unchanged, on a CUDA GPU. Outputs are poisoned
+(NaN) beyond the rows a kernel may write; KV writes are checked slot by slot against sentinel values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lowlat.layers.attention import decode_attention_torch
+from lowlat.layers.norm import rms_norm
+from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
+from lowlat_nvidia_mega.kernels import pdl
+from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
+from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
+from lowlat_nvidia_mega.kernels.small_gemm import plan_gemm, small_gemm, splitk_workspace_numel
+
+if not pdl.interpreting() and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEV = torch.device("cpu" if pdl.interpreting() else "cuda")
+DTYPES = [torch.float32, torch.bfloat16]
+EPS = 1e-6
+
+
+def _tol(dtype: torch.dtype) -> dict[str, float]:
+    # bf16: values are O(1..4), where one ulp is up to 2**-6; allow a few ulps of different rounding order.
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype=dtype, device=DEV)
+
+
+# ---------------------------------------------------------------- small GEMM
+
+GEMM_CASES = [  # (rows, epilogue, with norm, split_k, block_k): every row count, epilogue and reduction mode
+    (1, "none", True, 1, None),
+    (3, "silu_mul", True, 2, None),
+    (8, "residual", False, 3, None),
+    (8, "silu_mul", True, 1, 32),  # 4 K-blocks loaded before the wait, then the loop
+    (1, "residual", False, 2, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,epilogue,with_norm,split_k,block_k", GEMM_CASES)
+def test_small_gemm_matches_torch(dtype: torch.dtype, rows: int, epilogue: str, with_norm: bool, split_k: int,
+                                  block_k: int | None) -> None:
+    k, n = 192, 80  # K not a multiple of BLOCK_K (bf16), N not a multiple of BLOCK_N: masks exercised
+    gated = epilogue == "silu_mul"
+    x = _randn(rows, k, dtype=dtype, seed=1)
+    w = _randn(2 * n if gated else n, k, dtype=dtype, seed=2, scale=0.1)
+    nw = (torch.rand(k, generator=_gen(3)) + 0.5).to(dtype=dtype, device=DEV) if with_norm else None
+    plan = plan_gemm(n, k, dtype, 4, gated=gated, block_n=32, split_k=split_k, block_k=block_k)
+    assert plan.split_k > 1 or split_k == 1
+    ws = torch.zeros(max(1, splitk_workspace_numel(plan, n, gated=gated)), device=DEV)
+    cnt = torch.zeros(plan.n_tiles(n), dtype=torch.int32, device=DEV)
+    buf = torch.full((8, n), float("nan"), dtype=dtype, device=DEV)
+    res_full = _randn(8, n, dtype=dtype, seed=4)
+    if epilogue == "residual":
+        buf.copy_(res_full)
+    out = buf[:rows]
+
+    h = rms_norm(x, nw, EPS) if nw is not None else x
+    y = F.linear(h, w)
+    if gated:
+        ref = F.silu(y[:, :n]) * y[:, n:]
+    elif epilogue == "residual":
+        ref = res_full[:rows] + y
+    else:
+        ref = y
+    small_gemm(x, w, out, plan=plan, epilogue=epilogue, norm_weight=nw, eps=EPS,
+               residual=out if epilogue == "residual" else None, workspace=ws, counters=cnt)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+    if epilogue == "residual":
+        assert torch.equal(buf[rows:], res_full[rows:]), "rows beyond T were written"
+    else:
+        assert torch.isnan(buf[rows:].float()).all(), "rows beyond T were written"
+    assert not cnt.any(), "split-K counters must be re-armed to zero"
+
+
+def test_small_gemm_split_k_is_deterministic() -> None:
+    k, n = 256, 64
+    x = _randn(8, k, dtype=torch.float32, seed=5)
+    w = _randn(n, k, dtype=torch.float32, seed=6)
+    plan = plan_gemm(n, k, torch.float32, 4, block_n=32, split_k=4)
+    ws = torch.zeros(splitk_workspace_numel(plan, n, gated=False), device=DEV)
+    cnt = torch.zeros(plan.n_tiles(n), dtype=torch.int32, device=DEV)
+    a, b = (torch.empty(8, n, device=DEV) for _ in range(2))
+    small_gemm(x, w, a, plan=plan, workspace=ws, counters=cnt)
+    small_gemm(x, w, b, plan=plan, workspace=ws, counters=cnt)
+    assert torch.equal(a, b)
+
+
+def test_small_gemm_rejects_bad_input() -> None:
+    x = torch.zeros(9, 64, device=DEV)
+    w = torch.zeros(32, 64, device=DEV)
+    plan = plan_gemm(32, 64, torch.float32, 4)
+    with pytest.raises(ValueError, match="1..8 rows"):
+        small_gemm(x, w, torch.zeros(9, 32, device=DEV), plan=plan)
+    with pytest.raises(ValueError, match="w must be"):
+        small_gemm(x[:2], w[:, :32], torch.zeros(2, 32, device=DEV), plan=plan)
+    with pytest.raises(ValueError, match="residual"):
+        small_gemm(x[:2], w, torch.zeros(2, 32, device=DEV), plan=plan, epilogue="residual")
+
+
+# ---------------------------------------------------------------- fused QKV + RoPE + KV write
+
+HQ, HKV, D, HID, SLOTS, MAX_POS = 4, 2, 32, 128, 48, 64
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def _qkv_reference(x, nw, w, qn, kn, positions, rotary, dtype):  # type: ignore[no-untyped-def]
+    t = x.shape[0]
+    q, k, v = F.linear(rms_norm(x, nw, EPS), w).split([HQ * D, HKV * D, HKV * D], dim=-1)
+    q, k, v = q.view(t, HQ, D), k.view(t, HKV, D), v.view(t, HKV, D)
+    if qn is not None:
+        q, k = rms_norm(q, qn, EPS), rms_norm(k, kn, EPS)
+    cos, sin = rotary(positions, dtype)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+QKV_CASES = [(1, False, 1, LLAMA3), (3, True, 2, None), (8, False, 2, LLAMA3), (8, True, 1, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,qk_norm,split_k,rope_scaling", QKV_CASES)
+def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype, rows: int, qk_norm: bool,
+                                                              split_k: int, rope_scaling: dict | None) -> None:
+    x = _randn(rows, HID, dtype=dtype, seed=10)
+    nw = (torch.rand(HID, generator=_gen(11)) + 0.5).to(dtype=dtype, device=DEV)
+    w = _randn((HQ + 2 * HKV) * D, HID, dtype=dtype, seed=12, scale=0.2)
+    qn = (torch.rand(D, generator=_gen(13)) + 0.5).to(dtype=dtype, device=DEV) if qk_norm else None
+    kn = (torch.rand(D, generator=_gen(14)) + 0.5).to(dtype=dtype, device=DEV) if qk_norm else None
+    positions = torch.randint(0, MAX_POS, (rows,), generator=_gen(15)).to(DEV)
+    loc = (torch.randperm(SLOTS - 1, generator=_gen(16))[:rows] + 1).to(DEV)
+    cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, rope_scaling, DEV)
+    plan = plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=split_k, block_k=16)
+    assert split_k > 1 or plan.pre_k < plan.k_per_split  # the K loop after the pre-wait tile runs
+    assert plan.split_k == split_k
+    ws = torch.zeros(max(1, qkv_workspace_numel(plan, HQ, HKV, D)), device=DEV)
+    cnt = torch.zeros(HQ + 2 * HKV, dtype=torch.int32, device=DEV)
+    sentinel = 7.0
+    kb = torch.full((SLOTS, HKV, D), sentinel, dtype=dtype, device=DEV)
+    vb = torch.full((SLOTS, HKV, D), sentinel, dtype=dtype, device=DEV)
+    qbuf = torch.full((8, HQ * D), float("nan"), dtype=dtype, device=DEV)
+
+    qkv_rope(x, nw, w, num_heads=HQ, num_kv_heads=HKV, q_norm=qn, k_norm=kn, cos=cos, sin=sin, positions=positions,
+             out_cache_loc=loc, q_out=qbuf[:rows], k_buffer=kb, v_buffer=vb, eps=EPS, plan=plan, workspace=ws,
+             counters=cnt)
+    rotary = RotaryEmbedding(D, 10000.0, rope_scaling, MAX_POS, device=DEV)
+    q_ref, k_ref, v_ref = _qkv_reference(x, nw, w, qn, kn, positions, rotary, dtype)
+    tol = _tol(dtype)
+    torch.testing.assert_close(qbuf[:rows].view(rows, HQ, D).float(), q_ref.float(), **tol)
+    torch.testing.assert_close(kb[loc].float(), k_ref.float(), **tol)
+    torch.testing.assert_close(vb[loc].float(), v_ref.float(), **tol)
+    untouched = torch.ones(SLOTS, dtype=torch.bool, device=DEV)
+    untouched[loc] = False
+    assert (kb[untouched] == sentinel).all() and (vb[untouched] == sentinel).all(), \
+        "a slot outside out_cache_loc changed"
+    assert torch.isnan(qbuf[rows:].float()).all(), "q rows beyond T were written"
+    assert not cnt.any()
+
+
+def test_rope_tables_are_the_general_paths() -> None:
+    rs = {**LLAMA3, "original_max_position_embeddings": 8192, "factor": 32.0}
+    cos, sin = rope_cos_sin(64, 500000.0, 100, rs, DEV)
+    general = RotaryEmbedding(64, 500000.0, rs, 100, device=DEV)
+    assert torch.equal(cos, general.cos_cache[:, :32]) and torch.equal(sin, general.sin_cache[:, :32])
+
+
+# ---------------------------------------------------------------- paged decode attention
+
+# (requests, rows per request, KV splits): T = 1, 3, 3, 8, 8; DECODE and VERIFY; one and several splits
+ATTN_CASES = [(1, 1, 4), (3, 1, 1), (1, 3, 4), (8, 1, 4), (2, 4, 1)]
+
+
+def _attention_case(batch: int, rows: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
+    g = _gen(seed)
+    max_len, slots = 160, 1024
+    kb = (torch.randn(slots, HKV, D, generator=g)).to(dtype=dtype, device=DEV)
+    vb = (torch.randn(slots, HKV, D, generator=g)).to(dtype=dtype, device=DEV)
+    rtt = torch.stack([torch.randperm(slots - 1, generator=g)[:max_len] + 1 for _ in range(batch + 2)])
+    rtt = rtt.to(torch.int32)
+    rpi = torch.randperm(batch + 2, generator=g)[:batch]
+    seq = torch.randint(rows, max_len, (batch,), generator=g).to(torch.int32)
+    seq[0] = rows  # a request whose cache holds only this step's rows
+    q = torch.randn(batch * rows, HQ, D, generator=g).to(dtype=dtype, device=DEV)
+    return q, kb, vb, rtt.to(DEV), rpi.to(DEV), seq.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,rows,splits", ATTN_CASES)
+def test_paged_decode_attention_matches_torch(dtype: torch.dtype, batch: int, rows: int, splits: int) -> None:
+    q, kb, vb, rtt, rpi, seq = _attention_case(batch, rows, dtype, seed=20 + batch * 8 + rows)
+    t = batch * rows
+    n_o, n_l = partial_numel(batch, HQ, HKV, D, rows, splits)
+    o_part = torch.full((n_o,), float("nan"), device=DEV)
+    lse_part = torch.full((n_l,), float("nan"), device=DEV)
+    buf = torch.full((8, HQ * D), float("nan"), dtype=dtype, device=DEV)
+    kb0, vb0 = kb.clone(), vb.clone()
+    paged_decode_attention(q, kb, vb, rtt, rpi, seq, buf[:t], rows_per_req=rows, sm_scale=D ** -0.5,
+                           num_splits=splits, o_partial=o_part, lse_partial=lse_part)
+    ref = decode_attention_torch(q, kb, vb, rtt, rpi, seq, rows, D ** -0.5)
+    torch.testing.assert_close(buf[:t].view(t, HQ, D).float(), ref.float(), **_tol(dtype))
+    assert torch.isnan(buf[t:].float()).all(), "rows beyond T were written"
+    assert torch.equal(kb, kb0) and torch.equal(vb, vb0), "attention must not write the KV pool"
+
+
+def test_paged_decode_attention_rejects_mismatched_rows() -> None:
+    q, kb, vb, rtt, rpi, seq = _attention_case(2, 1, torch.float32, seed=3)
+    n_o, n_l = partial_numel(2, HQ, HKV, D, 2, 1)
+    with pytest.raises(ValueError, match="rows_per_req"):
+        paged_decode_attention(q, kb, vb, rtt, rpi, seq, torch.empty(2, HQ * D, device=DEV), rows_per_req=2,
+                               sm_scale=1.0, num_splits=1, o_partial=torch.empty(n_o, device=DEV),
+                               lse_partial=torch.empty(n_l, device=DEV))
+
+
+# ---------------------------------------------------------------- PDL switches
+
+def test_pdl_is_off_under_the_interpreter_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOWLAT_MEGA_PDL", "0")
+    assert not pdl.pdl_enabled(DEV)
+    assert pdl.launch_kwargs(False) == {}
+    assert pdl.launch_kwargs(True) == {"launch_pdl": True}
+    if pdl.interpreting():
+        monkeypatch.setenv("LOWLAT_MEGA_PDL", "1")
+        assert not pdl.pdl_enabled(DEV)

@@ -1,0 +1,224 @@
+"""lm_head_logits / lm_head_sample against torch references, under TRITON_INTERPRET=1 on CPU (H 64, V 512).
+
+Sampling is checked two ways: token for token against a torch re-implementation of the documented semantics fed
+the same Philox noise (drawn by a tiny Triton kernel with ``tl.rand``), and statistically (chi-square with fixed
+seeds, so the outcome is deterministic) on a tiny vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample  # noqa: E402
+from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace  # noqa: E402
+
+H, V = 64, 512
+EPS = 1e-6
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+CFG = LMHeadConfig(block_v=64, block_k=64)
+CAND = 8
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}  # chi-square quantiles at p = 0.999
+
+
+@triton.jit
+def _uniform_kernel(seed_ptr, offset_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    u = tl.rand(tl.load(seed_ptr + r), tl.load(offset_ptr + r) + offs.to(tl.int64))
+    tl.store(out_ptr + r * V + offs, u, mask=offs < V)
+
+
+def uniforms(seeds: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[T, vocab] float32: the u the kernel draws for each (row, token)."""
+    out = torch.empty(seeds.shape[0], vocab, dtype=torch.float32, device=seeds.device)
+    _uniform_kernel[(seeds.shape[0], triton.cdiv(vocab, 256))](seeds, offsets, out, vocab, BLOCK=256)
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * h.to(x.dtype)
+
+
+def make(rows: int, dtype: torch.dtype, vocab: int = V, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, H, generator=g).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    w = (torch.randn(vocab, H, generator=g) * 0.3).to(dtype)
+    return x.to(DEV), norm_w.to(DEV), w.to(DEV)
+
+
+def reference_logits(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``lowlat.layers.logits``: F.linear in the model dtype, then float32."""
+    return F.linear(rms_norm(x, norm_w), w).float()
+
+
+def reference_tokens(logits, temp, top_k, top_p, u, cand):  # type: ignore[no-untyped-def]
+    """The semantics documented in ``sampling.py``, in torch, given the kernel's uniforms ``u``."""
+    out = []
+    vocab = logits.shape[1]
+    for r in range(logits.shape[0]):
+        lg, t, k, p = logits[r], float(temp[r]), int(top_k[r]), float(top_p[r])
+        if t <= 0:
+            out.append(int(torch.argmax(lg)))
+            continue
+        score = lg / t - torch.log(-torch.log(u[r]))
+        k_on = 0 < k < vocab
+        if not (k_on or p < 1.0):
+            out.append(int(torch.argmax(score)))
+            continue
+        order = torch.argsort(-lg, stable=True)[:cand]  # by logit, ties by lower index
+        n_in = min(k, cand) if k_on else cand
+        ids = order[:n_in]
+        e = torch.exp((lg[ids] - lg[ids[0]]) / t)
+        z = e.sum() if k_on and k <= cand else torch.exp((lg - lg[ids[0]]) / t).sum()
+        keep = ids[(torch.cumsum(e, 0) - e) < p * z]
+        out.append(int(keep[torch.argmax(score[keep])]))
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(("dtype", "rows"), [(torch.float32, 3), (torch.bfloat16, 1), (torch.bfloat16, 8)])
+def test_logits_match_reference(dtype: torch.dtype, rows: int) -> None:
+    x, norm_w, w = make(rows, dtype)
+    out = torch.full((rows, V), float("nan"), device=DEV)
+    lm_head_logits(x, norm_w, w, EPS, out, pdl=False, config=CFG)
+    want = reference_logits(x, norm_w, w)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.0, "rtol": 8e-3}  # 1 bf16 step
+    torch.testing.assert_close(out, want, **tol)
+
+
+@pytest.mark.parametrize(("dtype", "rows"), [(torch.float32, 2), (torch.bfloat16, 8)])
+def test_greedy_matches_torch_argmax(dtype: torch.dtype, rows: int) -> None:
+    x, norm_w, w = make(rows, dtype, seed=1)
+    ws = LMHeadWorkspace.allocate(8, V, DEV, block_v=64, candidates=CAND, fan_in=4)
+    tokens = torch.full((rows,), -1, dtype=torch.int64, device=DEV)
+    logits = torch.full((rows, V), float("nan"), device=DEV)
+    lm_head_sample(x, norm_w, w, EPS, None, None, None, None, None, tokens, ws, pdl=False, out_logits=logits)
+    torch.testing.assert_close(logits, reference_logits(x, norm_w, w), atol=1e-4, rtol=8e-3)
+    assert torch.equal(tokens, torch.argmax(logits, dim=-1))
+    assert int(ws.counters.abs().sum()) == 0
+
+
+def test_argmax_ties_pick_the_lowest_index() -> None:
+    """Equal maximal logits within a tile (7, 9) and across tiles (300, 450): torch.argmax's choice, 7; also on
+    the filtering path, where temperature 0 rows are greedy."""
+    x, norm_w, w = make(3, torch.bfloat16, seed=2)
+    best = int(torch.argmax(reference_logits(x, norm_w, w)[0]))
+    for tok in (450, 300, 9, 7):
+        w[tok] = w[best] * 1.5
+    ws = LMHeadWorkspace.allocate(8, V, DEV, block_v=64, candidates=CAND, fan_in=2)
+    zeros = torch.zeros(3, device=DEV)
+    for filtering in (False, True):
+        tokens = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+        logits = torch.empty(3, V, device=DEV)
+        top_k = torch.tensor([5, 0, 2], dtype=torch.int32, device=DEV) if filtering else None
+        top_p = torch.tensor([0.9, 0.5, 1.0], device=DEV) if filtering else None
+        seeds = torch.arange(3, device=DEV)
+        lm_head_sample(x, norm_w, w, EPS, zeros, top_k, top_p, seeds, seeds, tokens, ws, pdl=False,
+                       out_logits=logits)
+        assert float(logits[0, 7]) == float(logits[0, 450]) == float(logits[0].max())
+        assert int(tokens[0]) == 7
+        assert torch.equal(tokens, torch.argmax(logits, dim=-1))
+
+
+@pytest.mark.parametrize(("vocab", "seed", "rows"), [(V, 3, slice(0, 8)), (320, 4, slice(0, 8)), (V, 5, slice(4, 5))])
+def test_sampling_matches_reference_with_same_noise(vocab: int, seed: int, rows: slice) -> None:
+    """Greedy, pure temperature, top-k, top-p (a nucleus larger than the candidate list too), both, top-k above
+    the candidate count. Temperatures are high enough that the noise decides most rows. 320 = 5 tiles (a partial
+    group in the fan-in-4 merge tree); the last case runs one row (top-k 4 + top-p 0.6)."""
+    temp = torch.tensor([0.0, 3.0, 2.0, 1.0, 1.5, 2.0, 2.5, 1.2], device=DEV)[rows]
+    top_k = torch.tensor([0, 0, 5, 0, 4, 8, 100, 0], dtype=torch.int32, device=DEV)[rows]
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.6, 0.8, 1.0, 0.3], device=DEV)[rows]
+    t = temp.numel()
+    x, norm_w, w = make(t, torch.float32, vocab=vocab, seed=seed)
+    seeds = torch.arange(100, 100 + t, device=DEV) * (seed + 1)
+    offsets = torch.arange(t, device=DEV) * 7919
+    ws = LMHeadWorkspace.allocate(8, vocab, DEV, block_v=64, candidates=CAND, fan_in=4)
+    tokens = torch.full((t,), -1, dtype=torch.int64, device=DEV)
+    logits = torch.empty(t, vocab, device=DEV)
+    lm_head_sample(x, norm_w, w, EPS, temp, top_k, top_p, seeds, offsets, tokens, ws, pdl=False, out_logits=logits)
+    want = reference_tokens(logits.cpu(), temp, top_k, top_p, uniforms(seeds, offsets, vocab).cpu(), CAND)
+    assert tokens.cpu().tolist() == want.tolist()
+    assert int(ws.counters.abs().sum()) == 0
+
+
+def test_sampled_distribution_chi_square() -> None:
+    """Empirical token frequencies match the restricted softmax (chi-square, fixed seeds: deterministic)."""
+    vocab, hd = 64, 16
+    x = torch.zeros(8, hd, device=DEV)
+    x[:, 0] = 1.0
+    norm_w = torch.full((hd,), 0.25, device=DEV)  # h = e_0 (RMS of a one-hot is 1/4), so logits = w[:, 0]
+    w = torch.full((vocab, hd), 0.0, device=DEV)
+    w[:, 0] = -30.0
+    w[[0, 1, 2, 3, 40], 0] = torch.tensor([2.0, 1.5, 1.0, 0.0, 1.8], device=DEV)
+    temp = torch.tensor([1.0] * 3 + [1.0] * 3 + [0.8] * 2, device=DEV)
+    top_k = torch.tensor([4] * 3 + [0] * 3 + [0] * 2, dtype=torch.int32, device=DEV)
+    top_p = torch.tensor([1.0] * 3 + [0.6] * 3 + [1.0] * 2, device=DEV)
+    groups = {"top-k 4": range(0, 3), "top-p 0.6": range(3, 6), "temperature 0.8": range(6, 8)}
+    ws = LMHeadWorkspace.allocate(8, vocab, DEV, block_v=64, candidates=CAND, fan_in=2)
+    tokens = torch.empty(8, dtype=torch.int64, device=DEV)
+    logits = torch.empty(8, vocab, device=DEV)
+    draws = []
+    seeds = torch.arange(8, device=DEV) + 1234
+    for step in range(30):
+        offsets = torch.full((8,), step * vocab, dtype=torch.int64, device=DEV)
+        lm_head_sample(x, norm_w, w, EPS, temp, top_k, top_p, seeds, offsets, tokens, ws, pdl=False,
+                       out_logits=logits)
+        draws.append(tokens.cpu().clone())
+    samples = torch.stack(draws)  # [steps, 8]
+    lg = logits[0].cpu().double()
+    for name, rows in groups.items():
+        r = rows[0]
+        t, k, p = float(temp[r]), int(top_k[r]), float(top_p[r])
+        probs = torch.softmax(lg / t, 0)
+        order = torch.argsort(-lg, stable=True)
+        allowed = order[:k] if k > 0 else order
+        if p < 1.0:
+            q = probs[allowed] / probs[allowed].sum()
+            allowed = allowed[(torch.cumsum(q, 0) - q) < p]
+        expect = torch.zeros(vocab, dtype=torch.float64)
+        expect[allowed] = probs[allowed] / probs[allowed].sum()
+        got = samples[:, list(rows)].flatten()
+        n = got.numel()
+        assert bool((expect[got] > 0).all()), f"{name}: drew a token outside the allowed set"
+        counts = torch.bincount(got, minlength=vocab).double()
+        big = expect * n >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([expect[big] * n, (expect[~big] * n).sum()[None]])
+        keep = exp > 0
+        chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        df = int(keep.sum()) - 1
+        assert 1 <= df <= 5 and chi2 < CHI2_999[df], f"{name}: chi-square {chi2:.1f} with {df} degrees of freedom"
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    x, norm_w, w = make(3, torch.float32)
+    ws = LMHeadWorkspace.allocate(8, V, DEV, block_v=64, candidates=CAND, fan_in=2)
+    tokens = torch.empty(3, dtype=torch.int64, device=DEV)
+    temp = torch.ones(3, device=DEV)
+    with pytest.raises(ValueError, match="seeds is required"):
+        lm_head_sample(x, norm_w, w, EPS, temp, None, None, None, None, tokens, ws, pdl=False)
+    with pytest.raises(ValueError, match="both top_k and top_p"):
+        lm_head_sample(x, norm_w, w, EPS, temp, torch.zeros(3, dtype=torch.int32), None,
+                       torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), tokens, ws, pdl=False)
+    with pytest.raises(ValueError, match="vocab"):
+        lm_head_sample(x, norm_w, w[:100], EPS, None, None, None, None, None, tokens, ws, pdl=False)
+    with pytest.raises(ValueError, match="float32"):
+        lm_head_logits(x, norm_w, w, EPS, torch.empty(3, V, dtype=torch.bfloat16), pdl=False)
+    with pytest.raises(ValueError, match="rows"):
+        lm_head_logits(torch.zeros(9, H), norm_w, w, EPS, torch.empty(9, V), pdl=False)
+    with pytest.raises(ValueError, match="candidates"):
+        LMHeadWorkspace.allocate(8, V, DEV, block_v=64, candidates=128)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="pdl"):
+            lm_head_logits(x, norm_w, w, EPS, torch.empty(3, V), pdl=True)

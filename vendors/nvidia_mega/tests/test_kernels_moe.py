@@ -1,0 +1,180 @@
+"""moe_forward against a torch reference (HF Qwen3-MoE order of operations), under TRITON_INTERPRET=1 on CPU.
+
+Tiny shapes: H 64, I 32, E 8, top-k 2; rows 1, 3, 8. Outputs and workspaces are poisoned (NaN / garbage) first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("needs a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward  # noqa: E402
+
+H, I, E, K = 64, 32, 8, 2  # noqa: E741 (I: the MoE intermediate size)
+EPS = 1e-6
+DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+# Small tiles keep the interpreter fast but still give 2 programs per slot in the down kernel (2 H tiles).
+CFG = MoEKernelConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, route_programs=2)
+
+
+def poisoned_alloc(shape, *, dtype, device):  # type: ignore[no-untyped-def]
+    """Like torch.empty but full of NaN (floats) or a large garbage value (ints)."""
+    fill = float("nan") if dtype.is_floating_point else 12345
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * h.to(x.dtype)
+
+
+def reference(x, residual, norm_w, gate_w, w13, w2, renormalize):  # type: ignore[no-untyped-def]
+    """HF Qwen3MoeSparseMoeBlock semantics, one (row, expert) at a time; float32 sum + residual, rounded once."""
+    h = rms_norm(x, norm_w) if norm_w is not None else x
+    probs = torch.softmax(F.linear(h, gate_w), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, K, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for r in range(x.shape[0]):
+        for j in range(K):
+            e = int(ids[r, j])
+            act = F.silu(F.linear(h[r], w13[e, :I])) * F.linear(h[r], w13[e, I:])
+            y[r] += F.linear(act, w2[e]).float() * weights[r, j].float()
+    if residual is not None:
+        y += residual.float()
+    return y.to(x.dtype), ids, weights
+
+
+def make_weights(dtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    gate_w = (torch.randn(E, H, generator=g) * 0.3).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.15).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.15).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    return norm_w, gate_w, w13, w2
+
+
+def make_x(rows: int, dtype: torch.dtype, seed: int = 1):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, H, generator=g).to(dtype), torch.randn(rows, H, generator=g).to(dtype)
+
+
+def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None):  # type: ignore[no-untyped-def]
+    ws = ws or MoEWorkspace.allocate(8, H, I, E, K, x.dtype, DEV, alloc=poisoned_alloc)
+    out = torch.full_like(x, float("nan"))
+    moe_forward(x, residual, norm_w, EPS, gate_w, w13, w2, K, renormalize, out, ws, pdl=False, config=CFG)
+    return out, ws
+
+
+def tol(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.0625, "rtol": 0.02}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_matches_reference(dtype: torch.dtype, rows: int) -> None:
+    norm_w, gate_w, w13, w2 = make_weights(dtype)
+    x, residual = make_x(rows, dtype)
+    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True)
+    want, ids, weights = reference(x, residual, norm_w, gate_w, w13, w2, True)
+    assert torch.equal(ws.topk_ids[:rows].long(), ids)
+    w_tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: at most one rounding step apart
+    torch.testing.assert_close(ws.topk_weights[:rows], weights.float(), atol=w_tol, rtol=w_tol)
+    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+    check_routing_metadata(ws, rows)
+
+
+def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:
+    """Slots, presence bitmap and the (row, k) -> slot map agree with the top-k ids; tickets are reset."""
+    ids = ws.topk_ids[:rows].long()
+    experts = sorted(set(ids.flatten().tolist()))
+    n = int(ws.num_slots)
+    assert n == len(experts)
+    assert ws.slot_expert[:n].tolist() == experts  # slots in expert order (prefix population count)
+    assert int(ws.bitmap[0]) == sum(1 << e for e in experts)
+    for r in range(rows):
+        for j in range(K):
+            s = int(ws.row_slot[r, j])
+            assert int(ws.slot_expert[s]) == int(ids[r, j])
+            assert float(ws.slot_weight[s, r]) == float(ws.topk_weights[r, j])
+    for s in range(n):  # rows that did not pick the slot's expert have weight 0 in its tile
+        picked = (ids == int(ws.slot_expert[s])).any(dim=1)
+        assert bool((ws.slot_weight[s, :rows][~picked] == 0).all())
+    assert int(ws.counters.abs().sum()) == 0  # every ticket counter reset for the next launch
+
+
+def test_experts_with_no_rows_are_skipped() -> None:
+    """Only experts 1, 4 and 6 can win (positive h, positive router rows for them, zero rows for the others):
+    the other slots of the static grid are padding and must do nothing."""
+    norm_w, gate_w, w13, w2 = make_weights(torch.float32)
+    g = torch.Generator().manual_seed(11)
+    gate_w = torch.zeros_like(gate_w)
+    gate_w[[1, 4, 6]] = torch.rand(3, H, generator=g) + 0.2
+    norm_w = norm_w.abs()
+    x, residual = make_x(8, torch.float32, seed=5)
+    x = x.abs() + 0.1
+    ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV, alloc=poisoned_alloc)
+    for renormalize in (True, False):  # two launches on one workspace: tickets reset in between
+        out, ws = run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws)
+        want, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, renormalize)
+        assert set(ids.flatten().tolist()) <= {1, 4, 6}
+        assert int(ws.num_slots) == len(set(ids.flatten().tolist())) < min(E, 8 * K)
+        torch.testing.assert_close(out, want, **tol(torch.float32))
+        check_routing_metadata(ws, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_renormalize_no_norm_no_residual(dtype: torch.dtype) -> None:
+    _, gate_w, w13, w2 = make_weights(dtype)
+    x, _ = make_x(3, dtype, seed=7)
+    out, _ = run(x, None, None, gate_w, w13, w2, False)
+    want, _, _ = reference(x, None, None, gate_w, w13, w2, False)
+    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+
+
+def test_in_place_residual() -> None:
+    """out may be the residual tensor itself (the residual stream updated in place)."""
+    norm_w, gate_w, w13, w2 = make_weights(torch.bfloat16)
+    x, residual = make_x(3, torch.bfloat16, seed=9)
+    want, _, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
+    ws = MoEWorkspace.allocate(4, H, I, E, K, torch.bfloat16, DEV)
+    stream = residual.clone()
+    moe_forward(x, stream, norm_w, EPS, gate_w, w13, w2, K, True, stream, ws, pdl=False, config=CFG)
+    torch.testing.assert_close(stream.float(), want.float(), **tol(torch.bfloat16))
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    norm_w, gate_w, w13, w2 = make_weights(torch.float32)
+    x, residual = make_x(3, torch.float32)
+    ws = MoEWorkspace.allocate(2, H, I, E, K, torch.float32, DEV)
+    out = torch.empty_like(x)
+    with pytest.raises(ValueError, match="rows"):
+        moe_forward(x, residual, norm_w, EPS, gate_w, w13, w2, K, True, out, ws, pdl=False)
+    ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV)
+    with pytest.raises(ValueError, match="w13"):
+        moe_forward(x, residual, norm_w, EPS, gate_w, w13[:, :I], w2, K, True, out, ws, pdl=False)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_forward(x, residual, norm_w, EPS, gate_w, w13, w2, 3, True, out, ws, pdl=False)
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="pdl"):
+            moe_forward(x, residual, norm_w, EPS, gate_w, w13, w2, K, True, out, ws, pdl=True)
+    with pytest.raises(ValueError, match="max_rows"):
+        MoEWorkspace.allocate(9, H, I, E, K, torch.float32, DEV)
+    with pytest.raises(ValueError, match="power of two"):
+        MoEKernelConfig(down_block_n=24)
+
+
+def test_workspace_counts_its_bytes() -> None:
+    ws = MoEWorkspace.allocate(8, H, I, E, K, torch.bfloat16, DEV)
+    slots = min(E, 8 * K)
+    assert ws.act.shape == (slots, 8, I) and ws.partial.shape == (slots, 8, H)
+    assert ws.nbytes >= ws.act.nbytes + ws.partial.nbytes + ws.h.nbytes
