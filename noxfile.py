@@ -94,3 +94,116 @@ def bench(session: nox.Session) -> None:
         args = ["--model", "tiny-llama,tiny-qwen3-moe", "--paths", "general,hf", "--device", "cpu"]
     session.run("python", "-m", "lowlat.cli", "bench", *args, "--name", f"standard-{stamp}", *session.posargs,
                 external=True)
+
+
+# --- nox -s contract: every core x vendor combination in compat_matrix.toml, each in a fresh environment ---
+
+def _matrix():  # type: ignore[no-untyped-def]
+    import sys
+
+    sys.path.insert(0, "contract_tests/src")
+    from lowlat_contract.matrix import load_matrix
+
+    return load_matrix("compat_matrix.toml")
+
+
+def _combinations() -> list[tuple[str, str, str, str, str]]:
+    """(core version, vendor name, vendor version, platform, expected) for every pair and platform."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    m = _matrix()
+    out = []
+    for core in m.core:
+        for vendor in m.vendors:
+            ok = SpecifierSet(vendor.core_range).contains(Version(core.version), prereleases=True)
+            for platform in ("cpu-interpreter", "cuda-sm90"):
+                out.append((core.version, vendor.name, vendor.version, platform, "pass" if ok else "incompatible"))
+    return out
+
+
+COMBINATIONS = _combinations()
+
+
+@nox.session(python="3.11", reuse_venv=False)
+@nox.parametrize("combo", COMBINATIONS, ids=[f"core-{c[0]}__{c[1]}-{c[2]}__{c[3]}" for c in COMBINATIONS])
+def contract(session: nox.Session, combo: tuple[str, str, str, str, str]) -> None:
+    """The contract suite for one combination of core and vendor releases (``-- --update`` records the result).
+
+    Core and its contract suite are installed from the core release's recorded commit (the working tree when
+    the commit is empty, i.e. the version in development), the vendor from its own. A combination whose
+    declared core range excludes the core must be refused by core at discovery, with the clear error.
+    """
+    import datetime
+    import pathlib
+
+    core_v, vendor_name, vendor_v, platform, expected = combo
+    m = _matrix()
+    core, vendor = m.core_release(core_v), m.vendor_release(vendor_name, vendor_v)
+    update = "--update" in session.posargs
+    posargs = [a for a in session.posargs if a != "--update"]
+    probe = session.run("python", "-c", "import torch; print(torch.cuda.is_available())", silent=True,
+                        external=True, success_codes=[0, 1])
+    if platform == "cuda-sm90" and "True" not in str(probe):
+        session.skip("cuda-sm90 needs a Hopper GPU")
+    tmp = pathlib.Path(session.create_tmp())
+    core_dir = _checkout(session, "core", core.commit, tmp)
+    suite_dir = _checkout(session, "contract_tests", core.commit, tmp)
+    vendor_dir = _checkout(session, vendor.path, vendor.commit, tmp)
+    session.install(TORCH if platform == "cpu-interpreter" else "torch", "triton>=3.6,<3.10", "pytest", "transformers")
+    session.install(str(core_dir), str(suite_dir))
+    session.install("--no-deps", str(vendor_dir))  # a mismatched pair must reach core's discovery to be refused
+    env = {"TRITON_INTERPRET": "1"} if platform == "cpu-interpreter" else {}
+    if expected == "incompatible":
+        session.run("python", "-c", _REFUSAL_CHECK, vendor.plugin, core.version, env=env)
+        result = "incompatible"
+    else:
+        args = ["--lowlat-device", "cuda", "--lowlat-model", "llama-3.2-1b"] if platform == "cuda-sm90" else []
+        try:
+            session.run("python", "-m", "pytest", "-q", "--pyargs", "lowlat_contract", "--lowlat-plugin",
+                        vendor.plugin, *args, *posargs, env=env)
+            result = "pass"
+        except nox.command.CommandFailed:
+            result = "fail"
+    if update:
+        from lowlat_contract.matrix import TestedCombination, with_result
+
+        path = pathlib.Path("compat_matrix.toml")
+        date = datetime.date.today().isoformat()
+        path.write_text(with_result(path.read_text(), TestedCombination(core_v, vendor_name, vendor_v, platform,
+                                                                         result, date)))
+        session.log(f"recorded {result} for core {core_v} x {vendor_name} {vendor_v} on {platform}")
+    if result == "fail":
+        session.error("the contract suite failed")
+
+
+_REFUSAL_CHECK = """
+import sys
+from lowlat.plugin import IncompatibleCoreVersion, discover
+plugin, core = sys.argv[1], sys.argv[2]
+info = discover([plugin]).plugins[plugin]
+assert info.status == "incompatible", f"core {core} loaded {plugin} although its range excludes it: {info}"
+try:
+    info.raise_if_unusable()
+except IncompatibleCoreVersion as e:
+    msg = str(e)
+    assert core in msg and info.core_range.split(",")[0].lstrip("<>=!~") in msg and "install" in msg, msg
+    print("refused as expected:", msg)
+else:
+    raise AssertionError("no IncompatibleCoreVersion raised")
+"""
+
+
+def _checkout(session: nox.Session, path: str, commit: str, tmp) -> object:  # type: ignore[no-untyped-def]
+    """``path`` from ``commit`` (``git archive``) under ``tmp``; the working tree's ``path`` when commit is empty."""
+    import pathlib
+    import subprocess
+
+    if not commit:
+        return pathlib.Path(path).resolve()
+    dest = pathlib.Path(tmp) / commit[:12]
+    if not (dest / path).exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", commit, path], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest / path

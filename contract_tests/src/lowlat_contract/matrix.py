@@ -53,6 +53,8 @@ class VendorRelease:
 
 @dataclass(frozen=True)
 class TestedCombination:
+    __test__ = False  # not a pytest test class
+
     core: str
     vendor: str
     vendor_version: str
@@ -124,3 +126,32 @@ def parse_matrix(text: str) -> Matrix:
 def load_matrix(path: str | Path) -> Matrix:
     """Read and parse ``path`` (compat_matrix.toml)."""
     return parse_matrix(Path(path).read_text())
+
+
+TESTED_MARKER = "# --- tested combinations: `nox -s contract -- --update` rewrites everything below this line ---"
+
+
+def render_tested(entries: tuple[TestedCombination, ...] | list[TestedCombination]) -> str:
+    """The [[tested]] tables as TOML text, in a stable order (core, vendor, vendor version, platform)."""
+    out = []
+    for t in sorted(entries, key=lambda e: (e.core, e.vendor, e.vendor_version, e.platform)):
+        lines = ["[[tested]]"] + [f'{f.name} = "{getattr(t, f.name)}"' for f in fields(t)
+                                  if f.name != "note" or t.note]
+        out.append("\n".join(lines))
+    return "\n\n".join(out) + ("\n" if out else "")
+
+
+def with_result(text: str, result: TestedCombination) -> str:
+    """``text`` (compat_matrix.toml) with ``result`` replacing the entry of the same combination, or added.
+
+    Everything above TESTED_MARKER is kept byte for byte; the tested tables below it are re-rendered.
+    Raises:
+        MatrixError: the new text would not parse (e.g. the result names an unknown release).
+    """
+    matrix = parse_matrix(text)
+    key = (result.core, result.vendor, result.vendor_version, result.platform)
+    kept = [t for t in matrix.tested if (t.core, t.vendor, t.vendor_version, t.platform) != key]
+    head = text.split(TESTED_MARKER)[0].rstrip("\n")
+    new = f"{head}\n\n{TESTED_MARKER}\n\n{render_tested([*kept, result])}"
+    parse_matrix(new)
+    return new
