@@ -14,7 +14,7 @@ nox.options.reuse_existing_virtualenvs = True
 TORCH = "torch==2.13.0"
 PACKAGES = ["-e", "core[test]", "-e", "vendors/nvidia_mega", "-e", "vendors/amd_mono", "-e", "contract_tests"]
 TEST_DIRS = ["core/tests", "vendors/nvidia_mega/tests", "vendors/amd_mono/tests", "contract_tests/tests"]
-CONTRACT_PLUGINS = ["nvidia_mega"]  # vendors held to the contract suite in every test run (CPU: Triton interpreter)
+CONTRACT_PLUGINS = ["nvidia_mega", "amd_mono"]  # vendors held to the contract suite in every test run (CPU: Triton interpreter)
 DISTRIBUTIONS = ["core", "vendors/nvidia_mega", "vendors/amd_mono", "contract_tests"]
 
 

@@ -29,7 +29,7 @@ def test_good_plugin_is_discovered_with_its_distribution(site):
     reg = discover(["good"])
     info = reg.get("good")
     assert (info.distribution, info.version, info.status) == ("lowlat-test-good", "2.3", "ok")
-    assert info.core_range == "<0.2,>=0.1.0.dev0"
+    assert info.core_range == "<0.3,>=0.2"
     assert [s.architecture for s in info.specs] == ["LlamaForCausalLM"]
 
 
@@ -81,7 +81,7 @@ def test_core_range_excluding_running_core_is_refused_with_remedy(site):
     reg = discover(["old", "future"])
     old, future = reg.plugins["old"], reg.plugins["future"]
     assert old.status == future.status == "incompatible"
-    with pytest.raises(IncompatibleCoreVersion, match=r"lowlat-old 0.0.5.*requires lowlat<0.1.0.dev0.*lowlat 0.1"):
+    with pytest.raises(IncompatibleCoreVersion, match=r"lowlat-old 0.0.5.*requires lowlat<0.1.0.dev0.*lowlat 0.2"):
         reg.get("old")
     assert "install a newer lowlat-old" in old.error
     assert "pip install 'lowlat>=0.5'" in future.error

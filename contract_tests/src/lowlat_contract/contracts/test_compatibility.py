@@ -144,7 +144,7 @@ def test_declares_a_core_range(case: Any) -> None:
 
     info = discover(allowlist=[case.plugin]).get(case.plugin)
     assert info.core_range, (f"{info.distribution} {info.version} declares no core range; add a dependency such as "
-                             f"'lowlat>=0.1,<0.2' to its pyproject.toml (docs/contract.md)")
+                             f"'lowlat>=0.2,<0.3' to its pyproject.toml (docs/contract.md)")
 
 
 @pytest.mark.parametrize("side", ["below", "above"])

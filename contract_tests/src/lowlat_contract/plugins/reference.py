@@ -4,8 +4,9 @@ It shows what a plugin does with the interface and passes every contract. It bui
 from ``binding.params`` at build time (transposed views, ``x @ W_t`` instead of ``F.linear``, with its own
 q/k/v, gate/up and expert offsets; views, so the weights are not held twice), reads the KV
 pool through ``binding.on_kv_pool_ready``, and runs its own paged attention (one SDPA call over each
-request's gathered ``req_to_token`` row, masked by *position*), its own RoPE tables (HF's default, linear and
-Llama-3 inverse-frequency rules, ``transformers.modeling_rope_utils``), q/k RMSNorm and a dense-over-experts
+request's gathered ``req_to_token`` row, masked by *position*), RoPE with core's tables from
+``binding.rope_cos_sin()`` (plugin API 2, so positions rotate bit for bit as on the general path), q/k
+RMSNorm and a dense-over-experts
 MoE (every expert computed, combined with zero weight for the unselected ones: simple and capturable).
 Math: HF ``modeling_llama`` / ``modeling_qwen3`` / ``modeling_qwen3_moe`` (docs/agent-brief.md, "Math").
 
@@ -16,7 +17,6 @@ are summed with ``all_reduce`` and the vocab-parallel logits concatenated with `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,37 +61,6 @@ HOOKS = SpecHooks(reference_specs)
 def build(binding: Any) -> ReferenceForward:
     """The spec's ``build``: a ReferenceForward over this rank's parameters."""
     return ReferenceForward(binding)
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies: HF's default, ``linear`` and ``llama3`` rules.
-
-    Raises:
-        ValueError: another rope type, or a llama3 dict lacking one of its four keys.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    base = 1.0 / theta ** exponents
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind == "default":
-        return base
-    if kind == "linear":
-        return base / float(scaling["factor"])  # type: ignore[index]
-    if kind != "llama3":
-        raise ValueError(f"the reference plugin implements rope types default, linear and llama3, not {kind!r}")
-    s = scaling or {}
-    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-               if k not in s]
-    if missing:
-        raise ValueError(f"llama3 rope_scaling lacks {missing}")
-    factor, low, high, orig = (s["factor"], s["low_freq_factor"], s["high_freq_factor"],
-                               s["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / base
-    long_waves = wavelength > orig / low  # low frequencies: divided by factor
-    short_waves = wavelength < orig / high  # high frequencies: kept
-    divided = torch.where(long_waves, base / factor, base)
-    ramp = (orig / wavelength - low) / (high - low)
-    blended = (1 - ramp) * divided / factor + ramp * divided
-    return torch.where(~long_waves & ~short_waves, blended, divided)
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -151,10 +120,8 @@ class ReferenceForward:
         if self.local_heads <= 0 or self.local_kv_heads <= 0 or self.local_heads % self.local_kv_heads:
             raise ValueError(f"qkv_proj / o_proj shapes give {self.local_heads} q heads and {self.local_kv_heads} "
                              f"kv heads per rank, which do not fit head_dim={self.head_dim}")
-        inv = rope_inverse_frequencies(self.head_dim, c.rope_theta, c.rope_scaling)
-        angles = torch.arange(binding.engine_config.max_context_len, dtype=torch.float32)[:, None] * inv[None]
-        angles = torch.cat((angles, angles), dim=-1).to(self.device)
-        self.cos_table, self.sin_table = angles.cos(), angles.sin()
+        cos, sin = binding.rope_cos_sin()  # plugin API 2: core's tables, bit for bit the general path's
+        self.cos_table, self.sin_table = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         self.pool: Any = None
         binding.on_kv_pool_ready(self._set_pool)
 

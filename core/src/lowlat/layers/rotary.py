@@ -47,6 +47,17 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_angles(head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int,
+                device: torch.device | str) -> torch.Tensor:
+    """[max_positions, head_dim / 2] float32 angles ``float(pos) * inv_freq`` on ``device``.
+
+    The single source of the general path's RoPE tables and of ``lowlat.plugin.rope_tables`` (plugin API 2),
+    so plugins get them bit for bit. Raises ValueError for an unsupported rope type (see ``rope_inv_freq``).
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+    return torch.arange(max_positions, device=device, dtype=torch.int64).float()[:, None] * inv_freq
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., D]: (x1, x2) -> (-x2, x1) over the two halves of the last dim."""
     half = x.shape[-1] // 2
@@ -75,8 +86,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
-        freqs = torch.arange(max_positions, device=device, dtype=torch.int64).float()[:, None] * inv_freq
+        freqs = rope_angles(head_dim, theta, scaling, max_positions, device)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.max_positions = max_positions
         self.register_buffer("cos_cache", emb.cos(), persistent=False)

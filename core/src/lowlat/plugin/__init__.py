@@ -3,6 +3,7 @@
 Public names are re-exported here once; the modules beside this file are the implementation.
 """
 
+from lowlat.plugin.binding import KVPoolNotReady, PluginBinding, PluginForward, rope_tables
 from lowlat.plugin.discovery import PluginInfo, PluginRegistry, discover
 from lowlat.plugin.errors import (
     IncompatibleCoreVersion,
@@ -25,9 +26,12 @@ __all__ = [
     "Coverage",
     "GuardTrace",
     "IncompatibleCoreVersion",
+    "KVPoolNotReady",
     "LowlatPluginError",
     "ModelSpec",
     "PlatformRequirement",
+    "PluginBinding",
+    "PluginForward",
     "PluginBuildError",
     "PluginInfo",
     "PluginLoadError",
@@ -43,6 +47,7 @@ __all__ = [
     "evaluate",
     "hookimpl",
     "hookspec",
+    "rope_tables",
     "select_plugin",
     "spec_from_mapping",
 ]

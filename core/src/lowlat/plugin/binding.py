@@ -34,6 +34,25 @@ class PluginForward(Protocol):
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
 
+def rope_tables(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, max_positions: int,
+                device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE cos/sin tables equal bit for bit to the general path's (plugin API 2).
+
+    Angles are ``float(pos) * inv_freq`` in float32 with HF's default, linear and Llama-3 rope scaling rules
+    (``lowlat.layers.rotary``); the general path's tables repeat these two halves along head_dim
+    (neox-style rotate_half).
+
+    Returns:
+        (cos, sin), each float32 [max_positions, head_dim // 2], contiguous, on ``device``.
+    Raises:
+        ValueError: the model's rope_scaling type is not supported.
+    """
+    from lowlat.layers.rotary import rope_angles
+
+    freqs = rope_angles(head_dim, rope_theta, rope_scaling, max_positions, device)
+    return freqs.cos().contiguous(), freqs.sin().contiguous()
+
+
 class KVPoolNotReady(LowlatPluginError):
     """``binding.kv_pool`` was read during build, before the pool is sized."""
 
@@ -79,6 +98,16 @@ class PluginBinding:
         self._budget = workspace_budget_bytes
         self._kv_pool: Any = None
         self._kv_callbacks: list[Callable[[Any], None]] = []
+
+    def rope_cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The general path's RoPE tables (plugin API 2): see ``lowlat.plugin.rope_tables``.
+
+        Returns:
+            (cos, sin), each float32 [engine_config.max_context_len, head_dim // 2] on ``device``; NOT counted as
+            a workspace (copy it through ``alloc_workspace`` to have it accounted, as the tables are small).
+        """
+        mc = self.model_config
+        return rope_tables(mc.head_dim, mc.rope_theta, mc.rope_scaling, self.engine_config.max_context_len, self.device)
 
     def alloc_workspace(self, name: str, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """Allocate an accounted, zero-filled workspace tensor on the model's device.

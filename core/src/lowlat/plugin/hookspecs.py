@@ -17,7 +17,7 @@ import pluggy
 
 PROJECT_NAME = "lowlat"
 ENTRY_POINT_GROUP = "lowlat.plugins"
-PLUGIN_API_VERSION = 1
+PLUGIN_API_VERSION = 2  # 2: PluginBinding.rope_cos_sin / lowlat.plugin.rope_tables
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -17,7 +17,7 @@ from lowlat.plugin.errors import PluginBuildError
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
-from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_workspace_numel, rope_cos_sin
+from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, plan_gemm, splitk_workspace_numel
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -82,7 +82,7 @@ def build(binding: Any) -> MegaForward:
         counters[name] = cnt[off:off + n]
         off += n
     n_o, n_l = _attention_partials(mc, ec.max_context_len, sms)
-    cos, sin = rope_cos_sin(d, mc.rope_theta, ec.max_context_len, mc.rope_scaling, dev)
+    cos, sin = binding.rope_cos_sin()  # plugin API 2: the general path's tables
     cos_ws, sin_ws = alloc("rope_cos", tuple(cos.shape), f32), alloc("rope_sin", tuple(sin.shape), f32)
     cos_ws.copy_(cos)
     sin_ws.copy_(sin)

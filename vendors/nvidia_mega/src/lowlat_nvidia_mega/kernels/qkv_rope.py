@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from lowlat.layers.rotary import rope_inv_freq
+from lowlat.plugin import rope_tables
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.small_gemm import (
@@ -268,13 +268,10 @@ def rope_cos_sin(head_dim: int, rope_theta: float, max_pos: int, rope_scaling: d
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos, sin`` tables [max_pos, head_dim / 2] for positions 0..max_pos-1.
 
-    The first half of the general path's tables (``lowlat.layers.rotary.RotaryEmbedding``, whose two halves are
-    equal), computed the same way, so they match it bit for bit: ``inv_freq`` from ``rope_inv_freq`` (HF's
-    default, linear and Llama-3 rules, on the CPU), angles ``float(pos) * inv_freq`` in fp32 on ``device``.
+    Core's tables through plugin API 2 (``lowlat.plugin.rope_tables``): the first half of the general path's
+    tables, bit for bit (HF's default, linear and Llama-3 rules; angles ``float(pos) * inv_freq`` in fp32).
 
     Raises:
         ValueError: for a rope type ``rope_inv_freq`` does not support.
     """
-    inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(device)
-    freqs = torch.arange(max_pos, device=device, dtype=torch.int64).float()[:, None] * inv_freq
-    return freqs.cos().contiguous(), freqs.sin().contiguous()
+    return rope_tables(head_dim, rope_theta, rope_scaling, max_pos, device)

@@ -1,0 +1,205 @@
+"""Time one decoder layer of lowlat-amd-mono (K1 + K2) on a GPU, against the general path, with stage variants.
+
+Usage (on the H200; about a minute with a warm Triton cache, under two minutes cold):
+    PYTHONPATH=core/src:vendors/amd_mono/src python vendors/amd_mono/bench_layers.py
+    ... --models llama-3.2-1b --rows 1 --overlaps     # also PDL off and L2 prefetch off (extra compiles)
+    ... --staged                                      # also the stage-per-launch mode (extra compiles)
+
+Method: a model cut to ``--layers`` distinct decoder layers (so weights do not stay in L2 between replays) with
+seeded random weights made on the GPU; each request has ``--ctx`` cached tokens. A CUDA graph holds the
+embedding launch (it bumps the step tag) plus every layer's K1 and K2; another holds the embedding alone.
+Per layer = (median replay of the first - median of the second) / layers. The general path is the same cut
+model's decoder layers (lowlat.models) in a CUDA graph. "skip S" re-captures with stage S's compute skipped in
+every layer (it still publishes), so "full - skip S" is what stage S costs on the critical path. The roofline
+is the bytes a layer must read (weights it touches, K/V) over the measured device-copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from lowlat.loader.presets import get_preset, with_layers
+from lowlat.loader.synthetic import iter_synthetic_weights
+from lowlat.models import build_model
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.runtime.kv_cache import KVPool
+from lowlat_amd_mono.forward import MonoForward
+from lowlat_amd_mono.kernels import plan as P
+from lowlat_amd_mono.kernels.embed_head import embed_kernel
+from lowlat_amd_mono.kernels.launch import MonoOptions
+
+DEV = torch.device("cuda")
+
+
+def graph_median_us(fn, reps: int = 20, inner: int = 5) -> float:
+    """Median time of ``fn`` replayed from a CUDA graph (warm-up excluded), in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        for _ in range(inner):
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (1 GiB, median of 10)."""
+    a = torch.empty(1 << 29, dtype=torch.int16, device=DEV)
+    b = torch.empty_like(a)
+    us = graph_median_us(lambda: b.copy_(a), reps=10, inner=2)
+    return 2 * a.numel() * 2 / (us * 1e-6)
+
+
+def layer_bytes(cfg, rows: int, ctx: int) -> float:
+    """Bytes one decoder layer must read at ``rows`` requests of ``ctx`` tokens (bf16)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d * h + cfg.num_attention_heads * d * h) * 2
+    kv = rows * ctx * cfg.num_key_value_heads * d * 2 * 2
+    if cfg.is_moe_layer(0):
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        unique = e * (1 - (1 - k / e) ** rows)  # expected distinct experts under uniform routing
+        mlp = (e * h + unique * 3 * cfg.moe_intermediate_size * h) * 2
+    else:
+        mlp = 3 * cfg.intermediate_size * h * 2
+    return attn + kv + mlp
+
+
+class LayerBench:
+    """One cut model, its KV pool and a DECODE batch of ``rows`` requests with ``ctx`` cached tokens each."""
+
+    def __init__(self, preset: str, layers: int, rows: int, ctx: int) -> None:
+        self.cfg = with_layers(get_preset(preset), layers)
+        self.model = build_model(self.cfg, dtype=torch.bfloat16, device=DEV, max_context_len=ctx + 64)
+        self.model.load_weights(iter_synthetic_weights(self.cfg, seed=0, dtype=torch.bfloat16, device=DEV))
+        self.params = dict(self.model.named_parameters())
+        c = self.cfg
+        page = 16
+        self.pool = KVPool(num_layers=c.num_hidden_layers, num_pages=rows * (ctx + 64) // page + 2, page_size=page,
+                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16,
+                           device=DEV, max_reqs=rows, max_context_len=ctx + 64)
+        for buf in (*self.pool.k_buffers, *self.pool.v_buffers):
+            buf.normal_()
+        reqs = [self.pool.alloc_req() for _ in range(rows)]
+        for r in reqs:
+            self.pool.alloc_slots(r, ctx)
+        loc = torch.cat([self.pool.alloc_slots(r, ctx + 1) for r in reqs])
+        ids = torch.randint(0, c.vocab_size, (rows,))
+        self.batch = ForwardBatch.build(ForwardMode.DECODE, ids, [ctx] * rows, [1] * rows, reqs, loc, DEV)
+        self.rows = rows
+
+    def mono(self, **extra) -> MonoForward:
+        opts = MonoOptions.resolve(DEV, extra)
+        fwd = MonoForward(model_config=self.cfg, params=self.params, dtype=torch.bfloat16, device=DEV,
+                          alloc_workspace=lambda n, s, d: torch.zeros(s, dtype=d, device=DEV),
+                          max_context_len=self.pool.max_context_len, options=opts)
+        fwd.attach_kv_pool(self.pool)
+        return fwd
+
+    def mono_layer_us(self, fwd: MonoForward) -> float:
+        b = self.batch
+        shape = fwd.plan.step_shape(self.rows, 1)
+
+        def embed() -> None:
+            embed_kernel[(self.rows,)](b.input_ids, fwd.w["embed"], fwd.x, fwd.step, H=self.cfg.hidden_size,
+                                       BH=min(1024, P.next_pow2(self.cfg.hidden_size)))
+
+        def layers() -> None:
+            embed()
+            for i in range(self.cfg.num_hidden_layers):
+                fwd._k1(i, b, shape)
+                fwd._k2(i, b, shape)
+
+        full = graph_median_us(layers)
+        fwd.check_errors()
+        return (full - graph_median_us(embed)) / self.cfg.num_hidden_layers
+
+    def general_layer_us(self) -> float:
+        m, b = self.model, self.batch
+        x = m.model.embed_tokens(b.input_ids)
+        cos, sin = m.model.rotary_emb(b.positions, x.dtype)
+
+        def layers() -> None:
+            y = x
+            for layer in m.model.layers:
+                y = layer(y, cos, sin, b, self.pool, None)
+
+        return graph_median_us(layers) / self.cfg.num_hidden_layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama-3.2-1b,qwen3-30b-a3b")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--layers", type=int, default=0, help="distinct layers per graph (default: 4 dense, 2 MoE)")
+    ap.add_argument("--ctx", type=int, default=512, help="cached tokens per request")
+    ap.add_argument("--overlaps", action="store_true", help="also time PDL off and L2 prefetch off")
+    ap.add_argument("--staged", action="store_true", help="also time the stage-per-launch mode")
+    ap.add_argument("--no-skips", action="store_true", help="leave out the skip-one-stage variants")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_layers.py needs a GPU", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    bw = copy_bandwidth()
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
+    hdr = f"{'model':16s} {'rows':>4s} {'variant':34s} {'us/layer':>9s} {'vs general':>10s} {'roofline %':>10s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for preset in args.models.split(","):
+        moe = get_preset(preset).is_moe
+        for rows in (int(r) for r in args.rows.split(",")):
+            lb = LayerBench(preset, args.layers or (2 if moe else 4), rows, args.ctx)
+            roof = layer_bytes(lb.cfg, rows, args.ctx) / bw * 1e6
+            try:
+                general = lb.general_layer_us()
+            except Exception as e:  # the general path is only the reference here; keep timing amd_mono
+                print(f"{preset:16s} {rows:4d} general path not timed: {type(e).__name__}: {e}", flush=True)
+                general = float("nan")
+
+            def row(variant: str, us: float, preset: str = preset, rows: int = rows, general: float = general,
+                    roof: float = roof) -> None:
+                print(f"{preset:16s} {rows:4d} {variant:34s} {us:9.1f} {general / us:9.2f}x {100 * roof / us:9.0f}%",
+                      flush=True)
+
+            row("general path (lowlat.models)", general)
+            print(f"{preset:16s} {rows:4d} {'roofline':34s} {roof:9.1f}")
+            fwd = lb.mono()
+            full = lb.mono_layer_us(fwd)
+            row(f"amd_mono persistent (pdl={fwd.options.pdl})", full)
+            if not args.no_skips:
+                stages = P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES)
+                for st in stages:
+                    for i in range(lb.cfg.num_hidden_layers):
+                        fwd.set_debug(i, skip=(st,))
+                    us = lb.mono_layer_us(fwd)
+                    row(f"  skip {fwd.stage_name(0, st)} (saves {full - us:+.1f})", us)
+                for i in range(lb.cfg.num_hidden_layers):
+                    fwd.set_debug(i)
+            if args.overlaps:
+                row("  PDL off (cooperative launch)", lb.mono_layer_us(lb.mono(amd_mono_pdl=False)))
+                row("  L2 prefetch off", lb.mono_layer_us(lb.mono(amd_mono_l2_prefetch_bytes=0)))
+            if args.staged:
+                row("  stage per launch", lb.mono_layer_us(lb.mono(amd_mono_staged=True)))
+            del lb, fwd
+            torch.cuda.empty_cache()
+    print(f"# {time.time() - t_start:.0f} s; per layer = (graph of embed + layers - graph of embed) / layers; "
+          f"ctx {args.ctx}; roofline = weights touched + KV read at the copy bandwidth")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

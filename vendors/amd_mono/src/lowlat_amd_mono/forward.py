@@ -1,0 +1,295 @@
+"""MonoForward: a decode/verify step as embedding, two persistent launches per decoder layer, and the LM head.
+
+Per step: ``embed_kernel`` (also bumps the device step tag), then for each layer K1 (``k1_attn_in``) and K2
+(``k2_attn_out_mlp``), then ``head_kernel``. The residual stream lives in the workspace ``x [8, H]`` between
+launches. Everything a launch reads comes from device tensors, so a captured CUDA graph replays correctly
+with new inputs and a new tag. A missed deadline inside a launch is reported by ``check_errors`` (eager steps
+check after every step; captured steps are checked at the next ``prepare_for_replay``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton.language as tl
+from lowlat.config import ModelConfig
+from lowlat.plugin import rope_tables as core_rope_tables
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+
+from lowlat_amd_mono.kernels import interp
+from lowlat_amd_mono.kernels import plan as P
+from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
+from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
+from lowlat_amd_mono.kernels.k2_attn_out_mlp import k2_dense_kernel, k2_moe_kernel
+from lowlat_amd_mono.kernels.launch import MonoOptions, StageRunner, is_interpreted
+from lowlat_amd_mono.kernels.sync import CTL_SIZE
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+AllocFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class MonoStageTimeout(RuntimeError):
+    """A cross-workgroup wait missed its deadline; every workgroup left the launch and the step's output is
+    invalid. Attributes: ``layer``, ``stage`` (the waiting stage's name), ``awaited`` (the stage it waited on)."""
+
+    def __init__(self, layer: int, stage: str, awaited: str, item: int, deadline_ms: float) -> None:
+        self.layer, self.stage, self.awaited = layer, stage, awaited
+        super().__init__(
+            f"amd_mono: layer {layer}, stage {stage} waited more than {deadline_ms:g} ms for {awaited} "
+            f"(item {item}) and aborted the step; every workgroup left the launch. Rerun with "
+            "LOWLAT_MONO_STAGED=1 to run the stages as separate launches, or raise LOWLAT_MONO_DEADLINE_MS")
+
+
+def rope_tables(cfg: ModelConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[max_len, head_dim / 2]`` float32 on ``device``: core's tables (plugin API 2), bit for bit
+    the general path's. Raises ValueError for a rope_scaling type core does not support."""
+    return core_rope_tables(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len, device)
+
+
+class MonoForward:
+    """The plugin forward of lowlat-amd-mono (``PluginForward``): DECODE/VERIFY steps of 1 to 8 rows.
+
+    Args:
+        model_config: the model's shapes; params: tensors named as in the general model (tp_size 1);
+        dtype, device: compute dtype and device; alloc_workspace: accounted allocator ``(name, shape, dtype)``;
+        max_context_len: the longest sequence (RoPE table size); options: launch options (resolved from the
+        environment when None).
+    Raises:
+        ValueError: a missing parameter or one of the wrong shape, or a head_dim that is not a power of two >= 16.
+    """
+
+    def __init__(self, *, model_config: ModelConfig, params: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, alloc_workspace: AllocFn, max_context_len: int,
+                 options: MonoOptions | None = None) -> None:
+        self.cfg = model_config
+        self.dims = dm = P.Dims.from_config(model_config)
+        if dm.head_dim < 16 or dm.head_dim & (dm.head_dim - 1):
+            raise ValueError(f"amd_mono needs head_dim a power of two >= 16, got {dm.head_dim}")
+        if dtype not in _TL_DTYPES:
+            raise ValueError(f"amd_mono runs bfloat16, float16 or float32, not {dtype}")
+        self.device, self.dtype, self.max_context_len = torch.device(device), dtype, max_context_len
+        self.interpret = is_interpreted(k1_attn_in_kernel)
+        if self.interpret:
+            interp.install()
+        if self.device.type == "cpu" and not self.interpret:
+            raise ValueError("amd_mono runs on CPU only under the Triton interpreter: set TRITON_INTERPRET=1 before "
+                             "importing lowlat_amd_mono")
+        self.options = options or MonoOptions.resolve(self.device, interpret=self.interpret)
+        if self.options.staged:
+            nprog = 4 if self.device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            nprog = torch.cuda.get_device_properties(device).multi_processor_count * self.options.programs_per_sm
+        self.plan = P.MonoPlan.build(dm, nprog, interpret=self.interpret)
+        self.runner = StageRunner(self.device, self.options, self.interpret, nprog)
+        self.w = _bind_weights(params, dm, dtype)
+        self.vocab = dm.vocab
+        g, mi = dm.group, self.plan.max_items
+        alloc = alloc_workspace
+        self.x = alloc("amd_mono.x", (P.MAX_ROWS, dm.hidden), dtype)
+        self.x_mid = alloc("amd_mono.x_mid", (P.MAX_ROWS, dm.hidden), dtype)
+        self.q = alloc("amd_mono.q", (P.MAX_ROWS, dm.heads * dm.head_dim), dtype)
+        self.attn_out = alloc("amd_mono.attn_out", (P.MAX_ROWS, dm.heads * dm.head_dim), dtype)
+        self.qkv_part = alloc("amd_mono.qkv_part", (self.plan.qkv.ksplit, P.MAX_ROWS, dm.qkv_rows), torch.float32)
+        rows_att = dm.kv_heads * self.plan.nsplit_max * P.MAX_ROWS * g
+        self.att_op = alloc("amd_mono.att_op", (rows_att, dm.head_dim), torch.float32)
+        self.att_ml = alloc("amd_mono.att_ml", (rows_att, 2), torch.float32)
+        self.act = alloc("amd_mono.act", (P.MAX_ROWS, max(dm.inter, 1)), dtype)
+        self.router_logits = alloc("amd_mono.router_logits", (P.MAX_ROWS, max(dm.experts, 1)), torch.float32)
+        self.act_moe = alloc("amd_mono.act_moe", (P.MAX_ROWS * max(dm.topk, 1), P.MAX_ROWS, max(dm.moe_inter, 1)),
+                             dtype)
+        self.slot_e = alloc("amd_mono.slot_e", (P.MAX_ROWS * max(dm.topk, 1),), torch.int32)
+        self.slot_w = alloc("amd_mono.slot_w", (P.MAX_ROWS * max(dm.topk, 1), 16), torch.float32)
+        self.flags = alloc("amd_mono.flags", (dm.layers, P.NUM_STAGES, mi), torch.int32)
+        self.ctl = alloc("amd_mono.ctl", (CTL_SIZE,), torch.int32)
+        self.step = alloc("amd_mono.step", (1,), torch.int32)
+        for t in (self.flags, self.ctl, self.step):
+            t.zero_()
+        self.cos, self.sin = rope_tables(model_config, max_context_len, self.device)
+        self._ctl_host = torch.zeros(CTL_SIZE, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._errors_seen = 0
+        self.kv_pool: Any = None
+        self.debug_masks = [0] * dm.layers  # per layer: skip (bits 0-7) / never publish (bits 8-15) per stage
+
+    # ----- plugin API -------------------------------------------------------------------------------------
+    def attach_kv_pool(self, kv_pool: Any) -> None:
+        """Bind the engine's KV pool (``binding.on_kv_pool_ready`` callback). Raises ValueError on a mismatch."""
+        want = (self.dims.kv_heads, self.dims.head_dim)
+        k0 = kv_pool.k_buffers[0]
+        if len(kv_pool.k_buffers) != self.dims.layers or tuple(k0.shape[1:]) != want or k0.dtype != self.dtype:
+            raise ValueError(f"KV pool has {len(kv_pool.k_buffers)} layers of {tuple(k0.shape)} {k0.dtype}; "
+                             f"amd_mono needs {self.dims.layers} layers of [slots, {want[0]}, {want[1]}] {self.dtype}")
+        if not all(b.is_contiguous() for b in (*kv_pool.k_buffers, *kv_pool.v_buffers)):
+            raise ValueError("amd_mono needs contiguous KV buffers")
+        self.kv_pool = kv_pool
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        """DECODE or VERIFY steps of 1 to 8 rows with a uniform token count per request, once the pool exists."""
+        tpr = _tokens_per_req(batch)
+        n = batch.num_tokens
+        if self.kv_pool is None or batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.VERIFY):
+            return False
+        if not tpr or not 1 <= n <= P.MAX_ROWS or n % tpr:
+            return False
+        return batch.seq_lens_cpu is None or max(batch.seq_lens_cpu) <= self.max_context_len
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[T, vocab]`` and writes every layer's K/V at out_cache_loc.
+
+        Raises:
+            RuntimeError: the KV pool is not attached yet; ValueError: a step ``supports`` refuses;
+            MonoStageTimeout: (eager steps) a wait missed its deadline; ResidencyError: the grid cannot fit.
+        """
+        if self.kv_pool is None:
+            raise RuntimeError("amd_mono forward called before the KV pool exists (binding.on_kv_pool_ready)")
+        if not self.supports(batch):
+            raise ValueError(f"amd_mono serves DECODE/VERIFY steps of 1..{P.MAX_ROWS} uniform rows; got "
+                             f"{batch.forward_mode.name} with {batch.num_tokens} tokens")
+        shape = self.plan.step_shape(batch.num_tokens, _tokens_per_req(batch))
+        dm = self.dims
+        embed_kernel[(shape.rows,)](batch.input_ids, self.w["embed"], self.x, self.step, H=dm.hidden,
+                                    BH=min(1024, P.next_pow2(dm.hidden)))
+        for layer in range(dm.layers):
+            self._k1(layer, batch, shape)
+            self._k2(layer, batch, shape)
+        logits = torch.empty(shape.rows, self.vocab, dtype=torch.float32, device=self.device)
+        bn = self.plan.head_bn
+        head_kernel[(P.cdiv(self.vocab, bn),)](
+            self.x, self.w["norm"], self.w["lm_head"], logits, shape.rows, self.vocab, self.vocab, dm.eps,
+            H=dm.hidden, BN=bn, BK=self.plan.head_bk, DT=_TL_DTYPES[self.dtype], INTERP=self.interpret,
+            PREC=self._prec, USE_PDL=self.options.pdl, **({"launch_pdl": True} if self.options.pdl else {}))
+        if not self.options.staged:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                self._ctl_host.copy_(self.ctl, non_blocking=True)
+            else:
+                self.check_errors()
+        return logits
+
+    def prepare_for_replay(self, batch: ForwardBatch) -> None:
+        """Before a graph replay: raise the error a previous replay recorded (read from pinned memory)."""
+        self._raise_if_new(self._ctl_host.tolist())
+
+    def check_errors(self) -> None:
+        """Synchronize on the error record and raise MonoStageTimeout if a wait missed its deadline since the last
+        check (the record names the layer, the waiting stage and the stage it waited for)."""
+        self._raise_if_new(self.ctl.tolist())
+
+    # ----- test and benchmark hooks ---------------------------------------------------------------------------
+    def set_debug(self, layer: int, *, skip: tuple[int, ...] = (), never_publish: tuple[int, ...] = ()) -> None:
+        """Alter stages of ``layer`` (stage ids from ``kernels.plan``): skip their compute (they still publish),
+        or make them never publish (fault injection). Eager steps only: a captured graph keeps its values."""
+        self.debug_masks[layer] = sum(1 << s for s in skip) | sum(1 << (8 + s) for s in never_publish)
+
+    def stage_name(self, layer: int, stage: int) -> str:
+        names = P.STAGE_NAMES_MOE if self.dims.moe_layers[layer] else P.STAGE_NAMES_DENSE
+        return names.get(stage, f"stage {stage}")
+
+    # ----- internals -------------------------------------------------------------------------------------------
+    @property
+    def _prec(self) -> str | None:
+        return "ieee" if self.dtype == torch.float32 else None
+
+    def _raise_if_new(self, rec: list[int]) -> None:
+        if rec[1] <= self._errors_seen:
+            return
+        self._errors_seen = rec[1]
+        layer, stage, awaited, item = rec[3], rec[4], rec[5], rec[6]
+        raise MonoStageTimeout(layer, self.stage_name(layer, stage), self.stage_name(layer, awaited), item,
+                               self.options.deadline_ms)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"DT": _TL_DTYPES[self.dtype], "PREC": self._prec, **self.runner.common_meta()}
+
+    def _pf_bytes(self) -> int:
+        return self.options.l2_prefetch_bytes // 16 * 16
+
+    def _k1(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> None:
+        dm, pl, w = self.dims, self.plan, self.w["layers"][layer]
+        args = (self.x, self.q, self.qkv_part, self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer],
+                w["ln1"], w["qkv"], w["q_norm"], w["k_norm"], b.positions, b.out_cache_loc, self.cos, self.sin,
+                self.flags[layer], self.ctl, self.step,
+                shape.rows, layer, self.runner.deadline, self.debug_masks[layer], dm.eps)
+        meta = dict(H=dm.hidden, HQ=dm.heads, HKV=dm.kv_heads, D=dm.head_dim, BN=pl.qkv.bn, BK=pl.qkv.bk,
+                    KS=pl.qkv.ksplit, KCH=pl.qkv.kchunk, QK_NORM=dm.qk_norm, MAX_ITEMS=pl.max_items,
+                    PF_BYTES=self._pf_bytes(), **self._meta())
+        items = {s: pl.items(s, shape, False) for s in P.K1_STAGES}
+        self.runner.run("k1_attn_in", k1_attn_in_kernel, items, args, meta)
+
+    def _k2(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> None:
+        dm, pl, w = self.dims, self.plan, self.w["layers"][layer]
+        moe = dm.moe_layers[layer]
+        r2t = self.kv_pool.req_to_token
+        head = (self.x, self.x_mid, self.q, self.attn_out, self.att_op, self.att_ml)
+        kv = (self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer], b.seq_lens, b.req_pool_indices, r2t)
+        sync = (self.flags[layer], self.ctl, self.step)
+        scalars = (shape.rows, shape.batch, shape.nsplit, r2t.stride(0), layer, self.runner.deadline,
+                   self.debug_masks[layer], dm.eps, dm.head_dim ** -0.5 * math.log2(math.e))
+        meta = dict(H=dm.hidden, HQ=dm.heads, HKV=dm.kv_heads, D=dm.head_dim, TPR=shape.tpr, M_ATT=shape.m_att,
+                    BLOCK_S=pl.block_s, NSPLIT_MAX=pl.nsplit_max, BN_O=pl.o.bn, BK_O=pl.o.bk,
+                    MAX_ITEMS=pl.max_items, PF_BYTES=self._pf_bytes(), **self._meta())
+        if moe:
+            assert pl.router and pl.eup and pl.edown
+            args = (*head, self.router_logits, self.act_moe, self.slot_e, self.slot_w, *kv, w["o"], w["ln2"],
+                    w["router"], w["w13"], w["w2"], *sync, *scalars)
+            meta |= dict(E=dm.experts, E_P2=P.next_pow2(dm.experts), TOPK=dm.topk, NORM_TOPK=dm.norm_topk,
+                         IM=dm.moe_inter, BN_R=pl.router.bn, BK_R=pl.router.bk, BN_EU=pl.eup.bn, BK_EU=pl.eup.bk,
+                         BN_ED=pl.edown.bn, BK_ED=pl.edown.bk)
+            kernel, stages, name = k2_moe_kernel, P.K2_MOE_STAGES, "k2_attn_out_moe"
+        else:
+            assert pl.gu and pl.down
+            args = (*head, self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"], *sync, *scalars)
+            meta |= dict(INTER=dm.inter, BN_GU=pl.gu.bn, BK_GU=pl.gu.bk, BN_D=pl.down.bn, BK_D=pl.down.bk)
+            kernel, stages, name = k2_dense_kernel, P.K2_DENSE_STAGES, "k2_attn_out_mlp"
+        items = {s: pl.items(s, shape, moe) for s in stages}
+        self.runner.run(name, kernel, items, args, meta)
+
+
+def _tokens_per_req(batch: ForwardBatch) -> int | None:
+    """New tokens per request: the batch's uniform count (a DECODE batch without it has 1)."""
+    if batch.tokens_per_req:
+        return batch.tokens_per_req
+    return 1 if batch.forward_mode is ForwardMode.DECODE else None
+
+
+def _bind_weights(params: dict[str, torch.Tensor], dm: P.Dims, dtype: torch.dtype) -> dict[str, Any]:
+    """Look up and check every parameter the kernels read (names and layouts of the general model)."""
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in params:
+            raise ValueError(f"amd_mono needs parameter {name!r} {list(shape)}; it is missing from the loaded model")
+        t = params[name]
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"parameter {name!r} is {list(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); "
+                             f"amd_mono needs a contiguous {list(shape)} {dtype}")
+        return t
+
+    h, d = dm.hidden, dm.head_dim
+    embed = get("model.embed_tokens.weight", (params["model.embed_tokens.weight"].shape[0], h)
+                if "model.embed_tokens.weight" in params else (dm.vocab, h))
+    lm_name = "lm_head.weight" if "lm_head.weight" in params else "model.embed_tokens.weight"
+    lm = get(lm_name, (params[lm_name].shape[0], h) if lm_name in params else (dm.vocab, h))
+    if lm.shape[0] < dm.vocab:
+        raise ValueError(f"{lm_name} has {lm.shape[0]} rows, fewer than vocab_size={dm.vocab} (amd_mono runs tp 1)")
+    layers = []
+    for i in range(dm.layers):
+        p = f"model.layers.{i}."
+        lw = {"ln1": get(p + "input_layernorm.weight", (h,)),
+              "qkv": get(p + "self_attn.qkv_proj.weight", (dm.qkv_rows, h)),
+              "o": get(p + "self_attn.o_proj.weight", (h, dm.heads * d)),
+              "ln2": get(p + "post_attention_layernorm.weight", (h,))}
+        if dm.qk_norm:
+            lw["q_norm"] = get(p + "self_attn.q_norm.weight", (d,))
+            lw["k_norm"] = get(p + "self_attn.k_norm.weight", (d,))
+        else:
+            lw["q_norm"] = lw["k_norm"] = lw["ln1"]  # unread when QK_NORM is off
+        if dm.moe_layers[i]:
+            lw["router"] = get(p + "mlp.gate.weight", (dm.experts, h))
+            lw["w13"] = get(p + "mlp.experts.w13_weight", (dm.experts, 2 * dm.moe_inter, h))
+            lw["w2"] = get(p + "mlp.experts.w2_weight", (dm.experts, h, dm.moe_inter))
+        else:
+            lw["gate_up"] = get(p + "mlp.gate_up_proj.weight", (2 * dm.inter, h))
+            lw["down"] = get(p + "mlp.down_proj.weight", (h, dm.inter))
+        layers.append(lw)
+    return {"embed": embed, "lm_head": lm, "norm": get("model.norm.weight", (h,)), "layers": layers}

@@ -1,0 +1,56 @@
+"""The step's first and last launches: embedding (+ the step tag bump) and final RMSNorm + LM head.
+
+``embed_kernel``: program ``t`` copies ``embed[input_ids[t]]`` into ``x[t]``; program 0 also advances the
+device step tag (1 .. 2**30 - 1, wrapping to 1), so a captured CUDA graph gets a fresh tag on every replay
+with no host value baked in. ``head_kernel``: ``logits[t, n] = (rmsnorm(x[t]) * w_norm) @ lm_head[n]``, rounded
+to the model dtype as HF's ``lm_head`` output is, stored float32; one program per ``BN`` vocabulary rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv_loop, load_w, rnd, row_rstd
+from lowlat_amd_mono.kernels.sync import TAG_WRAP
+
+try:
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - older triton; only referenced under USE_PDL
+    gdc_wait = None
+
+_TAG_WRAP = tl.constexpr(TAG_WRAP)
+
+
+@triton.jit
+def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, H: tl.constexpr, BH: tl.constexpr):
+    """``x[t, :] = emb[ids[t], :]`` for program ``t``; program 0 bumps ``step``."""
+    t = tl.program_id(0)
+    if t == 0:
+        s = tl.load(step_ptr) + 1
+        tl.store(step_ptr, tl.where(s >= _TAG_WRAP, 1, s))
+    tok = tl.load(ids_ptr + t).to(tl.int64)
+    for h in range(0, H, BH):
+        cols = h + tl.arange(0, BH)
+        v = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
+        tl.store(x_ptr + t * H + cols, v, mask=cols < H)
+
+
+@triton.jit(do_not_specialize=["T"])
+def head_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, T, V, out_stride, eps, H: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    """Logits for vocabulary rows ``[pid * BN, pid * BN + BN)`` of ``w [V, H]`` into ``out [T, out_stride]``."""
+    BM: tl.constexpr = 16
+    n0 = tl.program_id(0) * BN
+    w0 = load_w(w_ptr, n0, V, H, 0, H, BN, BK, DT, INTERP)
+    if USE_PDL:
+        gdc_wait()
+    rstd = row_rstd(x_ptr, H, T, H, eps, BM, BK, "")
+    acc = dot_chunk(tl.zeros([BM, BN], tl.float32), w0, x_ptr, H, T, 0, H, rstd, nw_ptr, True, BM, BK, DT, INTERP,
+                    PREC, "")
+    acc = gemv_loop(acc, x_ptr, H, T, w_ptr, H, n0, V, BK, H, H, rstd, nw_ptr, True, BM, BN, BK, DT, INTERP, PREC, "")
+    r = tl.arange(0, BM)
+    n = n0 + tl.arange(0, BN)
+    tl.store(out_ptr + r[:, None] * out_stride + n[None, :], rnd(acc, DT, INTERP),
+             mask=(r[:, None] < T) & (n[None, :] < V))

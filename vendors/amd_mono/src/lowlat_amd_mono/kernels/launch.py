@@ -1,0 +1,145 @@
+"""Options and the launcher that runs a kernel's stages persistently (one launch) or one launch per stage.
+
+Mode selection: the stage-per-launch mode is used under the Triton interpreter (whose programs run one after
+another, so a spinning wait would deadlock), on CPU, and when ``LOWLAT_MONO_STAGED=1`` (GPU debugging).
+Otherwise a kernel runs once over a persistent grid of ``programs_per_sm`` x SMs programs, after the residency
+check (``residency.check_grid``) of its compiled variant.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowlat_amd_mono.kernels.residency import Occupancy, check_grid, kernel_occupancy
+from lowlat_amd_mono.kernels.sync import TIMER_CUDA, TIMER_HIP, TIMER_SPIN
+
+ENV_PREFIX = "LOWLAT_MONO_"
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def is_interpreted(kernel: Any) -> bool:
+    """True when Triton built ``kernel`` for the interpreter (``TRITON_INTERPRET=1`` before import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True)
+class MonoOptions:
+    """How lowlat-amd-mono launches its kernels.
+
+    Attributes:
+        staged: run each stage as its own launch (no cross-workgroup waits). Forced under the interpreter.
+        deadline_ms: how long a cross-workgroup wait may spin before the launch aborts (milliseconds).
+        programs_per_sm: persistent programs per SM/CU (the grid is this times the SM/CU count).
+        pdl: programmatic dependent launch between consecutive launches (CUDA sm90+ only).
+        cooperative: launch persistent grids with ``launch_cooperative_grid`` so an oversize grid fails
+            instead of hanging (CUDA only; default on when PDL is off).
+        l2_prefetch_bytes: bytes of its next weight tile a workgroup asks L2 to fetch before it waits for a tag
+            (CUDA sm90+; 0 disables). Keep ``programs x bytes`` well under the L2 size.
+        num_warps, num_stages: Triton launch options of the layer kernels.
+    Every field can be set by ``LOWLAT_MONO_<FIELD>`` in the environment or ``amd_mono_<field>`` in
+    ``EngineConfig.extra`` (which wins).
+    """
+
+    staged: bool = False
+    deadline_ms: float = 100.0
+    programs_per_sm: int = 1
+    pdl: bool = True
+    cooperative: bool = False
+    l2_prefetch_bytes: int = 65536
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def resolve(cls, device: torch.device, extra: Mapping[str, Any] | None = None, *,
+                interpret: bool = False) -> MonoOptions:
+        """Defaults, then environment, then ``extra``; then what the platform cannot do is turned off.
+
+        Raises:
+            ValueError: a value that does not parse, or a non-positive deadline / programs_per_sm.
+        """
+        vals: dict[str, Any] = {}
+        for f in cls.__dataclass_fields__.values():
+            raw = (extra or {}).get(f"amd_mono_{f.name}", os.environ.get(ENV_PREFIX + f.name.upper()))
+            if raw is None:
+                continue
+            try:
+                if f.type in ("bool", bool):
+                    vals[f.name] = raw if isinstance(raw, bool) else _BOOL[str(raw).lower()]
+                else:
+                    vals[f.name] = (float if f.type in ("float", float) else int)(raw)
+            except (KeyError, ValueError):
+                raise ValueError(f"amd_mono option {f.name}={raw!r} does not parse as {f.type}") from None
+        opts = cls(**vals)
+        if opts.deadline_ms <= 0 or opts.programs_per_sm < 1:
+            raise ValueError(f"amd_mono needs deadline_ms > 0 and programs_per_sm >= 1, got {opts}")
+        cuda = device.type == "cuda" and torch.version.hip is None and not interpret
+        sm90 = cuda and torch.cuda.get_device_capability(device)[0] >= 9
+        staged = opts.staged or interpret or device.type == "cpu"
+        pdl = opts.pdl and sm90 and not staged
+        # Cooperative launch is the default only without PDL (the two launch attributes are not combined here).
+        cooperative = bool(vals.get("cooperative", not pdl)) and cuda and not staged
+        return cls(staged=staged, deadline_ms=opts.deadline_ms, programs_per_sm=opts.programs_per_sm, pdl=pdl,
+                   cooperative=cooperative, l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
+                   num_warps=opts.num_warps, num_stages=opts.num_stages)
+
+
+class StageRunner:
+    """Launches one kernel's stages: persistently (after the residency check) or one launch per stage."""
+
+    def __init__(self, device: torch.device, options: MonoOptions, interpret: bool, nprog: int) -> None:
+        self.device = device
+        self.options = options
+        self.interpret = interpret
+        self.nprog = nprog
+        is_hip = torch.version.hip is not None
+        cuda = device.type == "cuda" and not is_hip and not interpret
+        self.timer = TIMER_SPIN if options.staged else (TIMER_HIP if is_hip else TIMER_CUDA)
+        self.deadline = int(options.deadline_ms * {TIMER_SPIN: 1e3, TIMER_CUDA: 1e6, TIMER_HIP: 1e5}[self.timer])
+        self.xc = ".cg" if cuda and not options.staged else ""
+        self.occupancy: dict[str, Occupancy] = {}
+        self._checked: set[tuple[Any, ...]] = set()
+        base = {"num_warps": options.num_warps, "num_stages": options.num_stages}
+        self._staged_kw = dict(base)
+        self._persistent_kw = dict(base)
+        if options.cooperative:
+            self._persistent_kw["launch_cooperative_grid"] = True
+        if options.pdl:
+            self._persistent_kw["launch_pdl"] = True
+
+    @property
+    def pdl(self) -> bool:
+        return self.options.pdl
+
+    def common_meta(self) -> dict[str, Any]:
+        """Constexprs every layer kernel takes for the mode it runs in."""
+        return {"INTERP": self.interpret, "TIMER": self.timer, "USE_PDL": self.options.pdl,
+                "PF_L2": self.options.l2_prefetch_bytes > 0, "XC": self.xc, "MAXW": 128}
+
+    def run(self, name: str, kernel: Callable[..., Any], stage_items: Mapping[int, int], args: tuple[Any, ...],
+            meta: dict[str, Any]) -> None:
+        """Run ``kernel``'s stages ``stage_items`` (stage id -> work items, in order) over ``args``.
+
+        Raises:
+            ResidencyError: the persistent grid would not fit on the device at once.
+        """
+        if self.options.staged:
+            for stage, n in stage_items.items():
+                if n > 0:
+                    kernel[(n,)](*args, STAGE=stage, **meta, **self._staged_kw)
+            return
+        grid = (self.nprog,)
+        key = (name, tuple(sorted((k, str(v)) for k, v in meta.items())))
+        if key not in self._checked:
+            compiled = kernel.warmup(*args, grid=grid, STAGE=-1, **meta, **self._persistent_kw)
+            occ = kernel_occupancy(compiled, self.device)
+            check_grid(name, self.nprog, occ)
+            self.occupancy[name] = occ
+            self._checked.add(key)
+        kernel[grid](*args, STAGE=-1, **meta, **self._persistent_kw)

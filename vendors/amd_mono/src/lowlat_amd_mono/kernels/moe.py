@@ -1,0 +1,178 @@
+"""Qwen3-MoE routing and routed experts for K2 (router GEMV, top-k, expert gate/up, expert down + combine).
+
+Routing (HF ``Qwen3MoeSparseMoeBlock``): ``softmax(router_logits.float())``, top-k, divide by the top-k sum
+when ``norm_topk_prob``, cast the weights to the model dtype. Every expert item recomputes the routing from
+``router_logits [8, E]`` (a few KB), so no stage is spent on it. Experts chosen by any token are numbered in
+ascending expert id: slot ``u`` in ``[0, n_unique)`` is the ``u``-th chosen expert; an expert's gate/up runs
+once for all tokens (tokens that did not choose it get routing weight 0 in the combine).
+
+Stages: router (items: expert tiles of ``Wg [E, H]``); expert gate/up (items ``(u, tile)`` of
+``w13[e_u] [2 I, H]``; items with ``u >= n_unique`` do nothing; routed weights are loaded only after routing
+is known); expert down (items: hidden tiles of ``w2[e] [H, I]``; each waits for the chosen slots' gate/up
+tiles, then streams every chosen expert's rows in one pipelined loop and adds the residual).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowlat_amd_mono.kernels.gemv import as_operand, gemv2_loop, gemv_loop, load_a, load_w, rnd, row_rstd
+from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_if
+
+
+@triton.jit
+def route(rl_ptr, T, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr,
+          DT: tl.constexpr, INTERP: tl.constexpr, XC: tl.constexpr):
+    """Routing of the step's rows from ``router_logits [8, E]`` (float32, already rounded to the model dtype).
+
+    Returns ``(w [16, E_P2] float32 routing weight of each (row, expert), 0 where not chosen or row >= T;
+    sel [E_P2] int32 1 where any token chose the expert; rank [E_P2] its slot; n_unique)``.
+    """
+    t = tl.arange(0, 16)
+    e = tl.arange(0, E_P2)
+    valid = (t[:, None] < T) & (e[None, :] < E)
+    logits = tl.load(rl_ptr + t[:, None] * E + e[None, :], mask=valid, other=float("-inf"), cache_modifier=XC)
+    mx = tl.max(logits, axis=1)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    p = tl.where(valid, tl.exp(logits - mx[:, None]), 0.0)
+    p = p / tl.maximum(tl.sum(p, axis=1), 1e-30)[:, None]
+    chosen = tl.zeros([16, E_P2], tl.int32)
+    for _ in tl.static_range(TOPK):
+        cand = tl.where(valid & (chosen == 0), p, -1.0)
+        best = tl.max(cand, axis=1)
+        idx = tl.min(tl.where(cand == best[:, None], e[None, :], E_P2), axis=1)
+        chosen = tl.where((e[None, :] == idx[:, None]) & valid, 1, chosen)
+    w = tl.where(chosen != 0, p, 0.0)
+    if NORM_TOPK:
+        w = w / tl.maximum(tl.sum(w, axis=1), 1e-30)[:, None]
+    w = rnd(w, DT, INTERP)
+    sel = tl.max(chosen, axis=0)
+    rank = tl.cumsum(sel, axis=0) - 1
+    return w, sel, rank, tl.sum(sel, axis=0)
+
+
+@triton.jit
+def slot_expert(u, w, sel, rank, E_P2: tl.constexpr):
+    """Expert id of slot ``u`` and each row's routing weight for it (``[16]`` float32)."""
+    e = tl.arange(0, E_P2)
+    hit = (sel != 0) & (rank == u)
+    eu = tl.sum(tl.where(hit, e, 0), axis=0)
+    wu = tl.sum(tl.where(e[None, :] == eu, w, 0.0), axis=1)
+    return eu, wu
+
+
+@triton.jit
+def router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, wg_ptr, rl_ptr,
+                 flags_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr, N_WAIT: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, MAX_ITEMS: tl.constexpr, S_WAIT: tl.constexpr, S_ME: tl.constexpr,
+                 PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
+                 PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+    """Router logits ``rl[t, e] = (rmsnorm(x_mid) @ Wg^T)`` rounded to the model dtype, stored float32."""
+    BM: tl.constexpr = 16
+    rstd = tl.zeros([BM], tl.float32)
+    for i in range(pid, (E + BN - 1) // BN, nprog):
+        if i == pid:
+            alive = wait_if(alive, flags_ptr + S_WAIT * MAX_ITEMS, 0, N_WAIT, tag, ctl_ptr, deadline, layer,
+                            S_ME, S_WAIT, MAXW, TIMER, PERSISTENT)
+            rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
+        if alive != 0:
+            if stage_runs(debug_mask, S_ME):
+                acc = gemv_loop(tl.zeros([BM, BN], tl.float32), xmid_ptr, H, T, wg_ptr, H, i * BN, E, 0, H, H,
+                                rstd, ln2_ptr, True, BM, BN, BK, DT, INTERP, PREC, XC)
+                r = tl.arange(0, BM)
+                n = i * BN + tl.arange(0, BN)
+                tl.store(rl_ptr + r[:, None] * E + n[None, :], rnd(acc, DT, INTERP),
+                         mask=(r[:, None] < T) & (n[None, :] < E))
+            publish(flags_ptr + S_ME * MAX_ITEMS + i, tag, debug_mask, S_ME)
+    return alive
+
+
+@triton.jit
+def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, w13_ptr,
+                    rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr,
+                    E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, IM: tl.constexpr,
+                    N_ROUTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr,
+                    S_ROUTER: tl.constexpr, S_ME: tl.constexpr, PERSISTENT: tl.constexpr, DT: tl.constexpr,
+                    INTERP: tl.constexpr, TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr,
+                    MAXW: tl.constexpr):
+    """``act[u, t, :] = silu(h @ Wgate[e_u]^T) * (h @ Wup[e_u]^T)`` for each chosen expert slot ``u``; the items of
+    tile 0 also record the slot's expert id (``slot_e[u]``) and rows' routing weights (``slot_w[u, 0:16]``)."""
+    BM: tl.constexpr = 16
+    NT: tl.constexpr = (IM + BN - 1) // BN
+    w = tl.zeros([16, E_P2], tl.float32)
+    sel = tl.zeros([E_P2], tl.int32)
+    rank = tl.zeros([E_P2], tl.int32)
+    n_unique = tl.full([], 0, tl.int32)
+    rstd = tl.zeros([BM], tl.float32)
+    for i in range(pid, T * TOPK * NT, nprog):
+        u = i // NT
+        nt = i % NT
+        if i == pid:  # routing and the rows' norm, once per program
+            alive = wait_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, 0, N_ROUTER, tag, ctl_ptr, deadline, layer,
+                            S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT)
+            w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
+            rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
+        if alive != 0:
+            if u < n_unique:
+                eu, wu = slot_expert(u, w, sel, rank, E_P2)
+                if nt == 0:
+                    tl.store(slot_e_ptr + u, eu)
+                    tl.store(slot_w_ptr + u * 16 + tl.arange(0, 16), wu)
+                if stage_runs(debug_mask, S_ME):
+                    we = w13_ptr + eu.to(tl.int64) * (2 * IM * H)
+                    acc_g, acc_u = gemv2_loop(tl.zeros([BM, BN], tl.float32), tl.zeros([BM, BN], tl.float32),
+                                              xmid_ptr, H, T, we, H, nt * BN, IM + nt * BN, 2 * IM, 0, H, H, rstd,
+                                              ln2_ptr, True, BM, BN, BK, DT, INTERP, PREC, XC)
+                    g = rnd(acc_g, DT, INTERP)
+                    act = rnd(rnd(g * tl.sigmoid(g), DT, INTERP) * rnd(acc_u, DT, INTERP), DT, INTERP)
+                    r = tl.arange(0, BM)
+                    n = nt * BN + tl.arange(0, BN)
+                    dst = actm_ptr + u * (8 * IM) + r[:, None] * IM + n[None, :]
+                    tl.store(dst, act.to(DT), mask=(r[:, None] < T) & (n[None, :] < IM))
+                publish(flags_ptr + S_ME * MAX_ITEMS + i, tag, debug_mask, S_ME)
+    return alive
+
+
+@triton.jit
+def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_ptr, xmid_ptr, w2_ptr, rl_ptr,
+                      actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr,
+                      E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, IM: tl.constexpr,
+                      N_ROUTER: tl.constexpr, NT_UP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      MAX_ITEMS: tl.constexpr, S_ROUTER: tl.constexpr, S_UP: tl.constexpr, S_ME: tl.constexpr,
+                      PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
+                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+    """``x[t, n] = x_mid[t, n] + sum_u (w[t, e_u] * act[u, t]) @ W2[e_u][n]^T`` for hidden tile ``n``.
+
+    One loop runs over (expert slot, K chunk) pairs, so Triton pipelines the weight loads across experts; the
+    routing weight scales the activation rows (rounded to the model dtype) before the product, and the experts
+    accumulate in float32. Expert ids and weights come from the slot table the gate/up stage wrote.
+    """
+    BM: tl.constexpr = 16
+    KC: tl.constexpr = (IM + BK - 1) // BK
+    n_unique = tl.full([], 0, tl.int32)
+    r = tl.arange(0, BM)
+    for i in range(pid, (H + BN - 1) // BN, nprog):
+        if i == pid:
+            alive = wait_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, 0, N_ROUTER, tag, ctl_ptr, deadline, layer,
+                            S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT)
+            w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
+            alive = wait_if(alive, flags_ptr + S_UP * MAX_ITEMS, 0, n_unique * NT_UP, tag, ctl_ptr, deadline, layer,
+                            S_ME, S_UP, MAXW, TIMER, PERSISTENT)
+        if alive != 0:
+            out = tl.zeros([BM, BN], tl.float32)
+            if stage_runs(debug_mask, S_ME):
+                for j in range(0, n_unique * KC):
+                    u = j // KC
+                    k = (j % KC) * BK
+                    eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
+                    wu = tl.load(slot_w_ptr + u * 16 + r, cache_modifier=XC)
+                    wt = load_w(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
+                    a = rnd(load_a(actm_ptr + u * (8 * IM), IM, T, k, IM, BM, BK, XC) * wu[:, None], DT, INTERP)
+                    out = tl.dot(as_operand(a, DT, INTERP), wt, out, input_precision=PREC)
+            n = i * BN + tl.arange(0, BN)
+            m = (r[:, None] < T) & (n[None, :] < H)
+            xm = tl.load(xmid_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC)
+            res = rnd(xm.to(tl.float32) + rnd(out, DT, INTERP), DT, INTERP)
+            tl.store(x_ptr + r[:, None] * H + n[None, :], res.to(DT), mask=m)
+    return alive

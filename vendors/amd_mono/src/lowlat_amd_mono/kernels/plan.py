@@ -1,0 +1,225 @@
+"""Host-side plan: the stages, how each GEMV is tiled into work items, and the per-step item counts.
+
+A stage's work items are spread round-robin over the persistent grid (item ``i`` runs on program
+``i mod nprog``); every program runs its items stage by stage, and a wait only ever targets an earlier stage,
+so with all programs resident every wait is eventually satisfied. Tiles are picked to balance the heaviest
+program: the cost of a tiling is (rounds of items per program) x (weight elements per item) plus a fixed
+per-item overhead, minimized over tile widths ``BN`` and (for the QKV projection) split-K factors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowlat.config import ModelConfig
+
+MAX_ROWS = 8  # rows (tokens) per step the buffers are sized for
+BM = 16  # rows of every tl.dot (rows >= T are masked)
+
+# Stage ids: the index of a stage's flags in flags[layer, stage, item] and the error record's stage field.
+S_QKV, S_ROPE, S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2, S_MLP3 = range(8)
+NUM_STAGES = 8
+STAGE_NAMES_DENSE = {
+    S_QKV: "k1.qkv_proj", S_ROPE: "k1.qk_norm_rope_kv_write", S_ATTN: "k2.attention", S_COMB: "k2.attention_combine",
+    S_OPROJ: "k2.o_proj_residual", S_MLP1: "k2.gate_up_silu", S_MLP2: "k2.down_residual",
+}
+STAGE_NAMES_MOE = {**STAGE_NAMES_DENSE, S_MLP1: "k2.router", S_MLP2: "k2.expert_gate_up",
+                   S_MLP3: "k2.expert_down_combine_residual"}
+K1_STAGES = (S_QKV, S_ROPE)
+K2_DENSE_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2)
+K2_MOE_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2, S_MLP3)
+ITEM_OVERHEAD = 8192  # fixed cost of one work item, in weight elements (a wait, a publish, a prologue)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How one weight ``[N, K]`` is cut into work items: ``n_tiles`` column tiles of ``bn`` x ``ksplit``."""
+
+    bn: int
+    bk: int
+    ksplit: int
+    kchunk: int
+    n_tiles: int
+
+    @property
+    def items(self) -> int:
+        return self.n_tiles * self.ksplit
+
+
+def pick_tile(n: int, k: int, nprog: int, *, rows_per_item: int = 1, slots: int = 1, allow_split: bool = False,
+              bn_choices: tuple[int, ...] = (16, 32, 64, 128), bk_max: int = 256,
+              max_tile_elems: int = 16384) -> Tile:
+    """Tile a GEMV over ``nprog`` programs (``slots`` copies of the item set, e.g. experts per step)."""
+    best: tuple[tuple[int, int], Tile] | None = None
+    for bn in bn_choices:
+        n_tiles = cdiv(n, bn)
+        for ks in (1, 2, 4, 8) if allow_split else (1,):
+            if ks > 1 and k % ks:
+                continue
+            kchunk = k // ks if ks > 1 else k
+            cap = max(16, min(bk_max, max_tile_elems // (bn * rows_per_item)))
+            bk = _pick_bk(kchunk, cap, exact=ks > 1)
+            if bk is None:
+                continue
+            items = n_tiles * ks * slots
+            cost = cdiv(items, nprog) * (bn * rows_per_item * kchunk + ITEM_OVERHEAD)
+            key = (cost, items)
+            if best is None or key < best[0]:
+                best = (key, Tile(bn=bn, bk=bk, ksplit=ks, kchunk=kchunk, n_tiles=n_tiles))
+    assert best is not None
+    return best[1]
+
+
+def _pick_bk(kchunk: int, cap: int, exact: bool) -> int | None:
+    """Largest power of two in [16, cap] dividing ``kchunk``; when none, a masked chunk unless ``exact``."""
+    b = 16
+    while b * 2 <= cap and kchunk % (b * 2) == 0:
+        b *= 2
+    if kchunk % b == 0:
+        return b
+    return None if exact else min(cap, max(16, next_pow2(kchunk)))
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model shapes the kernels are specialized on (one TP rank; lowlat-amd-mono runs tp_size 1)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    experts: int
+    topk: int
+    moe_inter: int
+    vocab: int
+    layers: int
+    eps: float
+    qk_norm: bool
+    norm_topk: bool
+    moe_layers: tuple[bool, ...]
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> Dims:
+        return cls(hidden=cfg.hidden_size, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                   head_dim=cfg.head_dim, inter=cfg.intermediate_size, experts=cfg.num_experts,
+                   topk=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, vocab=cfg.vocab_size,
+                   layers=cfg.num_hidden_layers, eps=cfg.rms_norm_eps, qk_norm=cfg.has_qk_norm,
+                   norm_topk=cfg.norm_topk_prob,
+                   moe_layers=tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def any_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    @property
+    def any_dense(self) -> bool:
+        return not all(self.moe_layers)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """Per-step launch shape: ``rows`` tokens, ``tpr`` new tokens per request, attention splits."""
+
+    rows: int
+    tpr: int
+    batch: int
+    nsplit: int
+    m_att: int
+
+
+@dataclass(frozen=True)
+class MonoPlan:
+    """Tiles of every GEMV, attention blocking and workspace sizes for one model on one device."""
+
+    dims: Dims
+    nprog: int
+    qkv: Tile
+    o: Tile
+    gu: Tile | None
+    down: Tile | None
+    router: Tile | None
+    eup: Tile | None
+    edown: Tile | None
+    block_s: int
+    nsplit_max: int
+    head_bn: int
+    head_bk: int
+
+    @classmethod
+    def build(cls, dims: Dims, nprog: int, *, interpret: bool = False) -> MonoPlan:
+        """Tile every GEMV of ``dims`` for a persistent grid of ``nprog`` programs."""
+        kw = dict(bn_choices=(16, 32, 64), bk_max=128) if interpret else {}
+        h, d = dims.hidden, dims.head_dim
+        dense = dims.any_dense
+        moe = dims.any_moe
+        return cls(
+            dims=dims, nprog=nprog,
+            qkv=pick_tile(dims.qkv_rows, h, nprog, allow_split=True, **kw),
+            o=pick_tile(h, dims.heads * d, nprog, **kw),
+            gu=pick_tile(dims.inter, h, nprog, rows_per_item=2, **kw) if dense else None,
+            down=pick_tile(h, dims.inter, nprog, **kw) if dense else None,
+            router=pick_tile(dims.experts, h, nprog, **kw) if moe else None,
+            eup=pick_tile(dims.moe_inter, h, nprog, rows_per_item=2, slots=dims.topk, **kw) if moe else None,
+            edown=pick_tile(h, dims.moe_inter, nprog, **kw) if moe else None,
+            block_s=32 if interpret else 64,
+            nsplit_max=4 if interpret else 16,
+            head_bn=32 if interpret else 64,
+            head_bk=64 if interpret else 128,
+        )
+
+    def step_shape(self, rows: int, tpr: int) -> StepShape:
+        """Launch shape for a DECODE/VERIFY step of ``rows`` tokens, ``tpr`` per request."""
+        batch = rows // tpr
+        want = max(1, self.nprog // (batch * self.dims.kv_heads))
+        nsplit = min(self.nsplit_max, 1 << (want.bit_length() - 1))
+        return StepShape(rows=rows, tpr=tpr, batch=batch, nsplit=nsplit,
+                         m_att=max(16, next_pow2(tpr * self.dims.group)))
+
+    def items(self, stage: int, shape: StepShape, moe: bool) -> int:
+        """Work items of ``stage`` in a step of ``shape`` (``moe``: the layer has a sparse MoE block)."""
+        dm = self.dims
+        table = {
+            S_QKV: self.qkv.items,
+            S_ROPE: dm.heads + 2 * dm.kv_heads,
+            S_ATTN: shape.batch * dm.kv_heads * shape.nsplit,
+            S_COMB: shape.batch * dm.kv_heads,
+            S_OPROJ: self.o.n_tiles,
+        }
+        if stage in table:
+            return table[stage]
+        if moe:
+            assert self.router and self.eup and self.edown
+            return {S_MLP1: self.router.n_tiles, S_MLP2: shape.rows * dm.topk * self.eup.n_tiles,
+                    S_MLP3: self.edown.n_tiles}[stage]
+        assert self.gu and self.down
+        return {S_MLP1: self.gu.n_tiles, S_MLP2: self.down.n_tiles}[stage]
+
+    @property
+    def max_items(self) -> int:
+        """Flags per (layer, stage): the most items any stage has, rounded up to 16 so that every layer's slice
+        of the flags buffer stays 64-byte aligned (Triton specializes kernels on pointer alignment)."""
+        shapes = [self.step_shape(MAX_ROWS // tpr * tpr, tpr) for tpr in range(1, MAX_ROWS + 1)]
+        shapes += [self.step_shape(r, 1) for r in range(1, MAX_ROWS + 1)]
+        n = 1
+        for sh in shapes:
+            for moe in {m for m in self.dims.moe_layers}:
+                stages = K1_STAGES + (K2_MOE_STAGES if moe else K2_DENSE_STAGES)
+                n = max(n, *(self.items(s, sh, moe) for s in stages))
+        return cdiv(n, 16) * 16

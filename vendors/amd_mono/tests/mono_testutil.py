@@ -1,0 +1,84 @@
+"""Shared helpers of the amd_mono tests: a general model as the oracle, a binding, identical KV pools, batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.loader.presets import get_preset, with_layers
+from lowlat.loader.synthetic import iter_synthetic_weights
+from lowlat.models import build_model
+from lowlat.plugin.binding import PluginBinding
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.runtime.kv_cache import KVPool
+
+MAX_CTX = 384
+
+
+@dataclass
+class Setup:
+    cfg: ModelConfig
+    model: torch.nn.Module
+    binding: PluginBinding
+    dtype: torch.dtype
+    device: torch.device
+
+
+def make_setup(preset: str, dtype: torch.dtype, device: str, layers: int | None = None, seed: int = 0) -> Setup:
+    """The general model of ``preset`` (optionally cut to ``layers``) with seeded weights, and a binding to it."""
+    cfg = get_preset(preset)
+    if layers is not None:
+        cfg = with_layers(cfg, layers)
+    dev = torch.device(device)
+    model = build_model(cfg, dtype=dtype, device=dev, max_context_len=MAX_CTX)
+    model.load_weights(iter_synthetic_weights(cfg, seed=seed, dtype=dtype, device=dev))
+    dname = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}[dtype]
+    eng = EngineConfig(model=preset, device=dev.type, dtype=dname, max_context_len=MAX_CTX, plugin="amd_mono")
+    binding = PluginBinding(plugin="amd_mono", model_config=cfg, engine_config=eng, device=dev, dtype=dtype,
+                            params=dict(model.named_parameters()))
+    return Setup(cfg, model, binding, dtype, dev)
+
+
+def make_pool(s: Setup, num_pages: int = 160, page_size: int = 4, fill_seed: int | None = 1) -> KVPool:
+    """A KV pool whose buffers hold seeded random values (sentinels: anything not written keeps them)."""
+    c = s.cfg
+    pool = KVPool(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
+                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=s.dtype, device=s.device,
+                  max_reqs=16, max_context_len=MAX_CTX)
+    if fill_seed is not None:
+        g = torch.Generator().manual_seed(fill_seed)
+        for buf in (*pool.k_buffers, *pool.v_buffers):
+            buf.copy_(torch.randn(buf.shape, generator=g).to(s.dtype))
+    return pool
+
+
+def clone_pool(src: KVPool) -> KVPool:
+    """A pool with the same buffers, rows and page bookkeeping as ``src`` (deep copy of the tensors)."""
+    dst = KVPool.__new__(KVPool)
+    dst.__dict__.update({k: v for k, v in src.__dict__.items()})
+    dst.k_buffers = [b.clone() for b in src.k_buffers]
+    dst.v_buffers = [b.clone() for b in src.v_buffers]
+    dst.req_to_token = src.req_to_token.clone()
+    dst._free_pages, dst._free_rows = list(src._free_pages), list(src._free_rows)
+    dst._pages = {k: list(v) for k, v in src._pages.items()}
+    dst._lens = dict(src._lens)
+    return dst
+
+
+def step_batch(pool: KVPool, rows: list[int], tpr: int, ids: torch.Tensor) -> ForwardBatch:
+    """Allocate ``tpr`` new slots per request row and build the DECODE (tpr 1) or VERIFY batch."""
+    prefix = [pool._lens[r] for r in rows]
+    locs = torch.cat([pool.alloc_slots(r, p + tpr) for r, p in zip(rows, prefix)])
+    mode = ForwardMode.DECODE if tpr == 1 else ForwardMode.VERIFY
+    return ForwardBatch.build(mode, ids, prefix, [tpr] * len(rows), rows, locs, pool.device)
+
+
+def new_requests(pool: KVPool, prefix_lens: list[int]) -> list[int]:
+    """Rows with ``prefix_lens`` cached positions each (their slots keep the pool's random values)."""
+    rows = []
+    for n in prefix_lens:
+        r = pool.alloc_req()
+        pool.alloc_slots(r, n)
+        rows.append(r)
+    return rows

@@ -1,0 +1,159 @@
+"""amd_mono on a GPU: persistent launches against the stage-per-launch mode and the general path, fault injection,
+the residency refusal, and the launch count of a captured step. Skipped without CUDA/ROCm or under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("GPU tests need CUDA or ROCm and TRITON_INTERPRET unset", allow_module_level=True)
+
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from lowlat_amd_mono.build import build  # noqa: E402
+from lowlat_amd_mono.forward import MonoForward, MonoStageTimeout  # noqa: E402
+from lowlat_amd_mono.kernels import plan as P  # noqa: E402
+from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
+from lowlat_amd_mono.kernels.residency import ResidencyError  # noqa: E402
+from mono_testutil import MAX_CTX, clone_pool, make_pool, make_setup, new_requests, step_batch  # noqa: E402
+
+DEV = "cuda"
+CASES = [("tiny-llama", 1, 1), ("tiny-llama", 8, 1), ("tiny-llama", 8, 4), ("tiny-qwen3", 3, 1),
+         ("tiny-qwen3", 6, 3), ("tiny-qwen3-moe", 1, 1), ("tiny-qwen3-moe", 8, 1), ("tiny-qwen3-moe", 4, 2),
+         ("llama-3.2-1b", 1, 1), ("llama-3.2-1b", 8, 1), ("qwen3-30b-a3b", 1, 1), ("qwen3-30b-a3b", 8, 1)]
+
+
+def _forward(s, opts: MonoOptions | None = None) -> MonoForward:
+    return MonoForward(model_config=s.cfg, params=s.binding.params, dtype=s.dtype, device=s.device,
+                       alloc_workspace=s.binding.alloc_workspace, max_context_len=MAX_CTX,
+                       options=opts or MonoOptions.resolve(s.device))
+
+
+def _layers(preset: str) -> int | None:
+    return 2 if preset in ("llama-3.2-1b", "qwen3-30b-a3b") else None
+
+
+def _prefix(rows: int, tpr: int) -> list[int]:
+    return [3 + 29 * i % 200 for i in range(rows // tpr)]
+
+
+@pytest.mark.parametrize("preset,rows,tpr", CASES, ids=[f"{p}-rows{r}-tpr{t}" for p, r, t in CASES])
+def test_persistent_matches_staged_and_general_path(preset: str, rows: int, tpr: int) -> None:
+    s = make_setup(preset, torch.bfloat16, DEV, layers=_layers(preset))
+    pers, staged = _forward(s), _forward(s, MonoOptions.resolve(s.device, {"amd_mono_staged": True}))
+    assert not pers.options.staged and staged.options.staged
+    pool_ref = make_pool(s, num_pages=400)
+    req = new_requests(pool_ref, _prefix(rows, tpr))
+    pools = [clone_pool(pool_ref), clone_pool(pool_ref)]
+    ids = torch.randint(0, s.cfg.vocab_size, (rows,), device=DEV)
+    batch = step_batch(pool_ref, req, tpr, ids)
+    for p in pools:
+        step_batch(p, req, tpr, ids)
+    ref = s.model(batch, pool_ref)
+    outs = []
+    for fwd, pool in zip((pers, staged), pools):
+        fwd.attach_kv_pool(pool)
+        outs.append(fwd.forward(batch))
+    torch.testing.assert_close(outs[0], outs[1], atol=0.02, rtol=0.02)  # same kernel bodies and tiles
+    # bf16 against the general path: the contract suite's bound, 5e-2 of the logit scale (docs/contract.md)
+    torch.testing.assert_close(outs[0], ref, atol=5e-2 * max(1.0, float(ref.abs().max())), rtol=0.0)
+    for layer in range(s.cfg.num_hidden_layers):
+        torch.testing.assert_close(pools[0].k_buffers[layer], pools[1].k_buffers[layer], atol=0.02, rtol=0.02)
+        torch.testing.assert_close(pools[0].v_buffers[layer], pool_ref.v_buffers[layer], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("layer,stage,waiter", [(1, P.S_COMB, "k2.o_proj_residual"), (0, P.S_QKV, "k1.qk_norm")])
+def test_stage_that_never_publishes_raises_within_the_deadline(layer: int, stage: int, waiter: str) -> None:
+    s = make_setup("tiny-llama", torch.bfloat16, DEV)
+    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_deadline_ms": 50}))
+    pool = make_pool(s)
+    req = new_requests(pool, [12, 40])
+    fwd.attach_kv_pool(pool)
+    fwd.forward(step_batch(pool, req, 1, torch.tensor([5, 6], device=DEV)))  # compile outside the timed part
+    fwd.set_debug(layer, never_publish=(stage,))
+    batch = step_batch(pool, req, 1, torch.tensor([7, 8], device=DEV))
+    t0 = time.monotonic()
+    with pytest.raises(MonoStageTimeout, match=rf"layer {layer}, stage {waiter}.*{fwd.stage_name(layer, stage)}"):
+        fwd.forward(batch)
+    assert time.monotonic() - t0 < 10.0  # the server does not hang; generous bound for a loaded machine
+    fwd.set_debug(layer)  # the next step runs with a new tag: stale flags and the old abort do not matter
+    ref_pool = clone_pool(pool)
+    out = fwd.forward(batch)
+    torch.testing.assert_close(out, s.model(batch, ref_pool), atol=0.1, rtol=0.05)
+
+
+def test_oversize_grid_is_refused_before_launch() -> None:
+    s = make_setup("tiny-llama", torch.bfloat16, DEV, layers=1)
+    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_programs_per_sm": 64}))
+    pool = make_pool(s)
+    fwd.attach_kv_pool(pool)
+    with pytest.raises(ResidencyError, match="exceeds the"):
+        fwd.forward(step_batch(pool, new_requests(pool, [4]), 1, torch.tensor([1], device=DEV)))
+
+
+def _captured(fwd: MonoForward, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    fwd.forward(batch)  # compile and check residency before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fwd.forward(batch)
+    return g, out
+
+
+def test_captured_step_has_two_launches_per_layer_and_replays_fresh_inputs() -> None:
+    s = make_setup("tiny-qwen3-moe", torch.bfloat16, DEV)
+    fwd = _forward(s)
+    pool = make_pool(s)
+    req = new_requests(pool, [10, 30, 50])
+    fwd.attach_kv_pool(pool)
+    batch = step_batch(pool, req, 1, torch.tensor([1, 2, 3], device=DEV))
+    g, out = _captured(fwd, batch)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"
+             and not e.name.lower().startswith(("memcpy", "memset"))]
+    layers = s.cfg.num_hidden_layers
+    assert sum(n.startswith("k1_attn_in") for n in names) == layers
+    assert sum(n.startswith(("k2_dense_kernel", "k2_moe_kernel")) for n in names) == layers
+    assert len(names) == 2 * layers + 2, names  # plus the embedding and the LM head
+    batch.input_ids.copy_(torch.tensor([9, 8, 7], device=DEV))  # fresh inputs, same slots
+    fwd.prepare_for_replay(batch)
+    g.replay()
+    torch.testing.assert_close(out.clone(), fwd.forward(batch), atol=0, rtol=0)
+
+
+def test_greedy_tokens_match_general_path_over_256_steps() -> None:
+    s = make_setup("tiny-llama", torch.bfloat16, DEV)
+    fwd = _forward(s)
+    pools = [make_pool(s, num_pages=200), None]
+    row = pools[0].alloc_req()
+    prompt = torch.tensor([256, 72, 101, 108, 108, 111], device=DEV)
+    loc = pools[0].alloc_slots(row, len(prompt))
+    pre = ForwardBatch.build(ForwardMode.PREFILL, prompt, [0], [len(prompt)], [row], loc, DEV)
+    first = int(s.model(pre, pools[0]).argmax(-1).item())
+    pools[1] = clone_pool(pools[0])
+    fwd.attach_kv_pool(pools[1])
+    toks = [[first], [first]]
+    for _ in range(256):
+        for path, pool in enumerate(pools):
+            batch = step_batch(pool, [row], 1, torch.tensor([toks[path][-1]], device=DEV))
+            logits = s.model(batch, pool) if path == 0 else fwd.forward(batch)
+            toks[path].append(int(logits.argmax(-1).item()))
+    assert toks[0] == toks[1]
+
+
+def test_build_through_binding_registers_for_the_pool() -> None:
+    s = make_setup("tiny-llama", torch.bfloat16, DEV, layers=1)
+    fwd = build(s.binding)
+    assert fwd.kv_pool is None
+    pool = make_pool(s)
+    s.binding.attach_kv_pool(pool)
+    assert fwd.kv_pool is pool and fwd.supports(step_batch(pool, new_requests(pool, [3]), 1,
+                                                           torch.tensor([1], device=DEV)))

@@ -1,0 +1,226 @@
+"""amd_mono kernels in the stage-per-launch mode on CPU (run with TRITON_INTERPRET=1), against the general path.
+
+The general lowlat forward is the oracle: logits, and every KV buffer (slots outside out_cache_loc hold random
+sentinels that must survive). The tag protocol's waits are exercised directly on CPU with poll-count deadlines.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lowlat.runtime.forward_batch import ForwardMode
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set before triton is imported)", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from lowlat_amd_mono.build import build  # noqa: E402
+from lowlat_amd_mono.forward import MonoStageTimeout  # noqa: E402
+from lowlat_amd_mono.kernels import plan as P  # noqa: E402
+from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
+from lowlat_amd_mono.kernels.residency import Occupancy, ResidencyError, _metadata_occupancy, check_grid  # noqa: E402
+from lowlat_amd_mono.kernels.sync import CTL_SIZE, publish, wait_flags  # noqa: E402
+from mono_testutil import clone_pool, make_pool, make_setup, new_requests, step_batch  # noqa: E402
+
+CASES = [  # (preset, requests' cached lengths, tokens per request)
+    ("tiny-llama", [9], 1),
+    ("tiny-llama", [3, 17, 40], 1),
+    ("tiny-llama", [5, 1, 70, 33, 8, 12, 2, 64], 1),
+    ("tiny-llama", [11, 36], 4),
+    ("tiny-qwen3", [30], 1),
+    ("tiny-qwen3", [4, 19, 66], 1),
+    ("tiny-qwen3", [7, 2, 15, 31, 50, 1, 9, 80], 1),
+    ("tiny-qwen3", [21], 3),
+    ("tiny-qwen3-moe", [13], 1),
+    ("tiny-qwen3-moe", [6, 45, 20], 1),
+    ("tiny-qwen3-moe", [3, 9, 27, 81, 14, 5, 60, 2], 1),
+    ("tiny-qwen3-moe", [10, 25], 2),
+]
+
+
+def _run_both(preset: str, prefix: list[int], tpr: int, dtype: torch.dtype, layers: int | None = None):
+    s = make_setup(preset, dtype, "cpu", layers=layers)
+    fwd = build(s.binding)
+    pool_ref = make_pool(s)
+    rows = new_requests(pool_ref, prefix)
+    pool_mono = clone_pool(pool_ref)
+    s.binding.attach_kv_pool(pool_mono)
+    ids = torch.randint(0, s.cfg.vocab_size, (len(prefix) * tpr,), generator=torch.Generator().manual_seed(3))
+    batch = step_batch(pool_ref, rows, tpr, ids)
+    step_batch(pool_mono, rows, tpr, ids)  # same slots: both pools hand out pages identically
+    before = [b.clone() for b in pool_ref.k_buffers]
+    ref = s.model(batch, pool_ref)
+    out = fwd.forward(batch)
+    return s, fwd, batch, ref, out, pool_ref, pool_mono, before
+
+
+@pytest.mark.parametrize("preset,prefix,tpr", CASES, ids=[f"{c[0]}-rows{len(c[1]) * c[2]}-tpr{c[2]}" for c in CASES])
+def test_step_matches_general_path(preset: str, prefix: list[int], tpr: int) -> None:
+    layers = 2 if len(prefix) * tpr == 8 or tpr > 1 else 1  # two layers where the step is largest, for speed
+    s, fwd, batch, ref, out, pool_ref, pool_mono, before = _run_both(preset, prefix, tpr, torch.bfloat16, layers)
+    assert batch.forward_mode is (ForwardMode.DECODE if tpr == 1 else ForwardMode.VERIFY)
+    assert out.dtype == torch.float32 and out.shape == (len(prefix) * tpr, s.cfg.vocab_size)
+    # bf16 logits of magnitude 8..16 have a 0.0625 ulp; the MoE down stage rounds once per product, not per expert
+    torch.testing.assert_close(out, ref, atol=0.1, rtol=0.02)
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.2
+    assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
+    loc = batch.out_cache_loc
+    for layer in range(s.cfg.num_hidden_layers):
+        for mono, gen in ((pool_mono.k_buffers[layer], pool_ref.k_buffers[layer]),
+                          (pool_mono.v_buffers[layer], pool_ref.v_buffers[layer])):
+            torch.testing.assert_close(mono[loc].float(), gen[loc].float(), atol=0.02, rtol=0.02)
+            untouched = torch.ones(mono.shape[0], dtype=torch.bool)
+            untouched[loc] = False
+            assert torch.equal(mono[untouched], gen[untouched])  # sentinels survive
+    assert not torch.equal(pool_mono.k_buffers[0][loc], before[0][loc])
+
+
+def test_float32_is_tight() -> None:
+    s, fwd, batch, ref, out, pool_ref, pool_mono, _ = _run_both("tiny-qwen3-moe", [5, 33, 12], 1, torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for layer in range(s.cfg.num_hidden_layers):
+        torch.testing.assert_close(pool_mono.k_buffers[layer], pool_ref.k_buffers[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_verify_row_sees_only_earlier_new_tokens() -> None:
+    """Changing the last of 4 new tokens leaves the logits of the first three unchanged (causal mask)."""
+    s = make_setup("tiny-llama", torch.float32, "cpu", layers=1)
+    fwd = build(s.binding)
+    outs = []
+    for last in (7, 300):
+        pool = make_pool(s)
+        rows = new_requests(pool, [20])
+        fwd.attach_kv_pool(pool)
+        ids = torch.tensor([1, 2, 3, last])
+        outs.append(fwd.forward(step_batch(pool, rows, 4, ids)))
+    torch.testing.assert_close(outs[0][:3], outs[1][:3], atol=0, rtol=0)
+    assert not torch.equal(outs[0][3], outs[1][3])
+    # Two steps, two tags; flags are never reset, each published item holds the latest step's tag.
+    n = fwd.plan.qkv.items
+    assert fwd.step.item() == 2
+    assert torch.all(fwd.flags[:, P.S_QKV, :n] == 2) and torch.all(fwd.flags[:, P.S_QKV, n:] == 0)
+
+
+# ----- the tag protocol, on CPU ----------------------------------------------------------------------------------
+@triton.jit
+def _probe(flags_ptr, ctl_ptr, out_ptr, lo, hi, tag, deadline, layer, debug_mask, pub_ptr):
+    ok = wait_flags(flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer, 4, 3, 8, 0)
+    tl.store(out_ptr, ok)
+    publish(pub_ptr, tag, debug_mask, 5)
+
+
+def _probe_run(flags: torch.Tensor, ctl: torch.Tensor, lo: int, hi: int, tag: int, debug_mask: int = 0):
+    out = torch.full((1,), -1, dtype=torch.int32)
+    pub = torch.zeros(1, dtype=torch.int32)
+    _probe[(1,)](flags, ctl, out, lo, hi, tag, 50, 7, debug_mask, pub)
+    return int(out.item()), int(pub.item())
+
+
+def test_wait_returns_when_every_flag_holds_the_tag() -> None:
+    flags = torch.full((40,), 6, dtype=torch.int32)  # spans several MAXW=8 chunks
+    ctl = torch.zeros(CTL_SIZE, dtype=torch.int32)
+    assert _probe_run(flags, ctl, 3, 37, tag=6) == (1, 6)
+    assert ctl.tolist() == [0] * CTL_SIZE
+
+
+def test_stale_tag_times_out_and_records_layer_stage_item() -> None:
+    flags = torch.full((40,), 6, dtype=torch.int32)
+    flags[21] = 5  # published in the previous step, not this one
+    ctl = torch.zeros(CTL_SIZE, dtype=torch.int32)
+    assert _probe_run(flags, ctl, 3, 37, tag=6)[0] == 0
+    assert ctl.tolist() == [6, 1, 6, 7, 4, 3, 21, 1]  # abort tag, count, tag, layer, stage, awaited, item, kind
+    # Another workgroup then sees the abort word and leaves without recording a second error.
+    assert _probe_run(flags, ctl, 0, 40, tag=6)[0] == 0
+    assert ctl[1].item() == 1
+    # The next step's tag is not aborted: a ready wait passes.
+    flags.fill_(7)
+    assert _probe_run(flags, ctl, 0, 40, tag=7)[0] == 1
+
+
+def test_fault_injection_bit_suppresses_publish() -> None:
+    flags = torch.full((4,), 9, dtype=torch.int32)
+    ctl = torch.zeros(CTL_SIZE, dtype=torch.int32)
+    assert _probe_run(flags, ctl, 0, 4, tag=9, debug_mask=1 << (8 + 5)) == (1, 0)
+    assert _probe_run(flags, ctl, 0, 4, tag=9, debug_mask=1 << (8 + 4)) == (1, 9)
+
+
+def test_error_record_raises_naming_layer_and_stage() -> None:
+    s = make_setup("tiny-qwen3-moe", torch.bfloat16, "cpu", layers=2)
+    fwd = build(s.binding)
+    fwd.check_errors()  # nothing recorded
+    fwd.ctl.copy_(torch.tensor([4, 1, 4, 1, P.S_MLP3, P.S_MLP2, 17, 1], dtype=torch.int32))
+    with pytest.raises(MonoStageTimeout, match=r"layer 1, stage k2.expert_down_combine_residual .* "
+                                                r"k2.expert_gate_up \(item 17\)") as e:
+        fwd.check_errors()
+    assert (e.value.layer, e.value.awaited) == (1, "k2.expert_gate_up")
+    fwd.check_errors()  # reported once
+
+
+# ----- residency, plan, options, dispatch ------------------------------------------------------------------------
+class _Props:
+    max_threads_per_multi_processor = 2048
+    regs_per_multiprocessor = 65536
+    shared_memory_per_multiprocessor = 233472
+
+
+def test_residency_rule() -> None:
+    assert _metadata_occupancy(_Props(), n_regs=244, shared=77824, num_warps=4, is_hip=False) == 2
+    assert _metadata_occupancy(_Props(), n_regs=64, shared=0, num_warps=4, is_hip=False) == 8
+    occ = Occupancy(per_sm=1, sm_count=132, source="metadata", detail="x")
+    check_grid("k2", 132, occ)
+    with pytest.raises(ResidencyError, match="264 workgroups exceeds the 132"):
+        check_grid("k2", 264, occ)
+
+
+def test_plan_tiles_cover_and_flags_suffice() -> None:
+    from lowlat.loader.presets import get_preset
+
+    for name in ("llama-3.2-1b", "qwen3-30b-a3b", "qwen3-8b"):
+        dm = P.Dims.from_config(get_preset(name))
+        pl = P.MonoPlan.build(dm, 132)
+        assert pl.qkv.n_tiles * pl.qkv.bn >= dm.qkv_rows and dm.hidden % pl.qkv.ksplit == 0
+        assert pl.qkv.kchunk % pl.qkv.bk == 0
+        for rows in range(1, 9):
+            sh = pl.step_shape(rows, 1)
+            assert sh.nsplit & (sh.nsplit - 1) == 0 and sh.m_att >= max(16, dm.group)
+            stages = P.K1_STAGES + (P.K2_MOE_STAGES if dm.any_moe else P.K2_DENSE_STAGES)
+            assert max(pl.items(st, sh, dm.any_moe) for st in stages) <= pl.max_items
+
+
+def test_options_force_staged_under_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOWLAT_MONO_DEADLINE_MS", "25")
+    o = MonoOptions.resolve(torch.device("cpu"), {"amd_mono_programs_per_sm": "2"}, interpret=True)
+    assert o.staged and not o.pdl and not o.cooperative and o.deadline_ms == 25 and o.programs_per_sm == 2
+    with pytest.raises(ValueError, match="deadline_ms"):
+        MonoOptions.resolve(torch.device("cpu"), {"amd_mono_deadline_ms": "soon"}, interpret=True)
+
+
+def test_supports_only_small_uniform_decode_and_verify() -> None:
+    s = make_setup("tiny-llama", torch.bfloat16, "cpu", layers=1)
+    fwd = build(s.binding)
+    pool = make_pool(s)
+    rows = new_requests(pool, [4] * 9)
+    assert not fwd.supports(step_batch(pool, rows[:1], 1, torch.tensor([1])))  # no pool attached yet
+    s.binding.attach_kv_pool(pool)
+    assert fwd.supports(step_batch(pool, rows[:8], 1, torch.arange(8)))
+    assert not fwd.supports(step_batch(pool, rows, 1, torch.arange(9)))  # 9 rows
+    assert not fwd.supports(step_batch(pool, rows[:3], 3, torch.arange(9)))  # 9 rows of VERIFY
+    from lowlat.runtime.forward_batch import ForwardBatch
+
+    pre = ForwardBatch.build(ForwardMode.PREFILL, [1, 2], [0], [2], [rows[0]], torch.tensor([5, 6]), "cpu")
+    assert not fwd.supports(pre)
+
+
+def test_build_refuses_what_it_cannot_run() -> None:
+    s = make_setup("tiny-llama", torch.bfloat16, "cpu", layers=1)
+    s.binding.tp_size = 2
+    with pytest.raises(ValueError, match="tp_size 1"):
+        build(s.binding)
+    s.binding.tp_size = 1
+    del s.binding.params["model.layers.0.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj.weight"):
+        build(s.binding)
