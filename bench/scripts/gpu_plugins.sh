@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call: amd_mono on the H200 (GPU tests, layer bench) and the contract suite on CUDA for both vendors.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
+step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+step "amd_mono GPU tests" 200 python3 -m pytest -q -x vendors/amd_mono/tests/test_gpu.py 2>&1 | tee $OUT/amd_gpu_tests.txt | tail -25
+step "amd_mono layer bench" 120 python3 vendors/amd_mono/bench_layers.py 2>&1 | tee $OUT/amd_bench_layers.txt | tail -30
+for p in nvidia_mega amd_mono; do
+  step "contract $p on cuda" 110 python3 -m pytest -q -p no:cacheprovider --pyargs lowlat_contract --lowlat-plugin $p \
+    --lowlat-device cuda --lowlat-model llama-3.2-1b --lowlat-arch LlamaForCausalLM 2>&1 | tee $OUT/contract_$p.txt | tail -28
+done
