@@ -67,7 +67,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def build(session: nox.Session) -> None:
     """Wheels of all four distributions into dist/ (then: pip install --find-links dist "lowlat[nvidia-mega]")."""
-    session.install("build")
+    session.install("build", "setuptools>=68", "wheel")
     for d in DISTRIBUTIONS:
         session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", "dist", d)
 

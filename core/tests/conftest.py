@@ -8,8 +8,18 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).parent))  # plugin_dists helpers
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny shapes on a small CPU: extra torch threads only add contention (several times slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -20,14 +20,6 @@ D1, D2, D4 = (Shape(ForwardMode.DECODE, b, 1) for b in (1, 2, 4))
 V1 = Shape(ForwardMode.VERIFY, 1, 3)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cfg(**kw: object) -> BenchConfig:
     base = dict(batch_sizes=(1, 2), verify_tokens=3, context=12, input_sets=2, warmup=0, iters=2, copy_bytes=1 << 20)
     base.update(kw)

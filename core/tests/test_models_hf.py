@@ -11,15 +11,6 @@ ARCHS = ("llama", "qwen3", "qwen3_moe")  # llama: llama3 rope_scaling + attentio
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes: extra CPU threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def checkpoint(request, tmp_path_factory):
     hf = hf_model(request.param)

@@ -12,14 +12,6 @@ PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]
 TOL = dict(atol=2e-5, rtol=2e-5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=("llama", "qwen3", "qwen3_moe"))
 def model(request):
     return random_model(tiny_config(request.param))

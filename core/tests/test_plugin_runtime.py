@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from lowlat import Engine, EngineConfig, ForwardMode, SamplingParams
 from lowlat.plugin import PluginBuildError, PluginStepError, UnsupportedConfiguration
 from lowlat.plugin.binding import KVPoolNotReady
@@ -11,14 +10,6 @@ from plugin_dists import activate, make_plugin_dist
 from plugin_fakes import mirror_source
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture

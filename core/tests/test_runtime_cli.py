@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-import torch
 from lowlat.cli import run as run_cli
 
 
@@ -13,14 +12,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="lowlat")
     run_cli.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["run", *argv])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_defaults():

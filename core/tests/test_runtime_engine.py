@@ -13,14 +13,6 @@ from lowlat.runtime import Engine, ForwardBatch, ForwardMode, KVPool, SamplingPa
 CTX = 96
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_engine(model: str = "tiny-llama", **kw) -> Engine:
     kw = {"device": "cpu", "max_context_len": CTX, "max_batch_size": 4, "page_size": 4, **kw}
     return Engine(EngineConfig(model=model, **kw))

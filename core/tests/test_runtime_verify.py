@@ -9,14 +9,6 @@ from lowlat.config import EngineConfig
 from lowlat.runtime import Engine, ForwardMode, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"])
 def engine(request):
     e = Engine(EngineConfig(model=request.param, device="cpu", max_context_len=64, max_batch_size=4, page_size=4,

@@ -46,6 +46,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not config.getoption("lowlat_plugin"):
         return
+    from lowlat.platform import triton_interpreter_enabled
+
+    if triton_interpreter_enabled():
+        from lowlat_contract import interpreter
+
+        interpreter.install()
     from lowlat_contract.cases import ContractSetupError, build_cases
 
     o = config.getoption

@@ -5,7 +5,9 @@ shape is a (mode, padded batch size, tokens per request) key; inputs are copied 
 beyond the real batch are padding that points at the KV pool's dummy request row (whose ``req_to_token``
 entries are all slot 0) and writes its K/V to the dummy slot 0, the graph is replayed, and the first real
 rows of its fixed output are returned. All graphs share one memory pool (``torch.cuda.graph_pool_handle``)
-and are captured largest first, so later, smaller captures reuse the first one's memory.
+and are captured largest first, so later, smaller captures reuse the first one's memory. The fixed buffers
+are a ``StepInputs`` (``lowlat.runtime.step_inputs``): a batch that the scheduler's ``BatchBuilder`` built into
+them is replayed without any copy, its padding rows already in place.
 
 Captured set: DECODE at batch sizes ``capture_batch_sizes(max_batch_size)`` (every size 1..8, then
 multiples of 8, then max_batch_size), and VERIFY at the same batch sizes for every tokens-per-request
@@ -22,6 +24,7 @@ import torch
 
 from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 from lowlat.runtime.progress import task_progress
+from lowlat.runtime.step_inputs import StepInputs
 
 ForwardFn = Callable[[ForwardBatch], torch.Tensor]
 
@@ -56,6 +59,8 @@ class CudaGraphRunner:
         max_batch_size: the largest batch captured.
         max_verify_tokens: VERIFY graphs are captured for 2..max_verify_tokens tokens per request.
         vocab_size: columns of the logits (for the output check).
+        inputs: the fixed input buffers (a StepInputs for at least ``max_batch_size`` x ``max_verify_tokens``,
+            shared with the scheduler's BatchBuilder); None allocates them here.
 
     Hooks (for the plugin dispatcher):
         capture_hooks: called as ``hook(key, batch)`` before a shape is warmed up and captured; ``batch`` is the
@@ -65,7 +70,7 @@ class CudaGraphRunner:
     """
 
     def __init__(self, *, device: torch.device, dummy_row: int, max_batch_size: int, max_verify_tokens: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, inputs: StepInputs | None = None) -> None:
         self.device = device
         self.dummy_row = dummy_row
         self.vocab_size = vocab_size
@@ -73,15 +78,25 @@ class CudaGraphRunner:
         self.max_bs = self.batch_sizes[-1]
         self.verify_tokens = list(range(2, max_verify_tokens + 1))
         max_tpr = max([1, *self.verify_tokens])
-        max_t = self.max_bs * max_tpr
+        if inputs is None:
+            inputs = StepInputs(device=device, max_batch_size=self.max_bs, max_tokens_per_req=max_tpr,
+                                dummy_row=dummy_row)
+        elif (inputs.max_batch_size < self.max_bs or inputs.max_tokens_per_req < max_tpr
+              or inputs.dummy_row != dummy_row):
+            raise ValueError(f"StepInputs of {inputs.max_batch_size} x {inputs.max_tokens_per_req} (dummy row "
+                             f"{inputs.dummy_row}) cannot hold graphs of {self.max_bs} x {max_tpr} (dummy row "
+                             f"{dummy_row})")
+        self.inputs = inputs
         i64, i32 = dict(dtype=torch.int64, device=device), dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_t, **i64)
-        self.positions = torch.zeros(max_t, **i64)
-        self.out_cache_loc = torch.zeros(max_t, **i64)
-        self.seq_lens = torch.ones(self.max_bs, **i32)
-        self.req_pool_indices = torch.full((self.max_bs,), dummy_row, **i64)
-        self.extend_lens = torch.ones(self.max_bs, **i32)
-        self.extend_start_loc = torch.zeros(self.max_bs, **i32)
+        self.input_ids = inputs.input_ids
+        self.positions = inputs.positions
+        self.out_cache_loc = inputs.out_cache_loc
+        self.seq_lens = inputs.seq_lens
+        self.req_pool_indices = inputs.req_pool_indices
+        self.extend_lens = inputs.extend_lens
+        self.extend_start_loc = inputs.extend_start_loc
+        # padded[n]: the captured batch size that runs n requests
+        self._padded = [next(b for b in self.batch_sizes if b >= n) for n in range(self.max_bs + 1)]
         # Per tokens-per-request templates: padding positions (0..tpr-1 per row) and row start offsets.
         self._pad_positions = {t: torch.arange(t, **i64).repeat(self.max_bs) for t in [1, *self.verify_tokens]}
         self._starts = {t: torch.arange(self.max_bs, **i32) * t for t in [1, *self.verify_tokens]}
@@ -133,17 +148,21 @@ class CudaGraphRunner:
     def key_for(self, batch: ForwardBatch) -> GraphKey | None:
         """The captured key that can run ``batch`` (smallest padded batch size), or None."""
         tpr = batch.tokens_per_req
-        if batch.forward_mode is ForwardMode.PREFILL or tpr is None or batch.batch_size > self.max_bs:
+        b = batch.batch_size
+        if batch.forward_mode is ForwardMode.PREFILL or tpr is None or b > self.max_bs:
             return None
-        bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
-        key = GraphKey(batch.forward_mode, bs, tpr)
+        key = GraphKey(batch.forward_mode, self._padded[b], tpr)
         return key if key in self.graphs else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return self.key_for(batch) is not None
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+    def replay(self, batch: ForwardBatch, key: GraphKey | None = None) -> torch.Tensor:
         """Run ``batch`` through its graph.
+
+        Args:
+            batch: the step; when a BatchBuilder built it into ``self.inputs``, nothing is copied.
+            key: ``key_for(batch)`` when the caller already has it.
 
         Returns:
             float32 logits ``[T, vocab]`` (a fresh tensor, not the graph's buffer).
@@ -151,10 +170,28 @@ class CudaGraphRunner:
         Raises:
             ValueError: no captured graph fits ``batch`` (check ``can_run`` first).
         """
-        key = self.key_for(batch)
         if key is None:
-            raise ValueError(f"no CUDA graph for {batch.forward_mode.name} with {batch.batch_size} requests of "
-                             f"{batch.tokens_per_req} tokens; run it eagerly")
+            key = self.key_for(batch)
+            if key is None:
+                raise ValueError(f"no CUDA graph for {batch.forward_mode.name} with {batch.batch_size} requests "
+                                 f"of {batch.tokens_per_req} tokens; run it eagerly")
+        b, tpr = batch.batch_size, key.tokens_per_req
+        if self.inputs.layout != (b, tpr) or batch.input_ids.data_ptr() != self.input_ids.data_ptr():
+            self._copy_in(batch, key)
+        for hook in self.replay_hooks:
+            hook(key, batch)
+        self.graphs[key].replay()
+        return self.outputs[key][:b * tpr].clone()
+
+    def close(self) -> None:
+        """Drop the graphs and their memory pool."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+
+    def _copy_in(self, batch: ForwardBatch, key: GraphKey) -> None:
+        """Copy a batch built elsewhere into the fixed buffers and pad it to ``key``'s shape."""
+        self.inputs.invalidate()
         b, tpr = batch.batch_size, key.tokens_per_req
         t, tp = b * tpr, key.num_tokens
         self.input_ids[:t].copy_(batch.input_ids, non_blocking=True)
@@ -170,19 +207,10 @@ class CudaGraphRunner:
             self.req_pool_indices[b:key.batch_size].fill_(self.dummy_row)
         self.extend_lens[:key.batch_size].fill_(tpr)
         self.extend_start_loc[:key.batch_size].copy_(self._starts[tpr][:key.batch_size])
-        for hook in self.replay_hooks:
-            hook(key, batch)
-        self.graphs[key].replay()
-        return self.outputs[key][:t].clone()
-
-    def close(self) -> None:
-        """Drop the graphs and their memory pool."""
-        self.graphs.clear()
-        self.outputs.clear()
-        self.pool = None
 
     def _fill_dummy(self, key: GraphKey) -> ForwardBatch:
         """Fill the buffers with an all-padding batch of ``key``'s shape and return the static batch views."""
+        self.inputs.invalidate()
         bs, tpr, t = key.batch_size, key.tokens_per_req, key.num_tokens
         self.input_ids[:t].zero_()
         self.positions[:t].copy_(self._pad_positions[tpr][:t])

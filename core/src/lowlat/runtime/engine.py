@@ -24,7 +24,7 @@ from lowlat.runtime import tp_launch
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
-from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler
+from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.stats import StepStats
 
 
@@ -131,7 +131,7 @@ class Engine:
         eos_ids = set(eos if isinstance(eos, tuple) else ([] if eos is None else [eos]))
         self.eos_ids = frozenset(eos_ids | set(self.tokenizer.eos_token_ids))
         self.scheduler = Scheduler(self.runner.kv_pool, max_batch_size=config.max_batch_size,
-                                   chunked_prefill_size=config.chunked_prefill_size)
+                                   chunked_prefill_size=config.chunked_prefill_size, inputs=self.runner.step_inputs)
         self.stats = StepStats()
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
         self._next_rid = 0
@@ -216,6 +216,9 @@ class Engine:
     # -- the step --------------------------------------------------------------------------------------------
 
     def _step(self) -> list[Completion]:
+        if not torch.is_inference_mode_enabled():  # generate() enters it once for the whole loop
+            with torch.inference_mode():
+                return self._step()
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -224,15 +227,19 @@ class Engine:
     def _run(self, step: ScheduledStep) -> list[Completion]:
         try:
             t0 = time.perf_counter()
-            for r in step.requests:
-                if r.t_prefill_start is None:
-                    r.t_prefill_start = t0
+            if step.mode is ForwardMode.PREFILL:
+                for r in step.requests:
+                    if r.t_prefill_start is None:
+                        r.t_prefill_start = t0
             logits = self.runner.forward(step.batch)
             if self.logits_observer is not None:
                 self.logits_observer(step, logits)
-            new_tokens = self._postprocess(step, logits)
+            toks = self._pick(step, logits)
             now = time.perf_counter()
-            finished = self.scheduler.update(step, new_tokens, now)
+            if step.mode is ForwardMode.DECODE:
+                finished = self.scheduler.update_decode(step, toks, now)
+            else:
+                finished = self.scheduler.update(step, accepted_tokens(step, toks), now)
         except BaseException as e:
             self._failed = e
             self.scheduler.abort_all()
@@ -242,30 +249,22 @@ class Engine:
             raise
         self.stats.record(step.mode, now - t0, step.batch.num_tokens, graphed=self.runner.last_graphed,
                           path=self.runner.last_path)
-        return [self._completion(r) for r in finished]
+        return [self._completion(r) for r in finished] if finished else []
 
-    def _postprocess(self, step: ScheduledStep, logits: torch.Tensor) -> dict[int, list[int]]:
-        """Sample the step's rows; VERIFY keeps each request's drafts while they match its own picks."""
+    def _pick(self, step: ScheduledStep, logits: torch.Tensor) -> list[int]:
+        """The token picked for each of the step's sample rows (argmax alone when every request is greedy)."""
         if not step.sample_rows:  # a prompt chunk: wait for it anyway, so step times are device times
             self._sync()
             if logits.is_cuda:
                 torch.cuda.current_stream(logits.device).synchronize()
-            return {}
+            return []
         rows = logits if len(step.sample_rows) == logits.shape[0] else logits[step.sample_rows]
-        picked = sample(rows, [r.params for r in step.sample_reqs], [r.generator for r in step.sample_reqs])
+        if step.greedy:
+            picked = torch.argmax(rows, dim=-1)
+        else:
+            picked = sample(rows, [r.params for r in step.sample_reqs], [r.generator for r in step.sample_reqs])
         self._sync()
-        toks = picked.tolist()
-        if step.mode is not ForwardMode.VERIFY:
-            return {r.rid: [t] for r, t in zip(step.sample_reqs, toks)}
-        out: dict[int, list[int]] = {}
-        k1 = step.batch.tokens_per_req
-        for i, r in enumerate(step.requests):
-            picks, draft = toks[i * k1:(i + 1) * k1], step.drafts[r.rid]
-            n = 0
-            while n < len(draft) and draft[n] == picks[n]:
-                n += 1
-            out[r.rid] = picks[:n + 1]
-        return out
+        return picked.tolist()
 
     def _sync(self) -> None:
         """On CUDA with spawned workers, wait for the step while watching the workers (never hang on NCCL)."""
@@ -308,9 +307,10 @@ class Engine:
     def _generate_ids(self, ids: list[list[int]], plist: list[SamplingParams]) -> list[Completion]:
         rids = [self._add_ids(i, p) for i, p in zip(ids, plist)]
         done: dict[int, Completion] = {}
-        while self.scheduler.has_unfinished():
-            for c in self._step():
-                done[c.request_id] = c
+        with torch.inference_mode():
+            while self.scheduler.has_unfinished():
+                for c in self._step():
+                    done[c.request_id] = c
         return [done[r] for r in rids]
 
     def _add_ids(self, ids: list[int], params: SamplingParams) -> int:

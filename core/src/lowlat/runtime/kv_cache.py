@@ -59,6 +59,7 @@ class KVPool:
         self._free_rows: list[int] = list(range(max_reqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # row -> pages owned, in position order
         self._lens: dict[int, int] = {}  # row -> positions with a slot
+        self._flat = (self.req_to_token, self.req_to_token.view(-1))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -82,8 +83,12 @@ class KVPool:
         self._lens[row] = 0
         return row
 
+    def num_allocated(self, row: int) -> int:
+        """Positions of request ``row`` that hold a slot (tokens)."""
+        return self._lens[row]
+
     def alloc_slots(self, row: int, new_len: int) -> torch.Tensor:
-        """Give request ``row`` slots for positions ``[current_len, new_len)``.
+        """Give request ``row`` slots for positions ``[current_len, new_len)`` and write them to ``req_to_token``.
 
         Returns:
             [new_len - current_len] int64 slots on the pool's device (the step's ``out_cache_loc``).
@@ -91,6 +96,55 @@ class KVPool:
             KVPoolExhausted: no free page; ValueError: ``new_len`` beyond ``max_context_len`` or shrinking.
         """
         cur = self._lens[row]
+        self._grow(row, cur, new_len)
+        pages = self._pages[row]
+        ps = self.page_size
+        if new_len - cur <= ps:  # a decode/verify-sized piece: plain Python, one host->device copy
+            slots = torch.tensor([pages[p // ps] * ps + p % ps for p in range(cur, new_len)], dtype=torch.int64,
+                                 device=self.device)
+        else:
+            pos = torch.arange(cur, new_len, dtype=torch.int64)
+            slots = (torch.tensor(pages, dtype=torch.int64)[pos // ps] * ps + pos % ps).to(self.device)
+        self.req_to_token[row, cur:new_len] = slots
+        self._lens[row] = new_len
+        return slots
+
+    def alloc_slot(self, row: int, pos: int) -> int:
+        """Give request ``row`` the slot of its next position ``pos`` (its current length): O(1) host work.
+
+        Unlike ``alloc_slots`` this does not touch the device: the caller writes the slot to ``req_to_token``,
+        e.g. for a whole batch at once with ``write_slots`` (``lowlat.runtime.step_inputs.BatchBuilder`` does).
+
+        Returns:
+            the slot (int). Raises: as ``alloc_slots``; ValueError when ``pos`` is not the row's current length.
+        """
+        if pos != self._lens[row]:
+            raise ValueError(f"request row {row} holds {self._lens[row]} tokens; its next position is not {pos}")
+        if pos >= self.max_context_len:
+            raise ValueError(f"sequence of {pos + 1} tokens exceeds max_context_len={self.max_context_len}")
+        page, off = divmod(pos, self.page_size)
+        pages = self._pages[row]
+        if page == len(pages):
+            if not self._free_pages:
+                self._grow(row, pos, pos + 1)  # raises KVPoolExhausted with the usual message
+            pages.append(self._free_pages.pop())
+        self._lens[row] = pos + 1
+        return pages[page] * self.page_size + off
+
+    def write_slots(self, flat_index: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``req_to_token.view(-1)[flat_index] = slots`` in one device op (slots from ``alloc_slot``).
+
+        Args:
+            flat_index: [N] int64 on the pool's device, ``row * max_context_len + position`` per token.
+            slots: [N] int32 on the pool's device.
+        """
+        r2t = self.req_to_token
+        if self._flat[0] is not r2t:  # cache the flat view (re-made if req_to_token is ever replaced)
+            self._flat = (r2t, r2t.view(-1))
+        self._flat[1].index_copy_(0, flat_index, slots)
+
+    def _grow(self, row: int, cur: int, new_len: int) -> None:
+        """Check a growth of ``row`` from ``cur`` to ``new_len`` positions and take the pages it needs."""
         if new_len > self.max_context_len:
             raise ValueError(f"sequence of {new_len} tokens exceeds max_context_len={self.max_context_len}")
         if new_len < cur:
@@ -104,12 +158,6 @@ class KVPool:
             )
         for _ in range(need):
             pages.append(self._free_pages.pop())
-        pos = torch.arange(cur, new_len, dtype=torch.int64)
-        page_t = torch.tensor(pages, dtype=torch.int64)
-        slots = page_t[pos // self.page_size] * self.page_size + pos % self.page_size
-        self.req_to_token[row, cur:new_len] = slots.to(self.device, torch.int32)
-        self._lens[row] = new_len
-        return slots.to(self.device)
 
     def truncate(self, row: int, new_len: int) -> None:
         """Forget positions ``>= new_len`` of request ``row`` (rejected speculative tokens); frees whole pages."""

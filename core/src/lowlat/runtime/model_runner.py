@@ -31,6 +31,7 @@ from lowlat.runtime.kv_cache import KVPool
 from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
 from lowlat.runtime.progress import weights_with_progress
 from lowlat.runtime.scheduler import make_batch
+from lowlat.runtime.step_inputs import StepInputs
 
 BIG_CHECKPOINT_BYTES = 1 << 30  # show the loading bar from this size on
 
@@ -67,6 +68,8 @@ class ModelRunner:
             added); added to in ``setup_forward``, before the pool is sized.
         kv_pool_ready: callbacks ``(kv_pool) -> None`` run once the KV pool exists, before graph capture.
         kv_pool, kv_plan: the KV pool and its sizing decision; ``dummy_row`` is its padding row.
+        step_inputs: the preallocated DECODE/VERIFY inputs (``lowlat.runtime.step_inputs``) the scheduler builds
+            batches into; the CUDA graphs' fixed input buffers are these same tensors.
         graph_runner: the CudaGraphRunner, or None when steps run eagerly.
         last_graphed: whether the latest ``forward`` replayed a graph.
         plugin_host: the plugin's selection, binding and dispatcher (``lowlat.plugin.host.PluginHost``).
@@ -89,6 +92,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_pool: KVPool | None = None
         self.kv_plan: KVPoolPlan | None = None
+        self.step_inputs: StepInputs | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.reserved_bytes = 0
         self.kv_pool_ready: list[Callable[[KVPool], None]] = []
@@ -180,6 +184,8 @@ class ModelRunner:
                               head_dim=self.model_config.head_dim, dtype=self.dtype, device=self.device,
                               max_reqs=cfg.max_batch_size + 1, max_context_len=cfg.max_context_len)
         self.dummy_row = self.kv_pool.alloc_req()  # never gets slots: req_to_token stays slot 0
+        self.step_inputs = StepInputs(device=self.device, max_batch_size=cfg.max_batch_size,
+                                      max_tokens_per_req=cfg.max_verify_tokens, dummy_row=self.dummy_row)
         for callback in self.kv_pool_ready:
             callback(self.kv_pool)
 
@@ -189,7 +195,7 @@ class ModelRunner:
         self.graph_runner = CudaGraphRunner(device=self.device, dummy_row=self.dummy_row,
                                             max_batch_size=self.config.max_batch_size,
                                             max_verify_tokens=self.config.max_verify_tokens,
-                                            vocab_size=self.model_config.vocab_size)
+                                            vocab_size=self.model_config.vocab_size, inputs=self.step_inputs)
         forward_fn = self.forward_fn
         dispatcher = self.plugin_host.dispatcher
         if dispatcher is not None:  # choose the path once per shape; replays run it without Python dispatch
@@ -203,17 +209,24 @@ class ModelRunner:
         """The general model's forward: float32 logits ``[R, vocab]`` (see ForwardBatch for R)."""
         return self.model(batch, self.kv_pool)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step: replay a CUDA graph when one fits, else ``forward_fn`` eagerly.
+        """Run one step (in inference mode): replay a CUDA graph when one fits, else ``forward_fn`` eagerly.
 
         Returns:
             float32 logits ``[R, vocab]``: R = T for DECODE/VERIFY, B (last token per request) for PREFILL.
         """
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+        if torch.is_inference_mode_enabled():  # the engine's loop already is: skip the context manager
+            return self._forward(batch)
+        with torch.inference_mode():
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        graphs = self.graph_runner
+        key = graphs.key_for(batch) if graphs is not None else None
+        if key is not None:
             self.last_graphed = True
-            self.last_path = self.plugin_host.graph_paths.get(self.graph_runner.key_for(batch), GENERAL)
-            return self.graph_runner.replay(batch)
+            self.last_path = self.plugin_host.graph_paths.get(key, GENERAL)
+            return graphs.replay(batch, key)
         self.last_graphed = False
         out = self.forward_fn(batch)
         self.last_path = self.plugin_host.eager_path()
@@ -233,6 +246,7 @@ class ModelRunner:
             self.graph_runner.close()
         self.graph_runner = None
         self.kv_pool = None
+        self.step_inputs = None
         self.model = None
         self.plugin_host = PluginHost(None)
         self.forward_fn = self.general_forward

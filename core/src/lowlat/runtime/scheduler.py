@@ -10,6 +10,10 @@ steps on every tensor-parallel rank, which is what keeps the ranks in lockstep.
 KV pages are promised at admission: a request is admitted only when the pool can hold its whole life
 (prompt plus ``max_new_tokens`` - 1 cached tokens) on top of what the running requests may still take,
 so a step never runs out of pages and no request is ever preempted.
+
+DECODE and VERIFY batches are built into preallocated buffers (``lowlat.runtime.step_inputs.BatchBuilder``): the
+batch of a step aliases them and is valid until the next step is scheduled. The list of decoding requests is
+kept between steps and rebuilt only when the running set or a request's state changes.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 from lowlat.runtime.kv_cache import KVPool
 from lowlat.runtime.sampling import SamplingParams
+from lowlat.runtime.step_inputs import BatchBuilder, StepInputs, make_batch
+
+__all__ = ["Request", "RequestState", "ScheduledStep", "Scheduler", "accepted_tokens", "make_batch"]
 
 
 class RequestState(enum.Enum):
@@ -85,6 +93,7 @@ class ScheduledStep:
         sample_rows: logits rows to sample, and ``sample_reqs`` the request each belongs to. PREFILL samples
             the last-token row of each request whose prompt completes; DECODE and VERIFY sample every row.
         drafts: VERIFY only: request id -> its k draft tokens.
+        greedy: every sampled request is greedy (the engine then takes an argmax per row, nothing else).
     """
 
     mode: ForwardMode
@@ -93,32 +102,36 @@ class ScheduledStep:
     sample_rows: list[int]
     sample_reqs: list[Request]
     drafts: dict[int, list[int]] | None = None
+    greedy: bool = False
 
 
-def make_batch(
-    pool: KVPool,
-    mode: ForwardMode,
-    rows: list[int],
-    prefix_lens: list[int],
-    token_lists: list[list[int]],
-) -> ForwardBatch:
-    """Allocate KV slots for new tokens and build the step's ForwardBatch.
+def accepted_tokens(step: ScheduledStep, picks: list[int]) -> dict[int, list[int]]:
+    """Tokens a step appends per request id, from the token picked for each of its sample rows.
 
-    Args:
-        pool: the KV pool; each row must already hold ``prefix_lens[i]`` positions.
-        mode: the step's mode.
-        rows: B ``req_to_token`` rows.
-        prefix_lens: B tokens already cached per request.
-        token_lists: B lists of new token ids.
-
-    Raises:
-        KVPoolExhausted / ValueError: from ``KVPool.alloc_slots`` and ``ForwardBatch.build``.
+    PREFILL/DECODE: each sampled request's pick. VERIFY: a request's draft tokens while they equal its own picks,
+    then its first differing pick (1..k+1 tokens).
     """
-    extend = [len(t) for t in token_lists]
-    locs = [pool.alloc_slots(r, p + e) for r, p, e in zip(rows, prefix_lens, extend)]
-    out_cache_loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=pool.device)
-    ids = [t for toks in token_lists for t in toks]
-    return ForwardBatch.build(mode, ids, prefix_lens, extend, rows, out_cache_loc, pool.device)
+    if step.mode is not ForwardMode.VERIFY:
+        return {r.rid: [t] for r, t in zip(step.sample_reqs, picks)}
+    out: dict[int, list[int]] = {}
+    k1 = step.batch.tokens_per_req
+    for i, r in enumerate(step.requests):
+        mine, draft = picks[i * k1:(i + 1) * k1], step.drafts[r.rid]
+        n = 0
+        while n < len(draft) and draft[n] == mine[n]:
+            n += 1
+        out[r.rid] = mine[:n + 1]
+    return out
+
+
+class _DecodeView(NamedTuple):
+    """The running set as DECODE steps see it; rebuilt when a request is admitted, finishes a prompt or leaves."""
+
+    decoding: list[Request]  # DECODING requests, in running order
+    rows: list[int]  # their req_to_token rows
+    sample_rows: list[int]  # 0..len(decoding)-1
+    greedy: bool  # every decoding request is greedy
+    prefilling: bool  # some running request is PREFILLING
 
 
 class Scheduler:
@@ -128,15 +141,21 @@ class Scheduler:
         pool: the KV pool (one request row of it is kept by the engine as the dummy row).
         max_batch_size: requests admitted at once.
         chunked_prefill_size: prompt tokens per PREFILL step at most.
+        inputs: the StepInputs DECODE and VERIFY batches are built into (the ModelRunner's, shared with its CUDA
+            graphs); None allocates DECODE-only buffers for ``max_batch_size`` requests here.
     """
 
-    def __init__(self, pool: KVPool, *, max_batch_size: int, chunked_prefill_size: int) -> None:
+    def __init__(self, pool: KVPool, *, max_batch_size: int, chunked_prefill_size: int,
+                 inputs: StepInputs | None = None) -> None:
         self.pool = pool
         self.max_batch_size = max_batch_size
         self.chunked_prefill_size = chunked_prefill_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._allocated: dict[int, int] = {}  # rid -> positions with a KV slot
+        if inputs is None:  # no CUDA graphs read these: the padding row value is never used
+            inputs = StepInputs(device=pool.device, max_batch_size=max_batch_size, max_tokens_per_req=1, dummy_row=0)
+        self.builder = BatchBuilder(pool, inputs)
+        self._view: _DecodeView | None = None
 
     @property
     def usable_pages(self) -> int:
@@ -163,17 +182,16 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step: a PREFILL step when any prompt work can run, else a DECODE step, else None."""
-        step = self._schedule_prefill()
-        if step is not None:
-            return step
-        decoding = [r for r in self.running if r.state is RequestState.DECODING]
+        view = self._view or self._make_view()
+        if self.waiting or view.prefilling:
+            step = self._schedule_prefill()
+            if step is not None:
+                return step
+        decoding = view.decoding
         if not decoding:
             return None
-        batch = make_batch(self.pool, ForwardMode.DECODE, [r.row for r in decoding],
-                           [r.num_computed for r in decoding], [[r.output_ids[-1]] for r in decoding])
-        for r in decoding:
-            self._note_alloc(r, r.num_computed + 1)
-        return ScheduledStep(ForwardMode.DECODE, decoding, batch, list(range(len(decoding))), decoding)
+        batch = self._build(ForwardMode.DECODE, decoding, view.rows, [r.output_ids[-1] for r in decoding], 1)
+        return ScheduledStep(ForwardMode.DECODE, decoding, batch, view.sample_rows, decoding, greedy=view.greedy)
 
     def check_verify(self, drafts: dict[int, list[int]], max_tokens_per_req: int) -> list[Request]:
         """Validate a VERIFY request; returns the requests in ``drafts`` order.
@@ -217,12 +235,11 @@ class Scheduler:
         """
         reqs = self.check_verify(drafts, max_tokens_per_req)
         k1 = len(next(iter(drafts.values()))) + 1
-        batch = make_batch(self.pool, ForwardMode.VERIFY, [r.row for r in reqs], [r.num_computed for r in reqs],
-                           [[r.output_ids[-1], *drafts[r.rid]] for r in reqs])
-        for r in reqs:
-            self._note_alloc(r, r.num_computed + k1)
+        tokens = [t for r in reqs for t in (r.output_ids[-1], *drafts[r.rid])]
+        batch = self._build(ForwardMode.VERIFY, reqs, [r.row for r in reqs], tokens, k1)
         return ScheduledStep(ForwardMode.VERIFY, reqs, batch, list(range(k1 * len(reqs))),
-                             [r for r in reqs for _ in range(k1)], drafts={r.rid: list(drafts[r.rid]) for r in reqs})
+                             [r for r in reqs for _ in range(k1)], drafts={r.rid: list(drafts[r.rid]) for r in reqs},
+                             greedy=all(r.params.greedy for r in reqs))
 
     def update(self, step: ScheduledStep, new_tokens: dict[int, list[int]], now: float) -> list[Request]:
         """Apply a step's results and retire finished requests.
@@ -238,14 +255,14 @@ class Scheduler:
         """
         for r in step.requests:
             if step.mode is ForwardMode.PREFILL:
-                r.num_computed = self._allocated[r.rid]
+                r.num_computed = self.pool.num_allocated(r.row)
                 if r.prompt_left == 0:
                     r.state = RequestState.DECODING
+                    self._view = None
             else:
                 r.num_computed += len(new_tokens.get(r.rid, ())) if step.mode is ForwardMode.VERIFY else 1
                 if step.mode is ForwardMode.VERIFY:
                     self.pool.truncate(r.row, r.num_computed)
-                    self._allocated[r.rid] = r.num_computed
         finished = []
         for r in step.requests:
             toks = new_tokens.get(r.rid)
@@ -266,6 +283,32 @@ class Scheduler:
                 finished.append(r)
         return finished
 
+    def update_decode(self, step: ScheduledStep, tokens: list[int], now: float) -> list[Request]:
+        """``update`` for a DECODE step, with ``tokens[i]`` the token of ``step.requests[i]`` (same result).
+
+        Raises:
+            ValueError: ``step`` is not a DECODE step or ``tokens`` does not have one token per request.
+        """
+        if step.mode is not ForwardMode.DECODE or len(tokens) != len(step.requests):
+            raise ValueError(f"update_decode takes a DECODE step and one token per request, got {step.mode.name} "
+                             f"with {len(step.requests)} requests and {len(tokens)} tokens")
+        finished = []
+        for r, t in zip(step.requests, tokens):
+            r.num_computed += 1
+            if r.t_first_token is None:
+                r.t_first_token = now
+            out = r.output_ids
+            out.append(t)
+            if r.params.stop_at_eos and t in r.eos_ids:
+                r.finish_reason = "eos"
+            elif len(out) >= r.params.max_new_tokens:
+                r.finish_reason = "length"
+            else:
+                continue
+            self._finish(r, now)
+            finished.append(r)
+        return finished
+
     def abort_all(self) -> None:
         """Drop every request and give its KV back (after a failed step)."""
         for r in list(self.running):
@@ -277,12 +320,26 @@ class Scheduler:
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.pool.page_size)
 
-    def _note_alloc(self, r: Request, length: int) -> None:
-        self._allocated[r.rid] = length
+    def _make_view(self) -> _DecodeView:
+        decoding = [r for r in self.running if r.state is RequestState.DECODING]
+        self._view = _DecodeView(decoding, [r.row for r in decoding], list(range(len(decoding))),
+                                 all(r.params.greedy for r in decoding),
+                                 any(r.state is RequestState.PREFILLING for r in self.running))
+        return self._view
+
+    def _build(self, mode: ForwardMode, reqs: list[Request], rows: list[int], tokens: list[int],
+               tokens_per_req: int) -> ForwardBatch:
+        """The DECODE/VERIFY batch of ``reqs`` feeding ``tokens`` (flat): built incrementally when it fits."""
+        prefix = [r.num_computed for r in reqs]
+        if self.builder.fits(len(reqs), tokens_per_req):
+            return self.builder.build(mode, rows, prefix, tokens, tokens_per_req)
+        k = tokens_per_req
+        return make_batch(self.pool, mode, rows, prefix, [tokens[i * k:(i + 1) * k] for i in range(len(reqs))])
 
     def _promised_pages(self) -> int:
         """Pages the running requests may still allocate."""
-        return sum(self._pages(r.max_cached_tokens) - self._pages(self._allocated[r.rid]) for r in self.running)
+        return sum(self._pages(r.max_cached_tokens) - self._pages(self.pool.num_allocated(r.row))
+                   for r in self.running)
 
     def _can_admit(self, req: Request) -> bool:
         if len(self.running) >= self.max_batch_size or self.pool.free_rows == 0:
@@ -303,8 +360,8 @@ class Scheduler:
             r = self.waiting.popleft()
             r.row = self.pool.alloc_req()
             r.state = RequestState.PREFILLING
-            self._allocated[r.rid] = 0
             self.running.append(r)
+            self._view = None
             n = min(r.prompt_left, budget)
             reqs.append(r)
             chunks.append(n)
@@ -314,10 +371,10 @@ class Scheduler:
         prefix = [r.num_computed for r in reqs]
         batch = make_batch(self.pool, ForwardMode.PREFILL, [r.row for r in reqs], prefix,
                            [r.prompt_ids[p:p + n] for r, p, n in zip(reqs, prefix, chunks)])
-        for r, p, n in zip(reqs, prefix, chunks):
-            self._note_alloc(r, p + n)
         done = [i for i, (r, p, n) in enumerate(zip(reqs, prefix, chunks)) if p + n == len(r.prompt_ids)]
-        return ScheduledStep(ForwardMode.PREFILL, reqs, batch, done, [reqs[i] for i in done])
+        sample_reqs = [reqs[i] for i in done]
+        return ScheduledStep(ForwardMode.PREFILL, reqs, batch, done, sample_reqs,
+                             greedy=all(r.params.greedy for r in sample_reqs))
 
     def _finish(self, r: Request, now: float) -> None:
         r.state = RequestState.FINISHED
@@ -325,5 +382,5 @@ class Scheduler:
         if r.row is not None:
             self.pool.free_req(r.row)
             r.row = None
-        self._allocated.pop(r.rid, None)
         self.running.remove(r)
+        self._view = None

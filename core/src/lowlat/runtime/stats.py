@@ -38,11 +38,15 @@ class StepStats:
     def record(self, mode: ForwardMode, seconds: float, tokens: int, *, graphed: bool = False,
                path: str = "general") -> None:
         """Add one step of ``mode`` on ``path`` ("general" or "plugin") that took ``seconds`` for ``tokens``."""
-        for row in (self.by_mode[mode], self.by_path.setdefault((path, mode), ModeStats())):
+        by_path = self.by_path.get((path, mode))
+        if by_path is None:
+            by_path = self.by_path[(path, mode)] = ModeStats()
+        for row in (self.by_mode[mode], by_path):
             row.steps += 1
             row.seconds += seconds
             row.tokens += tokens
-            row.graph_steps += int(graphed)
+            if graphed:
+                row.graph_steps += 1
 
     @property
     def total_steps(self) -> int:

@@ -19,7 +19,6 @@ from lowlat.config import ModelConfig
 from lowlat.plugin import rope_tables as core_rope_tables
 from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 
-from lowlat_amd_mono.kernels import interp
 from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
 from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
@@ -72,8 +71,6 @@ class MonoForward:
             raise ValueError(f"amd_mono runs bfloat16, float16 or float32, not {dtype}")
         self.device, self.dtype, self.max_context_len = torch.device(device), dtype, max_context_len
         self.interpret = is_interpreted(k1_attn_in_kernel)
-        if self.interpret:
-            interp.install()
         if self.device.type == "cpu" and not self.interpret:
             raise ValueError("amd_mono runs on CPU only under the Triton interpreter: set TRITON_INTERPRET=1 before "
                              "importing lowlat_amd_mono")

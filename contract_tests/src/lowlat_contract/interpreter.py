@@ -1,14 +1,15 @@
-"""A speed-up for Triton's interpreter: patch ``triton.language`` once per launch and module, not once per call.
+"""A speed-up for Triton's interpreter, for test runs: patch ``triton.language`` once per launch and module.
 
 Triton's interpreter (checked on 3.6-3.9) re-runs ``_patch_lang`` on every call of a ``@triton.jit`` helper,
-and that walks every member of ``triton.language`` (about 7 ms a call). These kernels call small helpers
-thousands of times per step, so a tiny-model step took about a minute on CPU. Within one launch the repeated
+and that walks every member of ``triton.language`` (about 7 ms a call). Plugin kernels call small helpers
+thousands of times per step, so a tiny-model step of amd_mono took about a minute on CPU. Within one launch the repeated
 patches are redundant: the launch already patched ``triton.language``, and a helper's own patch is never
 undone until the launch ends. ``install`` keeps the first patch per helper module per launch and skips the
 rest, which cuts a step to a few seconds without changing what any kernel computes.
 
-It is installed only when kernels run interpreted, only if the interpreter has the internals it wraps (else
-it does nothing), and ``LOWLAT_MONO_INTERP_FAST=0`` turns it off.
+The contract suite installs it when TRITON_INTERPRET=1 (vendors' own test suites may call ``install`` too);
+it does nothing if the interpreter lacks the internals it wraps, and ``LOWLAT_FAST_INTERPRETER=0`` turns it
+off. It changes how often the interpreter patches, never what a kernel computes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def install() -> bool:
     global _INSTALLED
     if _INSTALLED:
         return True
-    if os.environ.get("LOWLAT_MONO_INTERP_FAST", "1") == "0":
+    if os.environ.get("LOWLAT_FAST_INTERPRETER", "1") == "0":
         return False
     try:
         from triton.runtime import interpreter as ti
