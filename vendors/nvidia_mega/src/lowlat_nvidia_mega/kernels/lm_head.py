@@ -47,7 +47,10 @@ class LMHeadConfig:
                 raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= 1")
 
 
-@triton.jit
+# ``n_tiles`` is never specialized: Triton turns an int argument equal to 1 into a constant, and with one tile
+# (V <= BLOCK_V) SCCP then proves the merge-tree loop below never runs. Triton 3.6 leaves that dead loop body in
+# place and ConvertTritonGPUToLLVM fails on it (AxisInfo is never computed for unreachable blocks).
+@triton.jit(do_not_specialize=["n_tiles"])
 def _lm_head_kernel(
     x_ptr, norm_w_ptr, w_ptr, logits_ptr,
     temp_ptr, topk_ptr, topp_ptr, seed_ptr, offset_ptr, tokens_ptr,
