@@ -155,3 +155,15 @@ def test_compare_shows_the_near_tie_at_a_divergence(install):
     assert not report.identical and report.first_divergence[0] is not None
     text = "\n".join(report.lines())
     assert "first differing token" in text and "top-2 gap" in text
+
+
+def test_auto_skips_a_plugin_whose_build_fails_and_says_why(install):
+    install("bad", "build_raises")
+    with engine("none") as e:
+        want = greedy(e)
+    with engine("auto") as e:
+        host = e.runner.plugin_host
+        assert host.selection is None and host.dispatcher is None
+        assert any("bad: its guard passed but build failed" in r and "unsupported head_dim" in r
+                   for r in host.rejections)
+        assert greedy(e) == want and set(e.stats.paths_as_dict()) == {"general"}

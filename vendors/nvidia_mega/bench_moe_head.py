@@ -14,13 +14,13 @@ written, as in FACTS.md). Targets: qwen3-30b-a3b decode <= 2.0 ms per step at ba
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from bench_kernels import copy_bandwidth, time_chain  # the same timing method as the kernel bench
 from lowlat.layers.norm import rms_norm
 from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward
@@ -32,46 +32,14 @@ DT = torch.bfloat16
 DEV = "cuda"
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + written), median of 10 after 2 warm-ups."""
-    if DEV != "cuda":
-        return float("nan")
-    a = torch.empty(2**30, dtype=torch.int16, device=DEV)
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(12):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * a.nbytes / statistics.median(times[2:])
+def copy_bandwidth_here() -> float:
+    """Copy bandwidth (bytes/s, read + written) on the GPU; NaN in --smoke mode on the CPU."""
+    return copy_bandwidth(torch.device(DEV)) if DEV == "cuda" else float("nan")
 
 
 def graph_seconds(chain: Callable[[], int], reps: int) -> float:
-    """Seconds per launch of ``chain`` (issues its launches, returns how many) from median CUDA-graph replays."""
-    if DEV != "cuda":  # --smoke: run once, no timing
-        chain()
-        return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            n = chain()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        n = chain()
-    times = []
-    for _ in range(reps + 3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times[3:]) / n
+    """Seconds per launch of ``chain`` from median CUDA-graph replays (bench_kernels.time_chain)."""
+    return time_chain(chain, torch.device(DEV), reps)
 
 
 def rand(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
@@ -242,7 +210,7 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     device_name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)"
     print(f"{device_name} | torch {torch.__version__} | triton {triton.__version__}")
-    bw = copy_bandwidth()
+    bw = copy_bandwidth_here()
     print(f"copy bandwidth (read + written): {bw / 1e12:.2f} TB/s")
     layers = MoELayers(args.layers, gen)
     lm_w = [rand(gen, V, H, std=0.02) for _ in range(3)]

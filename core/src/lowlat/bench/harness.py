@@ -208,14 +208,16 @@ def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[st
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(render_markdown(results))
+    plotted = False
     if plot:
         from lowlat.bench.plot import plot_results
 
         try:
             plot_results(results, out_dir / "results.png")
+            plotted = True
         except ImportError as e:
-            log(f"[bench] no plot: {e} (pip install matplotlib)")
-    log(f"[bench] wrote {out_dir}/results.json, results.md{', results.png' if plot else ''} "
+            log(f"[bench] no plot: {e} (pip install 'lowlat[bench]' for matplotlib and the hf peer)")
+    log(f"[bench] wrote {out_dir}/results.json, results.md{', results.png' if plotted else ''} "
         f"in {results['meta']['wall_s']:.0f} s")
     return results
 

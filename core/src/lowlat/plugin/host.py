@@ -87,13 +87,32 @@ class PluginHost:
         carries the dispatcher's per-step agreement on a host tensor.
 
         Returns:
-            The Dispatcher, or None when no plugin was selected.
+            The Dispatcher, or None when no plugin was selected — or, for ``plugin="auto"``, when the chosen
+            plugin failed to import or build (logged and recorded in ``rejections``; the general path serves).
         Raises:
-            PluginBuildError: check_model or build raised, returned something that is not a PluginForward,
-                or allocated more than the memory left.
+            PluginBuildError / PluginLoadError: for an explicitly named plugin whose check_model or build raised,
+                returned something that is not a PluginForward, or allocated more than the memory left.
         """
         if self.selection is None:
             return None
+        try:
+            return self._build(model=model, engine=engine, model_config=model_config, device=device, dtype=dtype,
+                               tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, agree_group=agree_group,
+                               general_forward=general_forward, workspace_budget_bytes=workspace_budget_bytes)
+        except LowlatPluginError as e:
+            if engine.plugin != "auto":
+                raise  # an explicit request never falls back
+            log.warning("auto: plugin %s could not be built, every step takes the general path: %s",
+                        self.selection.plugin.name, e)
+            self.rejections.append(f"{self.selection.plugin.name}: its guard passed but build failed: {e}")
+            self.selection, self.binding, self.dispatcher = None, None, None
+            return None
+
+    def _build(self, *, model: torch.nn.Module, engine: EngineConfig, model_config: ModelConfig,
+               device: torch.device, dtype: torch.dtype, tp_rank: int, tp_size: int, tp_group: object,
+               agree_group: object, general_forward, workspace_budget_bytes: int | None  # type: ignore[no-untyped-def]
+               ) -> Dispatcher:
+        assert self.selection is not None
         name, spec = self.selection.plugin.name, self.selection.spec
         self.binding = PluginBinding(
             plugin=name, model_config=model_config, engine_config=engine, device=device, dtype=dtype,
