@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from lowlat.config import DTYPES, ConfigError
+from lowlat.runtime.cuda_graph_runner import GraphKey
 from lowlat.runtime.forward_batch import ForwardMode
 
 GENERAL_PATH = "general"
@@ -27,16 +27,10 @@ CPU_DEFAULTS = dict(models=("tiny-llama",), paths=(GENERAL_PATH, HF_PATH), batch
                     warmup=1, iters=3, copy_bytes=64 << 20, copy_reps=5)
 
 
-class Shape(NamedTuple):
-    """One step shape: ``batch_size`` requests of ``tokens_per_req`` new tokens each, in ``mode``."""
+class Shape(GraphKey):
+    """One step shape (a GraphKey: ``mode``, ``batch_size``, ``tokens_per_req``) with a printable label."""
 
-    mode: ForwardMode
-    batch_size: int
-    tokens_per_req: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.batch_size * self.tokens_per_req
+    __slots__ = ()
 
     @property
     def label(self) -> str:
