@@ -46,6 +46,7 @@ def test_plugins_table_and_explain(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "nvidia_mega (lowlat-nvidia-mega" in out.stdout and ": PASS" in out.stdout
     assert "[pass] platform: cpu (Triton interpreter on)" in out.stdout
+    assert "[pass] architecture: Qwen3ForCausalLM" in out.stdout
 
 
 def test_unknown_allowlisted_plugin_is_a_clear_cli_error(tmp_path):

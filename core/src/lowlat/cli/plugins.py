@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     platform = detect_platform(args.device)
     engine = EngineConfig(device=args.device, dtype=args.dtype or "auto", tp_size=args.tp, page_size=args.page_size)
     model = _model(args.model)
-    report = collect(registry, platform, engine, model)
+    report = collect(registry, platform, engine, model, args.explain)
     if args.explain:
         return _explain(report, args.explain, args.json)
     if args.json:
@@ -49,14 +49,15 @@ def _model(name: str | None) -> ModelConfig | None:
 
 
 def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None,
-            model: ModelConfig | None) -> dict[str, Any]:
+            model: ModelConfig | None, architecture: str | None = None) -> dict[str, Any]:
     """Everything ``lowlat plugins`` shows, as JSON-ready data."""
     plugins = []
     for info in registry.plugins.values():
         specs = []
         for spec in info.specs:
             m = model if model is None or model.architecture == spec.architecture else None
-            trace = evaluate(info.name, spec, platform, engine, m)
+            trace = evaluate(info.name, spec, platform, engine, m,
+                             architecture=architecture if architecture == spec.architecture else None)
             specs.append({
                 "architecture": spec.architecture,
                 "coverage": spec.coverage.describe(),

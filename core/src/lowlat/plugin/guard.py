@@ -62,6 +62,7 @@ def evaluate(
     platform: Platform,
     engine: EngineConfig | None = None,
     model: ModelConfig | None = None,
+    architecture: str | None = None,
 ) -> GuardTrace:
     """Evaluate every requirement of ``spec``.
 
@@ -71,19 +72,20 @@ def evaluate(
         platform: the machine (``lowlat.platform.detect_platform()`` or one built by a test).
         engine: the engine configuration; requirements on it are skipped when None.
         model: the model configuration; requirements on it are skipped when None.
+        architecture: without ``model``, the architecture asked about (``lowlat plugins --explain ARCH``).
     Returns:
         A GuardTrace; it never raises for a failing requirement.
     """
     req = spec.requirements
     results = [_platform(req.platforms, platform)]
     results += [_library(name, rng) for name, rng in req.libraries]
-    if model is None:
+    arch = model.architecture if model is not None else architecture
+    if arch is None:
         results.append(RequirementResult("architecture", SKIP, "no model given"))
-    elif model.architecture != spec.architecture:
-        results.append(RequirementResult(
-            "architecture", FAIL, f"spec serves {spec.architecture}; the model is {model.architecture}"))
+    elif arch != spec.architecture:
+        results.append(RequirementResult("architecture", FAIL, f"spec serves {spec.architecture}; the model is {arch}"))
     else:
-        results.append(RequirementResult("architecture", PASS, model.architecture))
+        results.append(RequirementResult("architecture", PASS, arch))
     for name, allowed in req.model:
         if model is None:
             results.append(RequirementResult(f"model.{name}", SKIP, "no model given"))
