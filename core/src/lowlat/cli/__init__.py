@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 SUBCOMMANDS = ("plugins", "run", "make_checkpoint", "bench")
@@ -29,17 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lowlat`` console script. Returns the process exit code."""
+    from lowlat.cli.errors import one_line_errors
+
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        return one_line_errors(args.command)(args.func)(args)
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # expected failures become one line; LOWLAT_DEBUG shows the traceback
-        if os.environ.get("LOWLAT_DEBUG") == "1":
-            raise
-        print(f"lowlat {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

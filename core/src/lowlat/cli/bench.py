@@ -7,11 +7,11 @@ Flags left unset take the device's defaults (``lowlat.bench.config.GPU_DEFAULTS`
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from lowlat.cli.errors import one_line_errors
 from lowlat.config import DTYPES
 
 
@@ -100,27 +100,22 @@ def command_line(args: argparse.Namespace) -> list[str]:
     return out
 
 
+@one_line_errors("bench")
 def run(args: argparse.Namespace) -> int:
     """Run ``lowlat bench``. Returns 0, or 2 after printing one error line (LOWLAT_DEBUG=1 re-raises)."""
-    try:
-        from lowlat.bench.report import load_results, print_table, render_markdown
+    from lowlat.bench.report import load_results, print_table, render_markdown
 
-        if args.report:
-            print(render_markdown(load_results(args.report)), end="")
-            return 0
-        from lowlat.bench.harness import default_out_dir, run_bench
+    if args.report:
+        print(render_markdown(load_results(args.report)), end="")
+        return 0
+    from lowlat.bench.harness import default_out_dir, run_bench
 
-        cfg = config_from_args(args)
-        out = Path(args.out) if args.out else default_out_dir(args.name)
+    cfg = config_from_args(args)
+    out = Path(args.out) if args.out else default_out_dir(args.name)
 
-        def log(line: str) -> None:
-            print(line, file=sys.stderr, flush=True)
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
-        results = run_bench(cfg, out_dir=out, command=command_line(args), plot=not args.no_plot, log=log)
-        print_table(results)
-    except Exception as e:
-        if os.environ.get("LOWLAT_DEBUG") == "1":
-            raise
-        print(f"lowlat bench: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    results = run_bench(cfg, out_dir=out, command=command_line(args), plot=not args.no_plot, log=log)
+    print_table(results)
     return 0

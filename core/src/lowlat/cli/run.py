@@ -7,10 +7,9 @@ SamplingParams, prompts), so new flags touch those two functions only.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
+from lowlat.cli.errors import one_line_errors
 from lowlat.config import DTYPES, EngineConfig
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -65,23 +64,18 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Any, list
     return config, params, list(args.prompt or [DEFAULT_PROMPT])
 
 
+@one_line_errors("run")
 def run(args: argparse.Namespace) -> int:
     """Run ``lowlat run``. Returns 0, or 2 after printing one error line (LOWLAT_DEBUG=1 re-raises)."""
-    try:
-        from lowlat.runtime.engine import Engine
+    from lowlat.runtime.engine import Engine
 
-        config, params, prompts = configs_from_args(args)
-        if args.compare:
-            return _compare(config, params, prompts)
-        with Engine(config) as engine:
-            completions = engine.generate(prompts, params)
-            if engine.rank == 0:
-                _print_results(engine, prompts, completions)
-    except Exception as e:
-        if os.environ.get("LOWLAT_DEBUG") == "1":
-            raise
-        print(f"lowlat run: error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    config, params, prompts = configs_from_args(args)
+    if args.compare:
+        return _compare(config, params, prompts)
+    with Engine(config) as engine:
+        completions = engine.generate(prompts, params)
+        if engine.rank == 0:
+            _print_results(engine, prompts, completions)
     return 0
 
 
