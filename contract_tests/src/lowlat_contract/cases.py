@@ -34,7 +34,8 @@ class Tolerance:
     - every element: ``|got - want| <= max_rel * scale``, except that up to ``outlier_rows`` of the rows
       (1 in 8, at least 1) may exceed it, for low-precision dtypes only (a near-tie in a MoE router or a
       rounding-sensitive row legitimately moves one token's output);
-    - the mean: ``mean |got - want| <= mean_rel * scale``.
+    - the mean: ``mean |got - want| <= mean_rel * scale`` over the rows within the element bound (an excused row
+      is left out of the mean as well: at 8 rows one router flip alone would otherwise exceed it).
     """
 
     dtype: str
@@ -57,10 +58,12 @@ class Tolerance:
             return f"{what}: plugin output holds NaN or inf"
         scale = max(1.0, float(w.abs().max()))
         err = (g - w).abs().reshape(w.shape[0], -1) if w.dim() > 1 else (g - w).abs()[:, None]
-        bound, mean = self.max_rel * scale, float(err.mean())
+        bound = self.max_rel * scale
         row_max = err.max(dim=1).values
         bad_rows = int((row_max > bound).sum())
         allowed = max(1, w.shape[0] // 8) if self.allow_outlier_rows else 0
+        within = row_max <= bound
+        mean = float(err[within].mean()) if bad_rows <= allowed and bool(within.any()) else float(err.mean())
         worst = int(row_max.argmax())
         if bad_rows > allowed or mean > self.mean_rel * scale:
             return (f"{what}: max |plugin - general| = {float(row_max.max()):.4g} (row {worst}), mean "
