@@ -19,7 +19,17 @@ from lowlat_amd_mono.forward import MonoForward, MonoStageTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
 from lowlat_amd_mono.kernels.residency import ResidencyError  # noqa: E402
-from mono_testutil import MAX_CTX, clone_pool, make_pool, make_setup, new_requests, step_batch  # noqa: E402
+from mono_testutil import (  # noqa: E402
+    MAX_CTX,
+    bf16_logits_problem,
+    clone_pool,
+    make_pool,
+    make_setup,
+    new_requests,
+    router_logits_of,
+    router_near_ties,
+    step_batch,
+)
 
 DEV = "cuda"
 CASES = [("tiny-llama", 1, 1), ("tiny-llama", 8, 1), ("tiny-llama", 8, 4), ("tiny-qwen3", 3, 1),
@@ -49,26 +59,30 @@ def test_persistent_matches_staged_and_general_path(preset: str, rows: int, tpr:
     pool_ref = make_pool(s, num_pages=400)
     req = new_requests(pool_ref, _prefix(rows, tpr))
     pools = [clone_pool(pool_ref), clone_pool(pool_ref)]
-    ids = torch.randint(0, s.cfg.vocab_size, (rows,), device=DEV)
+    # seeded: the global CUDA generator's state depends on which tests ran before, which made failures unrepeatable
+    ids = torch.randint(0, s.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(3)).to(DEV)
     batch = step_batch(pool_ref, req, tpr, ids)
     for p in pools:
         step_batch(p, req, tpr, ids)
-    ref = s.model(batch, pool_ref)
+    with router_logits_of(s.model) as router_logits:
+        ref = s.model(batch, pool_ref)
     outs = []
     for fwd, pool in zip((pers, staged), pools):
         fwd.attach_kv_pool(pool)
         outs.append(fwd.forward(batch))
     torch.testing.assert_close(outs[0], outs[1], atol=0.02, rtol=0.02)  # same kernel bodies and tiles
-    # bf16 against the general path: the contract suite's bound, 5e-2 of the logit scale (docs/contract.md)
-    # bf16 against the general path, the contract suite's rule (docs/contract.md): 5e-2 of the logit scale per
-    # element, 1e-2 mean, and one row in eight may exceed the element bound (a MoE router flip at a near-tie)
-    scale = max(1.0, float(ref.abs().max()))
-    err = (outs[0].float() - ref.float()).abs()
-    assert float(err.mean()) <= 1e-2 * scale
-    assert int((err.amax(dim=-1) > 5e-2 * scale).sum()) <= max(1, err.shape[0] // 8)
+    # bf16 against the general path: the contract suite's rule (docs/contract.md), where a row over the element
+    # bound that is a router near-tie of the general path (a MoE expert flip) is also left out of the mean
+    ties = router_near_ties(router_logits, s.cfg.num_experts_per_tok)
+    problem, excused = bf16_logits_problem(outs[0], ref, ties)
+    assert problem is None, problem
+    loc = batch.out_cache_loc
     for layer in range(s.cfg.num_hidden_layers):
         torch.testing.assert_close(pools[0].k_buffers[layer], pools[1].k_buffers[layer], atol=0.02, rtol=0.02)
-        torch.testing.assert_close(pools[0].v_buffers[layer], pool_ref.v_buffers[layer], atol=0.05, rtol=0.05)
+        keep = torch.ones(pool_ref.v_buffers[layer].shape[0], dtype=torch.bool, device=DEV)
+        keep[loc[[r for r in excused if ties[r] < layer]]] = False  # a flipped token's K/V after the flip moves
+        torch.testing.assert_close(pools[0].v_buffers[layer][keep], pool_ref.v_buffers[layer][keep], atol=0.05,
+                                   rtol=0.05)
 
 
 @pytest.mark.parametrize("layer,stage", [(1, P.S_COMB), (0, P.S_QKV)])

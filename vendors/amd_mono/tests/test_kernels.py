@@ -23,7 +23,16 @@ from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
 from lowlat_amd_mono.kernels.residency import Occupancy, ResidencyError, _metadata_occupancy, check_grid  # noqa: E402
 from lowlat_amd_mono.kernels.sync import CTL_SIZE, publish, wait_flags  # noqa: E402
-from mono_testutil import clone_pool, make_pool, make_setup, new_requests, step_batch  # noqa: E402
+from mono_testutil import (  # noqa: E402
+    bf16_logits_problem,
+    clone_pool,
+    make_pool,
+    make_setup,
+    new_requests,
+    router_logits_of,
+    router_near_ties,
+    step_batch,
+)
 
 CASES = [  # (preset, requests' cached lengths, tokens per request)
     ("tiny-llama", [9], 1),
@@ -84,6 +93,41 @@ def test_float32_is_tight() -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     for layer in range(s.cfg.num_hidden_layers):
         torch.testing.assert_close(pool_mono.k_buffers[layer], pool_ref.k_buffers[layer], atol=1e-5, rtol=1e-5)
+
+
+def test_router_near_tie_flip_is_the_only_excused_outlier() -> None:
+    """tiny-qwen3-moe, 8 rows, the GPU test's prefixes. With these ids token 1 is at a near-tie of layer 1's router
+    (the general path's 2nd and 3rd logits, experts 5 and 4, are 0.0078 apart; the bf16 noise between the paths'
+    router logits reaches 0.016) and the plugin takes expert 4: that row moves by half the logit scale and the mean
+    over all 8 rows exceeds 1e-2 x scale, as on the H200 (row 0 there). Not a kernel bug: in float32 the same step
+    matches to 1e-4. The rule excuses such a row from the mean only because it is a router near-tie."""
+    prefix = [3 + 29 * i % 200 for i in range(8)]
+    ids = torch.tensor([265, 125, 484, 15, 320, 369, 123, 156])
+    for dtype in (torch.float32, torch.bfloat16):
+        s = make_setup("tiny-qwen3-moe", dtype, "cpu")
+        fwd = build(s.binding)
+        pool_ref = make_pool(s, num_pages=400)
+        rows = new_requests(pool_ref, prefix)
+        pool = clone_pool(pool_ref)
+        s.binding.attach_kv_pool(pool)
+        batch = step_batch(pool_ref, rows, 1, ids)
+        step_batch(pool, rows, 1, ids)
+        with router_logits_of(s.model) as router_logits:
+            ref = s.model(batch, pool_ref)
+        out = fwd.forward(batch)
+        scale = max(1.0, float(ref.abs().max()))
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=1e-4 * scale, rtol=0)
+            continue
+        err = (out - ref.float()).abs()
+        assert float(err[1].max()) > 0.2 * scale and float(err.mean()) > 1e-2 * scale  # the flip
+        ties = router_near_ties(router_logits, s.cfg.num_experts_per_tok)
+        assert 1 in ties and sorted(router_logits) == [0, 1]
+        assert bf16_logits_problem(out, ref, ties) == (None, [1])
+        assert bf16_logits_problem(out, ref, {})[0] is not None  # not excused without the near-tie
+        worse = out.clone()
+        worse[5] += 0.1 * scale  # a second row over the bound: one in eight only
+        assert bf16_logits_problem(worse, ref, ties)[0] is not None
 
 
 def test_verify_row_sees_only_earlier_new_tokens() -> None:
