@@ -16,6 +16,11 @@ import torch
 
 from lowlat.config import EngineConfig
 
+# The contract's per-element bound relative to max(1, max |logits|) (docs/contract.md, "Tolerances"): a greedy
+# divergence is a near-tie when the general path's logit of its token exceeds that of the plugin's token by at
+# most this much.
+NEAR_TIE_REL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1.25e-2}
+
 
 @dataclass
 class RunRecord:
@@ -28,6 +33,7 @@ class RunRecord:
     decode_ms_per_step: float
     decode_tokens_per_s: list[float]
     path_steps: dict[str, dict[str, Any]]
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -37,6 +43,7 @@ class CompareReport:
     identical: bool
     first_divergence: list[int | None]  # per request: index of the first differing token, None if identical
     max_abs_logit_diff: float
+
 
     def lines(self) -> list[str]:
         """Human-readable report lines."""
@@ -68,9 +75,16 @@ def near_tie(report: CompareReport, i: int, d: int) -> str:
     a, b = g.token_ids[i][d], p.token_ids[i][d]
     lg, lp = g.logits[i][d], p.logits[i][d]
     top2 = torch.topk(lg, 2).values
+    rel = NEAR_TIE_REL.get(g.dtype, 5e-2)
+    scale = max(1.0, float(lg.abs().max()))
+    gap, bound = float(lg[a] - lg[b]), rel * scale
+    verdict = (f"a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} <= {rel:g} x scale {scale:.4g} = "
+               f"{bound:.4f} (docs/contract.md)" if gap <= bound else
+               f"NOT a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} > {rel:g} x scale {scale:.4g} = "
+               f"{bound:.4f}")
     return (f"general logits: {a}={float(lg[a]):.4f} {b}={float(lg[b]):.4f} (top-2 gap "
             f"{float(top2[0] - top2[1]):.4f}); plugin logits: {a}={float(lp[a]):.4f} {b}={float(lp[b]):.4f}; "
-            f"largest |difference| on this row {float((lg - lp).abs().max()):.4f}")
+            f"largest |difference| on this row {float((lg - lp).abs().max()):.4f}\n    {verdict}")
 
 
 def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) -> RunRecord:
@@ -94,7 +108,8 @@ def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) 
         decode = engine.stats.by_mode[ForwardMode.DECODE]
         name = engine.runner.plugin_host.name
         return RunRecord(label, name, [list(c.token_ids) for c in completions], logits, decode.ms_per_step,
-                         [c.decode_tokens_per_s for c in completions], engine.stats.paths_as_dict())
+                         [c.decode_tokens_per_s for c in completions], engine.stats.paths_as_dict(),
+                         engine.runner.dtype)
 
 
 def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareReport:
