@@ -27,8 +27,9 @@ from lowlat.layers.rotary import apply_rotary
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
-from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import num_sms, plan_gemm, small_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
+from lowlat_nvidia_mega.kernels.small_gemm import num_sms, small_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, make_plan, qkv_plan
 
 SHAPES = {
     "llama-3.2-1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, layers=16, vocab=128256,
@@ -138,9 +139,9 @@ class Case:
         s, t = self.s, self.t
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         _, _, pos, loc = self.decode_batch(t, 1)
-        plan = plan_qkv(hq, hkv, d, s["hidden"], self.dt, self.sms)
+        plan = qkv_plan(hq, hkv, d, s["hidden"], self.dt, self.dev)
         ws = torch.zeros(max(1, qkv_workspace_numel(plan, hq, hkv, d)), device=self.dev)
-        gplan = plan_gemm(self.nqkv, s["hidden"], self.dt, self.sms)
+        gplan = gemm_plan(self.nqkv, s["hidden"], self.dt, self.dev)
         out = torch.empty(t, self.nqkv, dtype=self.dt, device=self.dev)
         cos_full = torch.cat([self.cos, self.cos], -1).to(self.dt)
         sin_full = torch.cat([self.sin, self.sin], -1).to(self.dt)
@@ -189,8 +190,11 @@ class Case:
         n = s["inter"] if which == "gate_up" else h
         k = ws[0].shape[1]
         gated = which == "gate_up"
-        plan = plan_gemm(n, k, self.dt, self.sms, gated=gated, split_k=None if split else 1)
-        plan_plain = plan_gemm(ws[0].shape[0], k, self.dt, self.sms)
+        plan = gemm_plan(n, k, self.dt, self.dev, gated=gated)
+        if not split:  # the same tiles without split-K
+            plan = make_plan(n, k, block_n=plan.block_n, block_k=plan.block_k, split_k=1, num_warps=plan.num_warps,
+                             num_stages=plan.num_stages, weight_rows=(2 if gated else 1) * plan.block_n)
+        plan_plain = gemm_plan(ws[0].shape[0], k, self.dt, self.dev)
         assert splitk_workspace_numel(plan, n, gated=gated) <= self.gemm_ws.numel()
         x_in = self.x if gated else (self.attn if which == "o_proj" else self.act)
         resid = torch.empty(t, h, dtype=self.dt, device=self.dev)
@@ -238,14 +242,14 @@ class Case:
         s, t, h = self.s, self.t, self.s["hidden"]
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         rpi, seq, pos, loc = self.decode_batch(t, 1)
-        qplan = plan_qkv(hq, hkv, d, h, self.dt, self.sms)
+        qplan = qkv_plan(hq, hkv, d, h, self.dt, self.dev)
         qws = torch.zeros(max(1, qkv_workspace_numel(qplan, hq, hkv, d)), device=self.dev)
         splits = plan_splits(t, hkv, self.ctx, d, self.sms)
         n_o, n_l = partial_numel(t, hq, hkv, d, 1, splits)
         o_p, l_p = torch.empty(n_o, device=self.dev), torch.empty(n_l, device=self.dev)
-        oplan = plan_gemm(h, hq * d, self.dt, self.sms)
-        guplan = plan_gemm(s["inter"], h, self.dt, self.sms, gated=True)
-        dplan = plan_gemm(h, s["inter"], self.dt, self.sms)
+        oplan = gemm_plan(h, hq * d, self.dt, self.dev)
+        guplan = gemm_plan(s["inter"], h, self.dt, self.dev, gated=True)
+        dplan = gemm_plan(h, s["inter"], self.dt, self.dev)
         x = self.rand(t, h)
         cos_full = torch.cat([self.cos, self.cos], -1).to(self.dt)
         sin_full = torch.cat([self.sin, self.sin], -1).to(self.dt)

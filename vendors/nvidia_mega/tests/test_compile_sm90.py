@@ -30,6 +30,7 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
 )
 from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel, plan_qkv  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, plan_gemm  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import TUNED, make_plan  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -61,30 +62,44 @@ def _assert_pdl(ptx: str) -> None:
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
+def _tuned_plan(kind: str, n: int, k: int, rows_per_tile: int):  # type: ignore[no-untyped-def]
+    bn, bk, s, w, st = TUNED[("NVIDIA H200", kind, n, k, "bfloat16")]
+    return make_plan(n, k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+                     weight_rows=rows_per_tile * bn)
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_small_gemm_compiles_for_sm90(model: str) -> None:
+@pytest.mark.parametrize("tuned", [False, True], ids=["heuristic", "tuned"])
+def test_small_gemm_compiles_for_sm90(model: str, tuned: bool) -> None:
     hid, hq, _, d, inter, _ = MODELS[model]
     sites = [("o_proj", hid, hq * d, 2, False)] + ([("gate_up", inter, hid, 1, True), ("down", hid, inter, 2, False)]
                                                     if model == "llama-3.2-1b" else [])
     for _, n, k, epilogue, norm in sites:
-        plan = plan_gemm(n, k, torch.bfloat16, 132, gated=epilogue == 1)
+        gated = epilogue == 1
+        plan = _tuned_plan("gated" if gated else "gemm", n, k, 2 if gated else 1) if tuned \
+            else plan_gemm(n, k, torch.bfloat16, 132, gated=gated)
         ptx = _compile(_small_gemm_kernel, GEMM_SIG, dict(
             NORM_K=k if norm else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512), PRE_K=plan.pre_k,
-            HAS_NORM=norm, EPILOGUE=epilogue, NPART=2 if epilogue == 1 else 1, SPLIT_K=plan.split_k, EVEN_K=True,
+            HAS_NORM=norm, EPILOGUE=epilogue, NPART=2 if gated else 1, SPLIT_K=plan.split_k, EVEN_K=True,
             BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
-            stages=plan.num_stages)
+            stages=plan.num_stages, warps=plan.num_warps)
         _assert_pdl(ptx)
         assert "ld.global.v4" in ptx, "weight loads must be 16-byte vectors"
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_qkv_rope_compiles_for_sm90(model: str) -> None:
+@pytest.mark.parametrize("tuned", [False, True], ids=["heuristic", "tuned"])
+def test_qkv_rope_compiles_for_sm90(model: str, tuned: bool) -> None:
     hid, hq, hkv, d, _, qk_norm = MODELS[model]
     plan = plan_qkv(hq, hkv, d, hid, torch.bfloat16, 132)
+    if tuned:
+        plan = _tuned_plan("qkv", (hq + 2 * hkv) * d, hid, 1)
+        plan = make_plan(hid, hid, block_n=d, block_k=plan.block_k, split_k=plan.split_k, num_warps=plan.num_warps,
+                         num_stages=plan.num_stages, weight_rows=d)
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
-        stages=plan.num_stages))
+        stages=plan.num_stages, warps=plan.num_warps))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

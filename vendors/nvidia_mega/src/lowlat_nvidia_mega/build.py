@@ -17,8 +17,9 @@ from lowlat.plugin.errors import PluginBuildError
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
-from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_workspace_numel
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, plan_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
+from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,12 +57,12 @@ def build(binding: Any) -> MegaForward:
     final_norm = p.get("model.norm.weight", (hid,))
 
     sms = num_sms(dev)
-    plans = {"qkv": plan_qkv(hq, hkv, d, hid, dt, sms), "o_proj": plan_gemm(hid, hq * d, dt, sms)}
+    plans = {"qkv": qkv_plan(hq, hkv, d, hid, dt, dev), "o_proj": gemm_plan(hid, hq * d, dt, dev)}
     dense_inter = mc.intermediate_size
     has_dense = any(not lw.is_moe for lw in layers)
     if has_dense:
-        plans["gate_up"] = plan_gemm(dense_inter, hid, dt, sms, gated=True)
-        plans["down"] = plan_gemm(hid, dense_inter, dt, sms)
+        plans["gate_up"] = gemm_plan(dense_inter, hid, dt, dev, gated=True)
+        plans["down"] = gemm_plan(hid, dense_inter, dt, dev)
 
     def alloc(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return binding.alloc_workspace(f"nvidia_mega.{name}", shape, dtype)

@@ -13,8 +13,9 @@ last-arriver reduction of ``small_gemm.py``; the epilogue (norm, RoPE, stores) r
 
 RoPE rounds like the general path (``lowlat.layers.rotary``): cos/sin cast to the model dtype, each product and the
 sum rounded to it (no-ops for fp32 models).
-PDL: the first ``PRE_K`` columns of both half-head weight tiles are loaded before ``gdc_wait``; nothing is
-written before it (see pdl.py).
+PDL: the first ``PRE_K`` columns of both half-head weight tiles, and the epilogue's inputs that no kernel of the
+step writes (out_cache_loc, positions, their cos/sin rows, the q/k norm weights), are loaded before ``gdc_wait``;
+nothing is written before it (see pdl.py).
 """
 
 from __future__ import annotations
@@ -42,8 +43,30 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
 
 
 @triton.jit
+def _qkv_epilogue_inputs(
+    head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr, kn_ptr,
+    HQ: tl.constexpr, HALF: tl.constexpr,
+):
+    """(loc, cos, sin, w_lo, w_hi) of this head's epilogue: batch metadata, RoPE rows and q/k norm weights. Nothing
+    in the step writes them, so they are loaded before ``gdc_wait`` and their dependent loads (position, then the
+    table row) leave the critical path."""
+    loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # memory safety; the engine keeps pos < max_pos
+    cs = tl.load(cos_ptr + pos[:, None] * HALF + offs_h[None, :])
+    sn = tl.load(sin_ptr + pos[:, None] * HALF + offs_h[None, :])
+    if head < HQ:
+        nw_ptr = qn_ptr
+    else:
+        nw_ptr = kn_ptr
+    w_lo = tl.load(nw_ptr + offs_h).to(tl.float32)
+    w_hi = tl.load(nw_ptr + HALF + offs_h).to(tl.float32)
+    return loc, cs, sn, w_lo, w_hi
+
+
+@triton.jit
 def _qkv_epilogue(
-    lo, hi, head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr, kn_ptr,
+    lo, hi, head, offs_m, m_mask, offs_h, loc, cos, sin, w_lo, w_hi,
     q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
 ):
@@ -51,24 +74,15 @@ def _qkv_epilogue(
     lo = rnd(lo, dt)  # the projection's output is rounded, as in the unfused path
     hi = rnd(hi, dt)
     mask = m_mask[:, None]
-    loc = tl.load(loc_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     if head < HQ + HKV:
         if HAS_QK_NORM:
-            if head < HQ:
-                nw_ptr = qn_ptr
-            else:
-                nw_ptr = kn_ptr
             ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
             r = 1.0 / tl.sqrt(ss / (2 * HALF) + eps)
-            w_lo = tl.load(nw_ptr + offs_h).to(tl.float32)
-            w_hi = tl.load(nw_ptr + HALF + offs_h).to(tl.float32)
             lo = rnd(w_lo[None, :] * rnd(lo * r[:, None], dt), dt)
             hi = rnd(w_hi[None, :] * rnd(hi * r[:, None], dt), dt)
-        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-        pos = tl.minimum(tl.maximum(pos, 0), max_pos - 1)  # memory safety; the engine keeps pos < max_pos
         # cos/sin cast to the activation dtype and every product rounded, as lowlat.layers.rotary does in torch.
-        cs = rnd(tl.load(cos_ptr + pos[:, None] * HALF + offs_h[None, :]), dt)
-        sn = rnd(tl.load(sin_ptr + pos[:, None] * HALF + offs_h[None, :]), dt)
+        cs = rnd(cos, dt)
+        sn = rnd(sin, dt)
         out_lo = to_act(rnd(lo * cs, dt) + rnd(-hi * sn, dt), dt)
         out_hi = to_act(rnd(hi * cs, dt) + rnd(lo * sn, dt), dt)
         if head < HQ:
@@ -107,6 +121,8 @@ def _qkv_rope_kernel(
     w_hi = w_lo + HALF * stride_wn
     wl0 = load_tile(w_lo + ks[None, :], all_h, k_mask, EVEN_K)  # weights: safe before the wait
     wh0 = load_tile(w_hi + ks[None, :], all_h, k_mask, EVEN_K)
+    loc, cs, sn, nw_lo, nw_hi = _qkv_epilogue_inputs(head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr,
+                                                     max_pos, qn_ptr, kn_ptr, HQ, HALF)
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
 
@@ -124,8 +140,8 @@ def _qkv_rope_kernel(
         hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
 
     if SPLIT_K == 1:
-        _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr,
-                      kn_ptr, q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
+        _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, loc, cs, sn, nw_lo, nw_hi, q_ptr, stride_qt, k_ptr,
+                      v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
     else:
         # Partials: ws[split, row, head * D + col] fp32; the last arriver sums them in split order.
         NCOL: tl.constexpr = (HQ + 2 * HKV) * 2 * HALF
@@ -142,8 +158,8 @@ def _qkv_rope_kernel(
             for s in range(0, SPLIT_K):
                 lo += tl.load(ws_ptr + s * T * NCOL + tile, mask=pmask, other=0.0, cache_modifier=".cg")
                 hi += tl.load(ws_ptr + s * T * NCOL + tile + HALF, mask=pmask, other=0.0, cache_modifier=".cg")
-            _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, pos_ptr, loc_ptr, cos_ptr, sin_ptr, max_pos, qn_ptr,
-                          kn_ptr, q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
+            _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, loc, cs, sn, nw_lo, nw_hi, q_ptr, stride_qt, k_ptr,
+                          v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
             tl.atomic_xchg(cnt_ptr + head, 0)
 
 

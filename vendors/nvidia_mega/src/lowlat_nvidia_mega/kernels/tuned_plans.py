@@ -1,0 +1,67 @@
+"""Launch plans measured per GPU model, with the heuristics of ``plan_gemm`` / ``plan_qkv`` as the fallback.
+
+Like the per-device Triton config files of vLLM's and SGLang's fused MoE, the table holds, for the shapes of the
+models we serve, the plan ``tune_plans.py`` found fastest on a given GPU (CUDA-graph replays of a chain of
+launches over more weight bytes than the L2, 1 row); any other (GPU, shape) uses the heuristic. Plans are chosen
+at build, never at capture.
+
+Key: (``torch.cuda.get_device_name()``, kind, N, K, dtype), kind ``"qkv"`` (N = (Hq + 2 Hkv) * D, K = hidden),
+``"gemm"`` or ``"gated"`` (N = output width, K = reduction). Value: (BLOCK_N, BLOCK_K, split-K, warps, stages).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, num_sms, plan_gemm, pre_wait_k
+
+# tune_plans.py on an H200, 2026-11-30 (bench/results/2026-11-30-nvidia-mega-tuning/tune_1row.txt):
+# default heuristic -> tuned, us per launch at 1 row.
+TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
+    ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"): (64, 256, 4, 4, 3),     # llama-3.2-1b   13.07 -> 9.45
+    ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 64, 8, 4, 2),     # qwen3-30b-a3b  17.71 -> 11.11
+    ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"): (64, 64, 8, 2, 2),     # llama o_proj    6.00 -> 5.21
+    ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (64, 128, 8, 2, 5),    # qwen3 o_proj    9.13 -> 7.15
+    ("NVIDIA H200", "gated", 8192, 2048, "bfloat16"): (32, 256, 1, 4, 3),   # llama gate_up  25.57 -> 22.32
+    ("NVIDIA H200", "gemm", 2048, 8192, "bfloat16"): (64, 128, 4, 2, 4),    # llama down     14.41 -> 11.97
+}
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name (the table's first key), or ``"cpu"``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def make_plan(n: int, k: int, *, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
+              weight_rows: int) -> GemmPlan:
+    """A plan with these tiles; ``weight_rows`` = weight rows one program holds (sizes the pre-wait tile)."""
+    kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return GemmPlan(block_n=block_n, block_k=block_k, split_k=triton.cdiv(k, kps), k_per_split=kps,
+                    num_warps=num_warps, num_stages=num_stages, pre_k=pre_wait_k(k, kps, block_k, weight_rows))
+
+
+def _tuned(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
+    return TUNED.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
+
+
+def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
+    """The plan for ``[<=8, k] @ [n (2n when gated), k]^T`` on ``device``: tuned entry, else ``plan_gemm``."""
+    hit = _tuned("gated" if gated else "gemm", n, k, dtype, device)
+    if hit is None:
+        return plan_gemm(n, k, dtype, num_sms(device), gated=gated)
+    bn, bk, s, w, st = hit
+    return make_plan(n, k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+                     weight_rows=(2 if gated else 1) * bn)
+
+
+def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
+             device: torch.device) -> GemmPlan:
+    """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``."""
+    hit = _tuned("qkv", (num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, device)
+    if hit is None or hit[0] != head_dim:
+        return plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
+    _, bk, s, w, st = hit
+    return make_plan(hidden, hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+                     weight_rows=head_dim)

@@ -1,0 +1,202 @@
+"""Sweep the launch plans of nvidia_mega's small GEMMs and fused QKV kernel on a GPU, and time a do-nothing kernel
+chain for the per-launch floor.
+
+    PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/tune_plans.py [--models ...] [--rows 1,8]
+
+Each candidate plan (BLOCK_N, split-K, BLOCK_K, warps, stages) is timed as ``bench_kernels.py`` times a kernel:
+one CUDA graph launching it once per distinct weight copy (more bytes than 4x the L2), median replay time per
+launch. Stage 1 sweeps (BLOCK_N, split-K) at the production BLOCK_K / warps / stages; stage 2 sweeps BLOCK_K
+and warps around the two best, then stages around the best. It prints the production plan (``tuned_plans``: the
+measured table, else the heuristic), the best found and the ratio; ``--json`` keeps every candidate's time. Add
+a winner to ``tuned_plans.TUNED`` only from such a run. ``--smoke`` runs a few candidates at tiny shapes on the
+CPU (``TRITON_INTERPRET=1``) to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels as bk  # noqa: E402
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
+from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, small_gemm, splitk_workspace_numel  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, make_plan, qkv_plan  # noqa: E402
+
+
+@triton.jit
+def _nop_kernel(x_ptr, USE_PDL: tl.constexpr):
+    gdc_launch_dependents(USE_PDL)
+    gdc_wait(USE_PDL)
+    if tl.program_id(0) == 0:
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+def nop_chain(dev: torch.device, programs: int, pdl: bool, n: int = 32):
+    x = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def chain() -> int:
+        for _ in range(n):
+            _nop_kernel[(programs,)](x, USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl))
+        return n
+    return chain
+
+
+class Tuner:
+    def __init__(self, case: bk.Case, reps: int) -> None:
+        self.c, self.reps = case, reps
+        self.ws = torch.zeros(16 * 8 * 16384, device=case.dev)
+        self.pdl = case.dev.type == "cuda"
+
+    def time(self, chain) -> float:
+        try:
+            return bk.time_chain(chain, self.c.dev, self.reps) * 1e6
+        except Exception as e:  # a plan the compiler rejects (e.g. out of shared memory) is skipped, not fatal
+            if self.c.dev.type != "cuda":
+                raise
+            print(f"    rejected: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+            return float("inf")
+
+    def gemm_chain(self, which: str, plan: GemmPlan):
+        c, h = self.c, self.c.s["hidden"]
+        ws = {"o_proj": c.wo, "gate_up": c.wgu, "down": c.wd}[which]
+        gated = which == "gate_up"
+        n = c.s["inter"] if gated else h
+        if splitk_workspace_numel(plan, n, gated=gated) > self.ws.numel():
+            return None
+        x_in = c.x if gated else (c.attn if which == "o_proj" else c.act)
+        resid = torch.empty(c.t, h, dtype=c.dt, device=c.dev)
+
+        def chain() -> int:
+            for i, w in enumerate(ws):
+                if gated:
+                    small_gemm(x_in, w, c.act, plan=plan, epilogue="silu_mul", norm_weight=c.norm[i % 8], eps=bk.EPS,
+                               workspace=self.ws, counters=c.counters, use_pdl=self.pdl)
+                else:
+                    small_gemm(x_in, w, resid, plan=plan, epilogue="residual", residual=resid, workspace=self.ws,
+                               counters=c.counters, use_pdl=self.pdl)
+            return len(ws)
+        return chain
+
+    def qkv_chain(self, plan: GemmPlan):
+        c, s = self.c, self.c.s
+        hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
+        if qkv_workspace_numel(plan, hq, hkv, d) > self.ws.numel():
+            return None
+        _, _, pos, loc = c.decode_batch(c.t, 1)
+
+        def chain() -> int:
+            for i, w in enumerate(c.wqkv):
+                qkv_rope(c.x, c.norm[i % 8], w, num_heads=hq, num_kv_heads=hkv, q_norm=c.qn, k_norm=c.kn, cos=c.cos,
+                         sin=c.sin, positions=pos, out_cache_loc=loc, q_out=c.q, k_buffer=c.kb[i % len(c.kb)],
+                         v_buffer=c.vb[i % len(c.vb)], eps=bk.EPS, plan=plan, workspace=self.ws,
+                         counters=c.counters, use_pdl=self.pdl)
+            return len(c.wqkv)
+        return chain
+
+
+def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
+    """Default plan vs the best of the two-stage sweep for one kernel; returns a result row."""
+    c, s = tuner.c, tuner.c.s
+    h, d = s["hidden"], s["head_dim"]
+    if kernel == "qkv_rope":
+        n, k, gated, rows_of = (s["heads"] + 2 * s["kv_heads"]) * d, h, False, lambda bn: d
+        default = qkv_plan(s["heads"], s["kv_heads"], d, h, c.dt, c.dev)
+        make = tuner.qkv_chain
+        block_ns = [d]
+    else:
+        n = s["inter"] if kernel == "gate_up" else h
+        k = {"o_proj": s["heads"] * d, "gate_up": h, "down": s["inter"]}[kernel]
+        gated = kernel == "gate_up"
+        rows_of = (lambda bn: 2 * bn) if gated else (lambda bn: bn)
+        default = gemm_plan(n, k, c.dt, c.dev, gated=gated)
+        make = lambda p: tuner.gemm_chain(kernel, p)  # noqa: E731
+        block_ns = [16, 32] if smoke else [16, 32, 64, 128]
+    results: dict[tuple, float] = {}
+
+    def measure(p: GemmPlan) -> float:
+        key = dataclasses.astuple(p)
+        if key not in results:
+            chain = make(p)
+            results[key] = tuner.time(chain) if chain is not None else float("inf")
+        return results[key]
+
+    t_default = measure(default)
+    splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
+    stage1 = []
+    for bn in block_ns:
+        for sk in splits:
+            if k // sk < default.block_k:
+                continue
+            programs = triton.cdiv(n, bn) * sk
+            if not smoke and not c.sms // 2 <= programs <= 16 * c.sms:
+                continue
+            p = make_plan(n, k, weight_rows=rows_of(bn), block_n=bn, split_k=sk, block_k=default.block_k,
+                          num_warps=default.num_warps, num_stages=default.num_stages)
+            stage1.append((measure(p), p))
+    stage1.sort(key=lambda r: r[0])
+    for _, p in stage1[: 1 if smoke else 2]:
+        for bkk in ([64] if smoke else [64, 128, 256]):
+            for nw in ([4] if smoke else [2, 4, 8]):
+                if bkk * p.split_k <= 2 * k:
+                    measure(make_plan(n, k, weight_rows=rows_of(p.block_n), block_n=p.block_n, split_k=p.split_k,
+                                      block_k=bkk, num_warps=nw, num_stages=p.num_stages))
+    top = GemmPlan(*min(results.items(), key=lambda kv: kv[1])[0])
+    for ns in ([2] if smoke else [2, 3, 4, 5]):
+        measure(dataclasses.replace(top, num_stages=ns))
+    best_key, t_best = min(results.items(), key=lambda kv: kv[1])
+    best = GemmPlan(*best_key)
+    row = dict(kernel=kernel, rows=c.t, default=dataclasses.asdict(default), default_us=t_default,
+               best=dataclasses.asdict(best), best_us=t_best, candidates=len(results),
+               all=sorted(([_fmt(GemmPlan(*key)), us] for key, us in results.items()), key=lambda r: r[1]))
+    print(f"  {kernel:9} rows {c.t}: default {t_default:7.2f} us {_fmt(default)} | best {t_best:7.2f} us "
+          f"{_fmt(best)} ({t_default / t_best:.2f}x, {len(results)} plans)", flush=True)
+    return row
+
+
+def _fmt(p: GemmPlan) -> str:
+    return f"bn{p.block_n} sk{p.split_k} bk{p.block_k} w{p.num_warps} s{p.num_stages} pre{p.pre_k}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama-3.2-1b,qwen3-30b-a3b")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--kernels", default="qkv_rope,o_proj,gate_up,down")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json", default=None, help="write the result rows here")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few plans, CPU interpreter")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    rows_out = []
+    if dev.type == "cuda":
+        for pdl in (True, False):
+            for programs in (1, 132, 528):
+                us = bk.time_chain(nop_chain(dev, programs, pdl), dev, args.reps) * 1e6
+                print(f"do-nothing kernel, {programs:3} programs, PDL {'on ' if pdl else 'off'}: {us:.2f} us/launch")
+                rows_out.append(dict(kernel="nop", programs=programs, pdl=pdl, us=us))
+    for m in (["tiny"] if args.smoke else args.models.split(",")):
+        for r in (int(x) for x in args.rows.split(",")):
+            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            case = bk.Case(m, r, 40 if args.smoke else 512, dev, dtype)
+            tuner = Tuner(case, args.reps)
+            print(f"{m}, {r} rows", flush=True)
+            for kern in args.kernels.split(","):
+                if kern in ("gate_up", "down") and not case.s["inter"]:
+                    continue
+                rows_out.append(dict(model=m, **sweep(tuner, kern, args.smoke)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
