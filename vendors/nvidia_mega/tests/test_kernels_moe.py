@@ -68,11 +68,18 @@ def make_x(rows: int, dtype: torch.dtype, seed: int = 1):  # type: ignore[no-unt
     return torch.randn(rows, H, generator=g).to(dtype), torch.randn(rows, H, generator=g).to(dtype)
 
 
+def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Inputs are made (and the torch reference runs) on the CPU; the kernels run on DEV."""
+    return None if t is None else t.to(DEV)
+
+
 def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None):  # type: ignore[no-untyped-def]
+    """moe_forward on DEV; returns the output on the CPU and the (DEV) workspace."""
     ws = ws or MoEWorkspace.allocate(8, H, I, E, K, x.dtype, DEV, alloc=poisoned_alloc)
-    out = torch.full_like(x, float("nan"))
-    moe_forward(x, residual, norm_w, EPS, gate_w, w13, w2, K, renormalize, out, ws, pdl=False, config=CFG)
-    return out, ws
+    out = torch.full_like(dev(x), float("nan"))
+    moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, renormalize, out, ws,
+                pdl=False, config=CFG)
+    return out.cpu(), ws
 
 
 def tol(dtype: torch.dtype) -> dict[str, float]:
@@ -86,16 +93,16 @@ def test_matches_reference(dtype: torch.dtype, rows: int) -> None:
     x, residual = make_x(rows, dtype)
     out, ws = run(x, residual, norm_w, gate_w, w13, w2, True)
     want, ids, weights = reference(x, residual, norm_w, gate_w, w13, w2, True)
-    assert torch.equal(ws.topk_ids[:rows].long(), ids)
+    assert torch.equal(ws.topk_ids[:rows].long().cpu(), ids)
     w_tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: at most one rounding step apart
-    torch.testing.assert_close(ws.topk_weights[:rows], weights.float(), atol=w_tol, rtol=w_tol)
+    torch.testing.assert_close(ws.topk_weights[:rows].cpu(), weights.float(), atol=w_tol, rtol=w_tol)
     torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
     check_routing_metadata(ws, rows)
 
 
 def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:
     """Slots, presence bitmap and the (row, k) -> slot map agree with the top-k ids; tickets are reset."""
-    ids = ws.topk_ids[:rows].long()
+    ids = ws.topk_ids[:rows].long().cpu()
     experts = sorted(set(ids.flatten().tolist()))
     n = int(ws.num_slots)
     assert n == len(experts)
@@ -108,7 +115,7 @@ def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:
             assert float(ws.slot_weight[s, r]) == float(ws.topk_weights[r, j])
     for s in range(n):  # rows that did not pick the slot's expert have weight 0 in its tile
         picked = (ids == int(ws.slot_expert[s])).any(dim=1)
-        assert bool((ws.slot_weight[s, :rows][~picked] == 0).all())
+        assert bool((ws.slot_weight[s, :rows].cpu()[~picked] == 0).all())
     assert int(ws.counters.abs().sum()) == 0  # every ticket counter reset for the next launch
 
 
@@ -147,14 +154,15 @@ def test_in_place_residual() -> None:
     x, residual = make_x(3, torch.bfloat16, seed=9)
     want, _, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
     ws = MoEWorkspace.allocate(4, H, I, E, K, torch.bfloat16, DEV)
-    stream = residual.clone()
-    moe_forward(x, stream, norm_w, EPS, gate_w, w13, w2, K, True, stream, ws, pdl=False, config=CFG)
-    torch.testing.assert_close(stream.float(), want.float(), **tol(torch.bfloat16))
+    stream = dev(residual.clone())
+    moe_forward(dev(x), stream, dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, True, stream, ws, pdl=False,
+                config=CFG)
+    torch.testing.assert_close(stream.float().cpu(), want.float(), **tol(torch.bfloat16))
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
-    norm_w, gate_w, w13, w2 = make_weights(torch.float32)
-    x, residual = make_x(3, torch.float32)
+    norm_w, gate_w, w13, w2 = (dev(t) for t in make_weights(torch.float32))
+    x, residual = (dev(t) for t in make_x(3, torch.float32))
     ws = MoEWorkspace.allocate(2, H, I, E, K, torch.float32, DEV)
     out = torch.empty_like(x)
     with pytest.raises(ValueError, match="rows"):
