@@ -7,12 +7,13 @@ the cache a plugin step reads is the general forward's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from lowlat_contract.cases import PREFIX_LENS, ContractCase, Tolerance
+from lowlat_contract.router_ties import RouterTieRecorder
 
 
 def dispatcher_of(runner: Any) -> Any:
@@ -179,6 +180,7 @@ class GreedyRun:
     tokens: list[list[int]]
     logits: list[torch.Tensor]
     paths: list[str]
+    router_ties: dict[int, list[int]] = field(default_factory=dict)  # request -> steps with a router near-tie
 
 
 def greedy_run(runner: Any, prompts: list[list[int]], new_tokens: int, force_path: Any) -> GreedyRun:
@@ -190,20 +192,24 @@ def greedy_run(runner: Any, prompts: list[list[int]], new_tokens: int, force_pat
 
     d = dispatcher_of(runner)
     d.force_path = force_path
+    ties = RouterTieRecorder(getattr(runner, "model", None))
     try:
-        with Requests(runner, prompts, prefill=runner.forward) as reqs:
-            logits = [reqs.prefill_logits]
-            paths = [d.last_path]
-            for _ in range(new_tokens - 1):
-                last = logits[-1].argmax(dim=-1).tolist()
-                batch = reqs.step(ForwardMode.DECODE, 1, [[t] for t in last])
-                with torch.inference_mode():
-                    logits.append(runner.forward(batch).clone())
-                paths.append(d.last_path)
+        with ties:
+            ties.begin_step(0, [len(p) for p in prompts])
+            with Requests(runner, prompts, prefill=runner.forward) as reqs:
+                logits = [reqs.prefill_logits]
+                paths = [d.last_path]
+                for step in range(1, new_tokens):
+                    last = logits[-1].argmax(dim=-1).tolist()
+                    batch = reqs.step(ForwardMode.DECODE, 1, [[t] for t in last])
+                    ties.begin_step(step, [1] * len(last))
+                    with torch.inference_mode():
+                        logits.append(runner.forward(batch).clone())
+                    paths.append(d.last_path)
     finally:
         d.force_path = None
     picks = torch.stack([lg.argmax(dim=-1) for lg in logits], dim=1)  # [B, steps]
-    return GreedyRun(picks.tolist(), logits, paths)
+    return GreedyRun(picks.tolist(), logits, paths, ties.ties)
 
 
 def compare_greedy(got: GreedyRun, want: GreedyRun, tol: Tolerance) -> list[str]:
@@ -211,16 +217,31 @@ def compare_greedy(got: GreedyRun, want: GreedyRun, tol: Tolerance) -> list[str]
 
     At a request's first differing token both runs have the same context, so the general logits there say
     whether the two picks were within the tolerance of each other (a near-tie); after it the sequences differ.
+    In a low-precision MoE model, one divergence per run is also excused when the general run had a router
+    near-tie for that request at or before that token (``router_ties.py``): a flipped expert moves the logits by
+    far more than the logit tolerance.
     """
     problems = []
+    excused = 0
+    first_plugin = next((s for s, p in enumerate(got.paths) if p == "plugin"), len(got.paths))
     for i, (a, b) in enumerate(zip(got.tokens, want.tokens)):
         for s, (ta, tb) in enumerate(zip(a, b)):
             if ta == tb:
                 continue
             row = want.logits[s][i]
             margin, bound = float(row[tb] - row[ta]), tol.atol(row)
-            if margin > bound:
+            tie = any(first_plugin <= t <= s for t in want.router_ties.get(i, []))
+            if margin > bound and tol.allow_outlier_rows and tie and not excused:
+                excused += 1
+            elif margin > bound:
+                if not tol.allow_outlier_rows:
+                    why = ""
+                elif not tie:
+                    why = ", and no MoE router near-tie of this request precedes it"
+                else:
+                    why = "; a router near-tie precedes it, but one such divergence per run was already excused"
                 problems.append(f"request {i}, token {s}: picked {ta} where the general path picks {tb}; the general "
-                                f"logits differ by {margin:.4g} > {bound:.4g} ({tol.dtype}), so this is no near-tie")
+                                f"logits differ by {margin:.4g} > {bound:.4g} ({tol.dtype}), so this is no near-tie"
+                                f"{why}")
             break
     return problems

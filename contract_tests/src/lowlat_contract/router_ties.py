@@ -1,0 +1,74 @@
+"""Router near-ties of the general path's MoE layers, recorded during a greedy run (docs/contract.md, "Tolerances").
+
+In a low-precision MoE model a router whose k-th and (k+1)-th logits are within a rounding step of each other can
+pick another expert on the plugin's path than on the general path (the plugin sums experts in float32, the general
+path rounds each one, and the hidden states differ by about one ulp). That one flip moves the token's logits by
+6-30% of their scale, so greedy decoding may then diverge with a margin far beyond the logit tolerance: an H200
+run of nvidia_mega (tiny-qwen3-moe, bf16) did, and CPU runs reproduced it with router gaps of 0 or 1 bf16 ulp.
+
+``RouterTieRecorder`` hooks the general model's ``SparseMoeBlock.gate`` modules (the general forward is eager in
+the contract harness, so forward hooks fire) and records, per request, the steps at which any layer's top-k
+boundary gap was at most ``TIE_ULPS`` ulp of the router logits' dtype (the flips seen had gaps of 0 or 1 ulp).
+``compare_greedy`` excuses one divergence per run, for a request with such a step at or before the divergence
+and not before the first step the plugin ran (earlier steps ran on the general path in both runs, so their
+routing cannot have flipped).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TIE_ULPS = 1  # a top-k boundary gap of at most this many ulps of the k-th router logit counts as a near-tie
+
+
+def near_tie_rows(router_logits: torch.Tensor, top_k: int, ulps: int = TIE_ULPS) -> list[int]:
+    """Rows of ``router_logits`` [T, E] (low-precision dtype) whose k-th and (k+1)-th largest logits are within
+    ``ulps`` ulps of the k-th; none for float32 or when E <= top_k."""
+    if router_logits.dtype not in (torch.bfloat16, torch.float16) or router_logits.shape[-1] <= top_k:
+        return []
+    v = router_logits.float().topk(top_k + 1, dim=-1).values
+    kth = v[:, top_k - 1]
+    ulp = torch.finfo(router_logits.dtype).eps * torch.exp2(torch.floor(torch.log2(kth.abs().clamp_min(1e-30))))
+    return ((kth - v[:, top_k]) <= ulps * ulp).nonzero().flatten().tolist()
+
+
+class RouterTieRecorder:
+    """Context manager: while active, ``ties[request]`` = the steps with a router near-tie for that request.
+
+    ``begin_step(step, rows_per_request)`` must be called before each forward: ``rows_per_request[i]`` = router
+    rows (tokens) request i contributes to that step, in batch order. Models without MoE layers record nothing.
+    """
+
+    def __init__(self, model: Any) -> None:
+        from lowlat.layers.moe import SparseMoeBlock
+
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)] if model is not None else []
+        self.ties: dict[int, list[int]] = {}
+        self._step = 0
+        self._owner: list[int] = []
+        self._handles: list[Any] = []
+
+    def begin_step(self, step: int, rows_per_request: list[int]) -> None:
+        self._step = step
+        self._owner = [i for i, n in enumerate(rows_per_request) for _ in range(n)]
+
+    def _hook(self, block: Any) -> Any:
+        def hook(_mod: Any, _inp: Any, out: torch.Tensor) -> None:
+            if out.shape[0] != len(self._owner):
+                return  # a forward the recorder was not told about (rows unknown): record nothing
+            for r in near_tie_rows(out.detach(), block.top_k):
+                steps = self.ties.setdefault(self._owner[r], [])
+                if self._step not in steps:
+                    steps.append(self._step)
+        return hook
+
+    def __enter__(self) -> RouterTieRecorder:
+        self._handles = [b.gate.register_forward_hook(self._hook(b)) for b in self.blocks]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
