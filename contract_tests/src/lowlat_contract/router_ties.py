@@ -24,14 +24,17 @@ TIE_ULPS = 1  # a top-k boundary gap of at most this many ulps of the k-th route
 
 
 def near_tie_rows(router_logits: torch.Tensor, top_k: int, ulps: int = TIE_ULPS) -> list[int]:
-    """Rows of ``router_logits`` [T, E] (low-precision dtype) whose k-th and (k+1)-th largest logits are within
-    ``ulps`` ulps of the k-th; none for float32 or when E <= top_k."""
+    """Rows of ``router_logits`` [T, E] (low-precision dtype) whose k-th and (k+1)-th largest logits are at most
+    ``ulps`` ulp apart, the ulp taken at the row's largest |logit| (the two paths' router logits differ by about
+    that much: their inputs differ by an ulp, so a small logit gets the noise of the large ones); none for float32
+    or when E <= top_k."""
     if router_logits.dtype not in (torch.bfloat16, torch.float16) or router_logits.shape[-1] <= top_k:
         return []
-    v = router_logits.float().topk(top_k + 1, dim=-1).values
-    kth = v[:, top_k - 1]
-    ulp = torch.finfo(router_logits.dtype).eps * torch.exp2(torch.floor(torch.log2(kth.abs().clamp_min(1e-30))))
-    return ((kth - v[:, top_k]) <= ulps * ulp).nonzero().flatten().tolist()
+    lg = router_logits.float()
+    v = lg.topk(top_k + 1, dim=-1).values
+    big = lg.abs().amax(dim=-1).clamp_min(1e-30)
+    ulp = torch.finfo(router_logits.dtype).eps * torch.exp2(torch.floor(torch.log2(big)))
+    return ((v[:, top_k - 1] - v[:, top_k]) <= ulps * ulp).nonzero().flatten().tolist()
 
 
 class RouterTieRecorder:
