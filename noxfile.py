@@ -10,6 +10,7 @@ import nox
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True  # a missing python3.11 fails the run instead of skipping it
 
 TORCH = "torch==2.13.0"
 PACKAGES = ["-e", "core[test]", "-e", "vendors/nvidia_mega", "-e", "vendors/amd_mono", "-e", "contract_tests"]

@@ -9,8 +9,8 @@ once per layer, over ``copies`` distinct weight / KV copies, so nothing is serve
 consecutive launches overlap as they do in a real step; the graph is replayed ``--reps`` times and the median
 replay time is divided by the number of launches. The floor is the bytes the kernel must move (weights,
 K/V, activations) divided by the copy bandwidth measured at the start (device-to-device copy, bytes read plus
-written, as in FACTS.md). ``--smoke`` runs every variant once at tiny shapes on whatever device is there
-(CPU with ``TRITON_INTERPRET=1``) to check the script itself.
+written, the roofline method of docs/benchmarks.md). ``--smoke`` runs every variant once at tiny shapes on
+whatever device is there (CPU with ``TRITON_INTERPRET=1``) to check the script itself; its times print as nan.
 """
 
 from __future__ import annotations

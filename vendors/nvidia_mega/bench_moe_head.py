@@ -8,7 +8,8 @@ Method: each measurement is one CUDA graph holding ``--layers`` back-to-back lau
 the graph is replayed ``--reps`` times and the median replay time is divided by the number of launches. Floor:
 bytes that must move (router + the experts actually selected, counted from each launch's routing; or the whole
 vocabulary weight) divided by the copy bandwidth measured at the start (device-to-device copy, bytes read plus
-written, as in FACTS.md). Targets: qwen3-30b-a3b decode <= 2.0 ms per step at batch 1 (48 MoE layers + LM head).
+written, the roofline method of docs/benchmarks.md). Targets: qwen3-30b-a3b decode <= 2.0 ms per step at
+batch 1 (48 MoE layers + LM head).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class CopyBandwidth:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, reps: int, warmup: int = 3) -> CopyBandwidth:
-    """Measure the copy bandwidth that sets the roofline (FACTS.md: about 4.19 TB/s on the H200, 2 GiB, median of 20).
+    """Measure the copy bandwidth that sets the roofline (about 4.2-4.3 TB/s on the H200 at 2 GiB, median of 20).
 
     Copies a random ``nbytes`` uint8 buffer into another ``reps`` times (after ``warmup`` copies); frees both.
 

@@ -15,7 +15,8 @@ The default process group is ``gloo`` on CPU and ``cpu:gloo,cuda:nccl`` on CUDA,
 (``LOWLAT_TP_TIMEOUT`` seconds, default 300). Workers report errors (with their traceback) on a result
 queue and exit; rank 0 checks the queue and the workers' liveness while it waits, so a failed worker
 surfaces as ``WorkerError`` on rank 0 rather than a hang. NVLink multicast stays off in every process:
-``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` (see FACTS.md).
+``NCCL_NVLS_ENABLE=0`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` (multicast is not allowed on the multi-GPU
+machines we test on).
 """
 
 from __future__ import annotations
