@@ -19,13 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
-from lowlat.config import EngineConfig, ModelConfig
+from lowlat.config import ConfigError, EngineConfig, ModelConfig
+from lowlat.plugin.errors import LowlatPluginError
 from lowlat.runtime import tp_launch
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.stats import StepStats
+
+# Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
+INPUT_ERRORS = (ConfigError, LowlatPluginError)
 
 
 def _check_tp(model: ModelConfig, tp_size: int) -> None:
@@ -121,7 +125,9 @@ class Engine:
                 self._workers.wait_stage("ready", tp_launch.tp_timeout_s())
             self.tokenizer = load_tokenizer(config.model if is_checkpoint_dir(config.model) else None)
         except BaseException as e:
-            err = self._worker_error()
+            # A worker's error explains a failure here (a collective that timed out, say), except when this rank
+            # raised a clear input error of its own: every rank raises that one, and rank 0's is the one to show.
+            err = None if isinstance(e, INPUT_ERRORS) else self._worker_error()
             self.close(abort=True)
             if err is not None:
                 raise err from e
