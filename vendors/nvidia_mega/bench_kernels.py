@@ -28,8 +28,8 @@ from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import num_sms, small_gemm, splitk_workspace_numel
-from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, make_plan, qkv_plan
+from lowlat_nvidia_mega.kernels.small_gemm import make_plan, num_sms, small_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
 SHAPES = {
     "llama-3.2-1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, layers=16, vocab=128256,
@@ -192,7 +192,7 @@ class Case:
         gated = which == "gate_up"
         plan = gemm_plan(n, k, self.dt, self.dev, gated=gated)
         if not split:  # the same tiles without split-K
-            plan = make_plan(n, k, block_n=plan.block_n, block_k=plan.block_k, split_k=1, num_warps=plan.num_warps,
+            plan = make_plan(k, block_n=plan.block_n, block_k=plan.block_k, split_k=1, num_warps=plan.num_warps,
                              num_stages=plan.num_stages, weight_rows=(2 if gated else 1) * plan.block_n)
         plan_plain = gemm_plan(ws[0].shape[0], k, self.dt, self.dev)
         assert splitk_workspace_numel(plan, n, gated=gated) <= self.gemm_ws.numel()

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, small_gemm, splitk_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, make_plan, qkv_plan  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, make_plan, small_gemm, splitk_workspace_numel  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan  # noqa: E402
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
             programs = triton.cdiv(n, bn) * sk
             if not smoke and not c.sms // 2 <= programs <= 16 * c.sms:
                 continue
-            p = make_plan(n, k, weight_rows=rows_of(bn), block_n=bn, split_k=sk, block_k=default.block_k,
+            p = make_plan(k, weight_rows=rows_of(bn), block_n=bn, split_k=sk, block_k=default.block_k,
                           num_warps=default.num_warps, num_stages=default.num_stages)
             stage1.append((measure(p), p))
     stage1.sort(key=lambda r: r[0])
@@ -147,7 +147,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
         for bkk in ([64] if smoke else [64, 128, 256]):
             for nw in ([4] if smoke else [2, 4, 8]):
                 if bkk * p.split_k <= 2 * k:
-                    measure(make_plan(n, k, weight_rows=rows_of(p.block_n), block_n=p.block_n, split_k=p.split_k,
+                    measure(make_plan(k, weight_rows=rows_of(p.block_n), block_n=p.block_n, split_k=p.split_k,
                                       block_k=bkk, num_warps=nw, num_stages=p.num_stages))
     top = GemmPlan(*min(results.items(), key=lambda kv: kv[1])[0])
     for ns in ([2] if smoke else [2, 3, 4, 5]):

@@ -29,8 +29,8 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     attention_block_m,
 )
 from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel, plan_qkv  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, plan_gemm  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import TUNED, make_plan  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, make_plan, plan_gemm  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import TUNED  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -64,7 +64,7 @@ def _assert_pdl(ptx: str) -> None:
 
 def _tuned_plan(kind: str, n: int, k: int, rows_per_tile: int):  # type: ignore[no-untyped-def]
     bn, bk, s, w, st = TUNED[("NVIDIA H200", kind, n, k, "bfloat16")]
-    return make_plan(n, k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+    return make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                      weight_rows=rows_per_tile * bn)
 
 
@@ -94,7 +94,7 @@ def test_qkv_rope_compiles_for_sm90(model: str, tuned: bool) -> None:
     plan = plan_qkv(hq, hkv, d, hid, torch.bfloat16, 132)
     if tuned:
         plan = _tuned_plan("qkv", (hq + 2 * hkv) * d, hid, 1)
-        plan = make_plan(hid, hid, block_n=d, block_k=plan.block_k, split_k=plan.split_k, num_warps=plan.num_warps,
+        plan = make_plan(hid, block_n=d, block_k=plan.block_k, split_k=plan.split_k, num_warps=plan.num_warps,
                          num_stages=plan.num_stages, weight_rows=d)
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,

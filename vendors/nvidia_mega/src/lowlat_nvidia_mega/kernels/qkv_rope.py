@@ -33,9 +33,10 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     default_block_k,
     dot_acc,
     dot_in_f32,
+    grow_split,
     load_rows,
     load_tile,
-    pre_wait_k,
+    make_plan,
     rnd,
     row_rstd,
     to_act,
@@ -171,18 +172,10 @@ def plan_qkv(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
     """
     heads = num_heads + 2 * num_kv_heads
     bk = block_k or default_block_k(hidden, dtype)
-    target = max(1, (7 * sms) // 4)
-    s = 1
-    if split_k is None:
-        while heads * s < target and hidden // (2 * s) >= 2 * bk:
-            s *= 2
-    else:
-        s = split_k
-    kps = triton.cdiv(triton.cdiv(hidden, s), bk) * bk
-    s = triton.cdiv(hidden, kps)
-    iters = kps // bk
-    return GemmPlan(block_n=head_dim, block_k=bk, split_k=s, k_per_split=kps, num_warps=4,
-                    num_stages=2 if iters <= 2 else 3, pre_k=pre_wait_k(hidden, kps, bk, head_dim))
+    s = split_k if split_k is not None else grow_split(heads, hidden, bk, sms)
+    iters = triton.cdiv(triton.cdiv(hidden, s), bk)
+    return make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=4,
+                     num_stages=2 if iters <= 2 else 3, weight_rows=head_dim)
 
 
 def qkv_workspace_numel(plan: GemmPlan, num_heads: int, num_kv_heads: int, head_dim: int,

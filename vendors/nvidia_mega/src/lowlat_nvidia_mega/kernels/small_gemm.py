@@ -227,21 +227,34 @@ def plan_gemm(n: int, k: int, dtype: torch.dtype, sms: int, *, gated: bool = Fal
     (a warp's row of 16-byte loads).
     """
     bk = block_k or default_block_k(k, dtype)
-    target = max(1, (7 * sms) // 4)
-    bn = block_n or (64 if triton.cdiv(n, 64) >= target else 32)
-    tiles = triton.cdiv(n, bn)
+    bn = block_n or (64 if triton.cdiv(n, 64) >= programs_target(sms) else 32)
+    s = split_k if split_k is not None else grow_split(triton.cdiv(n, bn), k, bk, sms)
+    iters = triton.cdiv(triton.cdiv(k, s), bk)
+    return make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=4,
+                     num_stages=2 if iters <= 2 else (3 if gated else 4), weight_rows=(2 if gated else 1) * bn)
+
+
+def programs_target(sms: int) -> int:
+    """Programs a launch aims for: 1.75 x the SMs (a few per SM keep enough loads in flight)."""
+    return max(1, (7 * sms) // 4)
+
+
+def grow_split(tiles: int, k: int, block_k: int, sms: int) -> int:
+    """Split-K for ``tiles`` output tiles: doubled while the grid is short of ``programs_target`` and each split
+    keeps >= 2 K-blocks."""
     s = 1
-    if split_k is None:
-        while tiles * s < target and k // (2 * s) >= 2 * bk:
-            s *= 2
-    else:
-        s = split_k
-    kps = triton.cdiv(triton.cdiv(k, s), bk) * bk
-    s = triton.cdiv(k, kps)  # no empty split
-    iters = kps // bk
-    stages = 2 if iters <= 2 else (3 if gated else 4)
-    pre = pre_wait_k(k, kps, bk, (2 if gated else 1) * bn)
-    return GemmPlan(block_n=bn, block_k=bk, split_k=s, k_per_split=kps, num_warps=4, num_stages=stages, pre_k=pre)
+    while tiles * s < programs_target(sms) and k // (2 * s) >= 2 * block_k:
+        s *= 2
+    return s
+
+
+def make_plan(k: int, *, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
+              weight_rows: int) -> GemmPlan:
+    """The plan for these tiles over a reduction of ``k``: K per split rounded up to whole blocks, no empty split;
+    ``weight_rows`` = weight rows one program holds (sizes the tile loaded before the PDL wait)."""
+    kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    return GemmPlan(block_n=block_n, block_k=block_k, split_k=triton.cdiv(k, kps), k_per_split=kps,
+                    num_warps=num_warps, num_stages=num_stages, pre_k=pre_wait_k(k, kps, block_k, weight_rows))
 
 
 PRE_WAIT_ELEMENTS = 16384  # weight elements a program holds in registers while it waits (32 KB of bf16)

@@ -12,10 +12,9 @@ Key: (``torch.cuda.get_device_name()``, kind, N, K, dtype), kind ``"qkv"`` (N = 
 from __future__ import annotations
 
 import torch
-import triton
 
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, num_sms, plan_gemm, pre_wait_k
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, make_plan, num_sms, plan_gemm
 
 # tune_plans.py on an H200, 2026-11-30 (bench/results/2026-11-30-nvidia-mega-tuning/tune_1row.txt):
 # default heuristic -> tuned, us per launch at 1 row.
@@ -34,14 +33,6 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def make_plan(n: int, k: int, *, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
-              weight_rows: int) -> GemmPlan:
-    """A plan with these tiles; ``weight_rows`` = weight rows one program holds (sizes the pre-wait tile)."""
-    kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    return GemmPlan(block_n=block_n, block_k=block_k, split_k=triton.cdiv(k, kps), k_per_split=kps,
-                    num_warps=num_warps, num_stages=num_stages, pre_k=pre_wait_k(k, kps, block_k, weight_rows))
-
-
 def _tuned(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
     return TUNED.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
 
@@ -52,7 +43,7 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
     if hit is None:
         return plan_gemm(n, k, dtype, num_sms(device), gated=gated)
     bn, bk, s, w, st = hit
-    return make_plan(n, k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+    return make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                      weight_rows=(2 if gated else 1) * bn)
 
 
@@ -63,5 +54,5 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
     if hit is None or hit[0] != head_dim:
         return plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
     _, bk, s, w, st = hit
-    return make_plan(hidden, hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+    return make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                      weight_rows=head_dim)
