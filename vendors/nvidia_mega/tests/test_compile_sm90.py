@@ -23,14 +23,14 @@ if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
     pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
                 allow_module_level=True)
 
+from lowlat_nvidia_mega.kernels import tuned_plans  # noqa: E402
 from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     _attn_merge_kernel,
     _attn_split_kernel,
     attention_block_m,
 )
-from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel, plan_qkv  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, make_plan, plan_gemm  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import TUNED  # noqa: E402
+from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -46,6 +46,7 @@ QKV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, 
 ATTN_SIG = dict(q_ptr=BF, stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", rtt_ptr="*i32", stride_rtt="i32",
                 rpi_ptr="*i64", seqlen_ptr="*i32", op_ptr="*fp32", lse_ptr="*fp32", scale_log2="fp32")
 MERGE_SIG = dict(op_ptr="*fp32", lse_ptr="*fp32", seqlen_ptr="*i32", out_ptr=BF, stride_ot="i32")
+CUDA = torch.device("cuda")  # only its name is asked for, through the patched ``device_name``
 MODELS = {"llama-3.2-1b": (2048, 32, 8, 64, 8192, False), "qwen3-30b-a3b": (2048, 32, 4, 128, 768, True)}
 
 
@@ -62,22 +63,22 @@ def _assert_pdl(ptx: str) -> None:
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
-def _tuned_plan(kind: str, n: int, k: int, rows_per_tile: int):  # type: ignore[no-untyped-def]
-    bn, bk, s, w, st = TUNED[("NVIDIA H200", kind, n, k, "bfloat16")]
-    return make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
-                     weight_rows=rows_per_tile * bn)
+@pytest.fixture(params=[False, True], ids=["heuristic", "tuned"])
+def plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """``tuned_plans`` as on a 132-SM GPU: an H200 (its measured table) or a GPU without table entries."""
+    monkeypatch.setattr(tuned_plans, "num_sms", lambda dev: 132)
+    monkeypatch.setattr(tuned_plans, "device_name", lambda dev: "NVIDIA H200" if request.param else "other GPU")
+    return tuned_plans
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("tuned", [False, True], ids=["heuristic", "tuned"])
-def test_small_gemm_compiles_for_sm90(model: str, tuned: bool) -> None:
+def test_small_gemm_compiles_for_sm90(model: str, plans) -> None:  # type: ignore[no-untyped-def]
     hid, hq, _, d, inter, _ = MODELS[model]
     sites = [("o_proj", hid, hq * d, 2, False)] + ([("gate_up", inter, hid, 1, True), ("down", hid, inter, 2, False)]
                                                     if model == "llama-3.2-1b" else [])
     for _, n, k, epilogue, norm in sites:
         gated = epilogue == 1
-        plan = _tuned_plan("gated" if gated else "gemm", n, k, 2 if gated else 1) if tuned \
-            else plan_gemm(n, k, torch.bfloat16, 132, gated=gated)
+        plan = plans.gemm_plan(n, k, torch.bfloat16, CUDA, gated=gated)
         ptx = _compile(_small_gemm_kernel, GEMM_SIG, dict(
             NORM_K=k if norm else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512), PRE_K=plan.pre_k,
             HAS_NORM=norm, EPILOGUE=epilogue, NPART=2 if gated else 1, SPLIT_K=plan.split_k, EVEN_K=True,
@@ -88,14 +89,9 @@ def test_small_gemm_compiles_for_sm90(model: str, tuned: bool) -> None:
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("tuned", [False, True], ids=["heuristic", "tuned"])
-def test_qkv_rope_compiles_for_sm90(model: str, tuned: bool) -> None:
+def test_qkv_rope_compiles_for_sm90(model: str, plans) -> None:  # type: ignore[no-untyped-def]
     hid, hq, hkv, d, _, qk_norm = MODELS[model]
-    plan = plan_qkv(hq, hkv, d, hid, torch.bfloat16, 132)
-    if tuned:
-        plan = _tuned_plan("qkv", (hq + 2 * hkv) * d, hid, 1)
-        plan = make_plan(hid, block_n=d, block_k=plan.block_k, split_k=plan.split_k, num_warps=plan.num_warps,
-                         num_stages=plan.num_stages, weight_rows=d)
+    plan = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA)
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
