@@ -4,6 +4,7 @@ Usage (on the H200; about a minute with a warm Triton cache, under two minutes c
     PYTHONPATH=core/src:vendors/amd_mono/src python vendors/amd_mono/bench_layers.py
     ... --models llama-3.2-1b --rows 1 --overlaps     # also PDL off and L2 prefetch off (extra compiles)
     ... --staged                                      # also the stage-per-launch mode (extra compiles)
+    ... --variants "pdl=0;pdl=0,programs_per_sm=2"   # also these MonoOptions (";" between variants)
 
 Method: a model cut to ``--layers`` distinct decoder layers (so weights do not stay in L2 between replays) with
 seeded random weights made on the GPU; each request has ``--ctx`` cached tokens. A CUDA graph holds the
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=512, help="cached tokens per request")
     ap.add_argument("--overlaps", action="store_true", help="also time PDL off and L2 prefetch off")
     ap.add_argument("--staged", action="store_true", help="also time the stage-per-launch mode")
+    ap.add_argument("--variants", default="", help="MonoOptions variants to time: 'field=value,...' separated by ';'")
     ap.add_argument("--no-skips", action="store_true", help="leave out the skip-one-stage variants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -194,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
                 row("  L2 prefetch off", lb.mono_layer_us(lb.mono(amd_mono_l2_prefetch_bytes=0)))
             if args.staged:
                 row("  stage per launch", lb.mono_layer_us(lb.mono(amd_mono_staged=True)))
+            for spec in filter(None, (v.strip() for v in args.variants.split(";"))):
+                extra = {f"amd_mono_{k.strip()}": v.strip() for k, v in (kv.split("=") for kv in spec.split(","))}
+                try:
+                    row(f"  {spec}", lb.mono_layer_us(lb.mono(**extra)))
+                except Exception as e:  # e.g. a grid the residency check refuses; keep timing the others
+                    print(f"{preset:16s} {rows:4d}   {spec}: not timed: {type(e).__name__}: {str(e)[:160]}", flush=True)
             del lb, fwd
             torch.cuda.empty_cache()
     print(f"# {time.time() - t_start:.0f} s; per layer = (graph of embed + layers - graph of embed) / layers; "

@@ -78,7 +78,8 @@ class MonoForward:
         if self.options.staged:
             nprog = 4 if self.device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
         else:
-            nprog = torch.cuda.get_device_properties(device).multi_processor_count * self.options.programs_per_sm
+            per_sm = self.options.programs_per_sm or (2 if dm.any_moe else 1)
+            nprog = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
         self.plan = P.MonoPlan.build(dm, nprog, interpret=self.interpret)
         self.runner = StageRunner(self.device, self.options, self.interpret, nprog)
         self.w = _bind_weights(params, dm, dtype)

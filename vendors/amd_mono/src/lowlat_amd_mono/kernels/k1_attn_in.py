@@ -88,7 +88,7 @@ def k1_attn_in_kernel(
         BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr, QK_NORM: tl.constexpr,
         MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
         STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr, USE_PDL: tl.constexpr,
-        PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+        PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
     """K1 for one layer. ``STAGE`` = -1 runs all stages in one persistent launch (with tag waits); 0 or 1 runs
     only that stage (stage-per-launch mode: no waits). Buffers: ``x [8, H]`` layer input, ``q [8, Hq*D]``,
     ``part [KS, 8, (Hq+2Hkv)*D]`` float32, ``kc``/``vc`` this layer's ``[slots, Hkv, D]``, ``flags`` this layer's
@@ -100,7 +100,7 @@ def k1_attn_in_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     alive = tl.full([], 1, tl.int32)
-    if USE_PDL:
+    if USE_PDL and PDL_EARLY:
         gdc_launch_dependents()
     if PERSISTENT or STAGE == 0:
         rstd = tl.zeros([BM], tl.float32)
@@ -129,6 +129,8 @@ def k1_attn_in_kernel(
             publish(flags_ptr + _S_QKV * MAX_ITEMS + i, tag, debug_mask, 0)
     if PERSISTENT or STAGE == 1:
         if USE_PDL:
+            if not PDL_EARLY:
+                gdc_launch_dependents()
             gdc_wait()
         tag = tl.load(step_ptr)
         for hh in range(pid, HQ + 2 * HKV, nprog):

@@ -157,10 +157,11 @@ def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, ep
 
 @triton.jit
 def _k2_prologue(wo_ptr, H: tl.constexpr, KO: tl.constexpr, BN_O: tl.constexpr, PF_BYTES: tl.constexpr,
-                 step_ptr, USE_PDL: tl.constexpr, PF_L2: tl.constexpr):
-    """Let the next launch start early (PDL), prefetch this program's first Wo tile, then wait for K1."""
+                 step_ptr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr):
+    """Let the next launch start early (PDL, ``PDL_EARLY``), prefetch this program's first Wo tile, then wait
+    for K1."""
     pid = tl.program_id(0)
-    if USE_PDL:
+    if USE_PDL and PDL_EARLY:
         gdc_launch_dependents()
     l2_prefetch(wo_ptr, pid * BN_O, H, KO, 0, KO, PF_BYTES, BN_O, PF_L2)
     if USE_PDL:
@@ -178,14 +179,15 @@ def k2_dense_kernel(
         M_ATT: tl.constexpr, BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
         BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, MAX_ITEMS: tl.constexpr,
         PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-        USE_PDL: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+        USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr,
+        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
     """K2 of a dense layer. ``STAGE`` = -1: one persistent launch; 2..6: only that stage (no waits).
     ``x [8, H]`` is read as the residual and overwritten with the layer output; ``x_mid``, ``attn_out``, ``act``
     are workspaces; ``q`` comes from K1; ``kc``/``vc`` are this layer's KV buffers."""
     PERSISTENT: tl.constexpr = STAGE < 0
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    tag = _k2_prologue(wo_ptr, H, HQ * D, BN_O, PF_BYTES, step_ptr, USE_PDL, PF_L2)
+    tag = _k2_prologue(wo_ptr, H, HQ * D, BN_O, PF_BYTES, step_ptr, USE_PDL, PDL_EARLY, PF_L2)
     alive = tl.full([], 1, tl.int32)
     alive = _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
                               kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
@@ -195,6 +197,8 @@ def k2_dense_kernel(
         alive = _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
                              wo_ptr, flags_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES, PERSISTENT,
                              DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW)
+    if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the MLP
+        gdc_launch_dependents()
     alive = _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
                               ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, ctl_ptr, H, INTER, (H + BN_O - 1) // BN_O, BN_GU,
                               BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW)
@@ -211,7 +215,8 @@ def k2_moe_kernel(
         BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr, BN_R: tl.constexpr,
         BK_R: tl.constexpr, BN_EU: tl.constexpr, BK_EU: tl.constexpr, BN_ED: tl.constexpr, BK_ED: tl.constexpr,
         MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-        TIMER: tl.constexpr, USE_PDL: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr,
+        TIMER: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr,
+        PREC: tl.constexpr, XC: tl.constexpr,
         MAXW: tl.constexpr):
     """K2 of a sparse-MoE layer (Qwen3-MoE). ``STAGE`` = -1: one persistent launch; 2..7: only that stage.
     ``rl [8, E]`` float32 router logits, ``actm [8 * TOPK, 8, IM]`` expert activations, and the slot table
@@ -220,7 +225,7 @@ def k2_moe_kernel(
     N_ROUTER: tl.constexpr = (E + BN_R - 1) // BN_R
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    tag = _k2_prologue(wo_ptr, H, HQ * D, BN_O, PF_BYTES, step_ptr, USE_PDL, PF_L2)
+    tag = _k2_prologue(wo_ptr, H, HQ * D, BN_O, PF_BYTES, step_ptr, USE_PDL, PDL_EARLY, PF_L2)
     alive = tl.full([], 1, tl.int32)
     alive = _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
                               kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
@@ -234,6 +239,8 @@ def k2_moe_kernel(
         alive = router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, wg_ptr,
                              rl_ptr, flags_ptr, ctl_ptr, H, E, (H + BN_O - 1) // BN_O, BN_R, BK_R, MAX_ITEMS,
                              _S_OPROJ, _S_MLP1, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW)
+    if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the experts
+        gdc_launch_dependents()
     if PERSISTENT or STAGE == 6:
         alive = expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr,
                                 w13_ptr, rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H, E, E_P2,

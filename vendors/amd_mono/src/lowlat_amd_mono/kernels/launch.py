@@ -36,12 +36,17 @@ class MonoOptions:
     Attributes:
         staged: run each stage as its own launch (no cross-workgroup waits). Forced under the interpreter.
         deadline_ms: how long a cross-workgroup wait may spin before the launch aborts (milliseconds).
-        programs_per_sm: persistent programs per SM/CU (the grid is this times the SM/CU count).
-        pdl: programmatic dependent launch between consecutive launches (CUDA sm90+ only).
+        programs_per_sm: persistent programs per SM/CU (the grid is this times the SM/CU count); 0 picks 2 for
+            a model with MoE layers and 1 otherwise (the faster on the H200, docs/design.md).
+        pdl: programmatic dependent launch between consecutive launches (CUDA sm90+ only). Off by default: on
+            the H200 it cost 28 µs per llama-3.2-1b layer (docs/design.md, "Overlaps, and what each bought").
+        pdl_early: with PDL, release the next launch at the start of a layer kernel (True) or only once its
+            programs reach K1's RoPE stage / K2's MLP (False), so fewer successor programs wait resident.
         cooperative: launch persistent grids with ``launch_cooperative_grid`` so an oversize grid fails
             instead of hanging (CUDA only; default on when PDL is off).
         l2_prefetch_bytes: bytes of its next weight tile a workgroup asks L2 to fetch before it waits for a tag
-            (CUDA sm90+; 0 disables). Keep ``programs x bytes`` well under the L2 size.
+            (CUDA sm90+; 0, the default, disables: on the H200 64 KB cost 7 µs per layer). Keep
+            ``programs x bytes`` well under the L2 size.
         num_warps, num_stages: Triton launch options of the layer kernels.
     Every field can be set by ``LOWLAT_MONO_<FIELD>`` in the environment or ``amd_mono_<field>`` in
     ``EngineConfig.extra`` (which wins).
@@ -49,10 +54,11 @@ class MonoOptions:
 
     staged: bool = False
     deadline_ms: float = 100.0
-    programs_per_sm: int = 1
-    pdl: bool = True
+    programs_per_sm: int = 0
+    pdl: bool = False
+    pdl_early: bool = True
     cooperative: bool = False
-    l2_prefetch_bytes: int = 65536
+    l2_prefetch_bytes: int = 0
     num_warps: int = 4
     num_stages: int = 3
 
@@ -62,7 +68,7 @@ class MonoOptions:
         """Defaults, then environment, then ``extra``; then what the platform cannot do is turned off.
 
         Raises:
-            ValueError: a value that does not parse, or a non-positive deadline / programs_per_sm.
+            ValueError: a value that does not parse, a non-positive deadline or a negative programs_per_sm.
         """
         vals: dict[str, Any] = {}
         for f in cls.__dataclass_fields__.values():
@@ -77,8 +83,8 @@ class MonoOptions:
             except (KeyError, ValueError):
                 raise ValueError(f"amd_mono option {f.name}={raw!r} does not parse as {f.type}") from None
         opts = cls(**vals)
-        if opts.deadline_ms <= 0 or opts.programs_per_sm < 1:
-            raise ValueError(f"amd_mono needs deadline_ms > 0 and programs_per_sm >= 1, got {opts}")
+        if opts.deadline_ms <= 0 or opts.programs_per_sm < 0:
+            raise ValueError(f"amd_mono needs deadline_ms > 0 and programs_per_sm >= 0 (0: auto), got {opts}")
         cuda = device.type == "cuda" and torch.version.hip is None and not interpret
         sm90 = cuda and torch.cuda.get_device_capability(device)[0] >= 9
         staged = opts.staged or interpret or device.type == "cpu"
@@ -86,7 +92,8 @@ class MonoOptions:
         # Cooperative launch is the default only without PDL (the two launch attributes are not combined here).
         cooperative = bool(vals.get("cooperative", not pdl)) and cuda and not staged
         return cls(staged=staged, deadline_ms=opts.deadline_ms, programs_per_sm=opts.programs_per_sm, pdl=pdl,
-                   cooperative=cooperative, l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
+                   cooperative=cooperative, pdl_early=opts.pdl_early,
+                   l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
                    num_warps=opts.num_warps, num_stages=opts.num_stages)
 
 
@@ -120,6 +127,7 @@ class StageRunner:
     def common_meta(self) -> dict[str, Any]:
         """Constexprs every layer kernel takes for the mode it runs in."""
         return {"INTERP": self.interpret, "TIMER": self.timer, "USE_PDL": self.options.pdl,
+                "PDL_EARLY": self.options.pdl_early,
                 "PF_L2": self.options.l2_prefetch_bytes > 0, "XC": self.xc, "MAXW": 128}
 
     def run(self, name: str, kernel: Callable[..., Any], stage_items: Mapping[int, int], args: tuple[Any, ...],
