@@ -36,6 +36,9 @@ class Tolerance:
       rounding-sensitive row legitimately moves one token's output);
     - the mean: ``mean |got - want| <= mean_rel * scale`` over the rows within the element bound (an excused row
       is left out of the mean as well: at 8 rows one router flip alone would otherwise exceed it).
+    Rows in ``tie_rows`` (tokens whose MoE router had a near-tie on the general path, ``router_ties.tie_rows``)
+    may exceed the element bound too, without using up the allowance, for low-precision dtypes only: a model
+    with many MoE layers (qwen3-30b-a3b: 48) flips an expert in more than one row in eight.
     """
 
     dtype: str
@@ -47,7 +50,8 @@ class Tolerance:
         """The absolute bound on one element for reference tensor ``want``."""
         return self.max_rel * max(1.0, float(want.abs().max()) if want.numel() else 1.0)
 
-    def check(self, got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
+    def check(self, got: torch.Tensor, want: torch.Tensor, what: str,
+              tie_rows: frozenset[int] = frozenset()) -> str | None:
         """None when ``got`` matches ``want``; else a message naming ``what``, the worst element and the bound."""
         if got.shape != want.shape:
             return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
@@ -60,15 +64,20 @@ class Tolerance:
         err = (g - w).abs().reshape(w.shape[0], -1) if w.dim() > 1 else (g - w).abs()[:, None]
         bound = self.max_rel * scale
         row_max = err.max(dim=1).values
-        bad_rows = int((row_max > bound).sum())
+        over = row_max > bound
+        tied = torch.zeros_like(over)
+        if self.allow_outlier_rows and tie_rows:
+            tied[[r for r in tie_rows if r < w.shape[0]]] = True
+        bad_rows = int((over & ~tied).sum())
         allowed = max(1, w.shape[0] // 8) if self.allow_outlier_rows else 0
-        within = row_max <= bound
+        within = ~over
         mean = float(err[within].mean()) if bad_rows <= allowed and bool(within.any()) else float(err.mean())
         worst = int(row_max.argmax())
         if bad_rows > allowed or mean > self.mean_rel * scale:
+            ties = f", {int((over & tied).sum())} more at router near-ties" if bool((over & tied).any()) else ""
             return (f"{what}: max |plugin - general| = {float(row_max.max()):.4g} (row {worst}), mean "
                     f"{mean:.4g}; {self.dtype} allows {self.max_rel:g} x scale = {bound:.4g} per element "
-                    f"({bad_rows} row(s) over, {allowed} allowed) and a mean of {self.mean_rel:g} x scale = "
+                    f"({bad_rows} row(s) over, {allowed} allowed{ties}) and a mean of {self.mean_rel:g} x scale = "
                     f"{self.mean_rel * scale:.4g} (scale = max(1, max |general|) = {scale:.4g})")
         return None
 

@@ -77,3 +77,13 @@ class RouterTieRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def tie_rows(model: Any, forward: Any, num_tokens: int) -> tuple[Any, frozenset[int]]:
+    """Run ``forward()`` (one step of ``num_tokens`` tokens through the general model) and return its result and
+    the tokens (batch order) whose router had a near-tie in any MoE layer (empty for dense or float32 models)."""
+    rec = RouterTieRecorder(model)
+    rec.begin_step(0, [1] * num_tokens)
+    with rec:
+        out = forward()
+    return out, frozenset(rec.ties)

@@ -15,6 +15,7 @@ A failure at any point frees what was allocated before re-raising.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -250,6 +251,7 @@ class ModelRunner:
         self.model = None
         self.plugin_host = PluginHost(None)
         self.forward_fn = self.general_forward
+        gc.collect()  # plugin objects may hold weights in reference cycles; free them before the next runner
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
