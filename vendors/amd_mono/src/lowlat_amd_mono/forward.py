@@ -80,7 +80,8 @@ class MonoForward:
         else:
             per_sm = self.options.programs_per_sm or (2 if dm.any_moe else 1)
             nprog = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
-        self.plan = P.MonoPlan.build(dm, nprog, interpret=self.interpret)
+        self.plan = P.MonoPlan.build(dm, nprog, interpret=self.interpret, bk_max=self.options.gemv_bk_max,
+                                     max_tile_elems=self.options.gemv_tile_elems)
         self.runner = StageRunner(self.device, self.options, self.interpret, nprog)
         self.w = _bind_weights(params, dm, dtype)
         self.vocab = dm.vocab

@@ -47,6 +47,8 @@ class MonoOptions:
         l2_prefetch_bytes: bytes of its next weight tile a workgroup asks L2 to fetch before it waits for a tag
             (CUDA sm90+; 0, the default, disables: on the H200 64 KB cost 7 µs per layer). Keep
             ``programs x bytes`` well under the L2 size.
+        gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
+            stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
         num_warps, num_stages: Triton launch options of the layer kernels.
     Every field can be set by ``LOWLAT_MONO_<FIELD>`` in the environment or ``amd_mono_<field>`` in
     ``EngineConfig.extra`` (which wins).
@@ -59,6 +61,8 @@ class MonoOptions:
     pdl_early: bool = True
     cooperative: bool = False
     l2_prefetch_bytes: int = 0
+    gemv_bk_max: int = 256
+    gemv_tile_elems: int = 16384
     num_warps: int = 4
     num_stages: int = 3
 
@@ -83,6 +87,8 @@ class MonoOptions:
             except (KeyError, ValueError):
                 raise ValueError(f"amd_mono option {f.name}={raw!r} does not parse as {f.type}") from None
         opts = cls(**vals)
+        if opts.gemv_bk_max < 16 or opts.gemv_tile_elems < 256:
+            raise ValueError(f"amd_mono needs gemv_bk_max >= 16 and gemv_tile_elems >= 256, got {opts}")
         if opts.deadline_ms <= 0 or opts.programs_per_sm < 0:
             raise ValueError(f"amd_mono needs deadline_ms > 0 and programs_per_sm >= 0 (0: auto), got {opts}")
         cuda = device.type == "cuda" and torch.version.hip is None and not interpret
@@ -94,6 +100,7 @@ class MonoOptions:
         return cls(staged=staged, deadline_ms=opts.deadline_ms, programs_per_sm=opts.programs_per_sm, pdl=pdl,
                    cooperative=cooperative, pdl_early=opts.pdl_early,
                    l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
+                   gemv_bk_max=opts.gemv_bk_max, gemv_tile_elems=opts.gemv_tile_elems,
                    num_warps=opts.num_warps, num_stages=opts.num_stages)
 
 

@@ -163,9 +163,12 @@ class MonoPlan:
     head_bk: int
 
     @classmethod
-    def build(cls, dims: Dims, nprog: int, *, interpret: bool = False) -> MonoPlan:
-        """Tile every GEMV of ``dims`` for a persistent grid of ``nprog`` programs."""
-        kw = dict(bn_choices=(16, 32, 64), bk_max=128) if interpret else {}
+    def build(cls, dims: Dims, nprog: int, *, interpret: bool = False, bk_max: int = 256,
+              max_tile_elems: int = 16384) -> MonoPlan:
+        """Tile every GEMV of ``dims`` for a persistent grid of ``nprog`` programs; a weight chunk (one pipelined
+        load) holds at most ``bk_max`` columns and ``max_tile_elems`` elements (per weight of a gate/up pair)."""
+        kw: dict = (dict(bn_choices=(16, 32, 64), bk_max=128) if interpret
+                    else dict(bk_max=bk_max, max_tile_elems=max_tile_elems))
         h, d = dims.hidden, dims.head_dim
         dense = dims.any_dense
         moe = dims.any_moe
