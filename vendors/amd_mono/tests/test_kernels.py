@@ -239,8 +239,13 @@ def test_options_force_staged_under_interpreter(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("LOWLAT_MONO_DEADLINE_MS", "25")
     o = MonoOptions.resolve(torch.device("cpu"), {"amd_mono_programs_per_sm": "2"}, interpret=True)
     assert o.staged and not o.pdl and not o.cooperative and o.deadline_ms == 25 and o.programs_per_sm == 2
+    with pytest.raises(ValueError, match="unknown amd_mono option.*amd_mono_pld"):
+        MonoOptions.resolve(torch.device("cpu"), {"amd_mono_pld": "0"}, interpret=True)
     with pytest.raises(ValueError, match="deadline_ms"):
         MonoOptions.resolve(torch.device("cpu"), {"amd_mono_deadline_ms": "soon"}, interpret=True)
+    monkeypatch.setenv("LOWLAT_MONO_STAGD", "1")
+    with pytest.raises(ValueError, match="LOWLAT_MONO_STAGD"):
+        MonoOptions.resolve(torch.device("cpu"), interpret=True)
 
 
 def test_supports_only_small_uniform_decode_and_verify() -> None:

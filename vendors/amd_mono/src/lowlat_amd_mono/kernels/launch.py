@@ -72,8 +72,15 @@ class MonoOptions:
         """Defaults, then environment, then ``extra``; then what the platform cannot do is turned off.
 
         Raises:
-            ValueError: a value that does not parse, a non-positive deadline or a negative programs_per_sm.
+            ValueError: an unknown ``amd_mono_*`` key or ``LOWLAT_MONO_*`` variable, a value that does not parse,
+                a non-positive deadline or a negative programs_per_sm.
         """
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted({k for k in (extra or {}) if k.startswith("amd_mono_") and k[9:] not in names}
+                         | {k for k in os.environ
+                            if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in names})
+        if unknown:
+            raise ValueError(f"unknown amd_mono option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
         vals: dict[str, Any] = {}
         for f in cls.__dataclass_fields__.values():
             raw = (extra or {}).get(f"amd_mono_{f.name}", os.environ.get(ENV_PREFIX + f.name.upper()))
