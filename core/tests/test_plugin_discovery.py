@@ -61,8 +61,17 @@ def test_allowlist_env_limits_what_loads(site, monkeypatch):
 
 def test_missing_plugin_raises_with_install_hint(site):
     reg = discover([])
-    with pytest.raises(PluginNotFound, match="no plugin named 'nvidia_megaa'.*pip install"):
-        reg.get("nvidia_megaa")
+    with pytest.raises(PluginNotFound, match=r"no plugin named 'nvidia_mega'.*pip install 'lowlat\[nvidia-mega\]'"):
+        reg.get("nvidia_mega")
+    with pytest.raises(PluginNotFound, match="'foo'.*install the vendor distribution that provides it") as e:
+        reg.get("foo")
+    assert "lowlat[foo]" not in str(e.value), "no extra named foo exists"
+
+
+def test_misspelled_plugin_gets_a_did_you_mean(site):
+    make_plugin_dist(site, "good_one", GOOD_SPEC)
+    with pytest.raises(PluginNotFound, match="no plugin named 'good-one'.*did you mean 'good_one'"):
+        discover().get("good-one")
 
 
 def test_auto_warns_once_about_broken_plugin_and_does_not_raise(site, caplog):

@@ -7,6 +7,7 @@ distribution, version and the reason; the other plugins still load.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import traceback
@@ -78,10 +79,15 @@ class PluginRegistry:
         info = self.plugins.get(name)
         if info is None:
             found = ", ".join(sorted(self.plugins)) or "none"
-            raise PluginNotFound(
-                f"no plugin named {name!r} is installed (found: {found}); install its distribution, "
-                f"e.g. pip install 'lowlat[{name.replace('_', '-')}]', or check {ALLOWLIST_ENV}"
-            )
+            close = difflib.get_close_matches(name.replace("-", "_"), list(self.plugins), n=1, cutoff=0.6)
+            if close:
+                hint = f"did you mean {close[0]!r}?"
+            elif name.replace("_", "-") in _core_extras():
+                hint = f"install its distribution: pip install 'lowlat[{name.replace('_', '-')}]'"
+            else:
+                hint = "install the vendor distribution that provides it"
+            raise PluginNotFound(f"no plugin named {name!r} is installed (found: {found}); {hint} "
+                                 f"(or check {ALLOWLIST_ENV})")
         info.raise_if_unusable()
         return info
 
@@ -194,3 +200,11 @@ def load_callable(path: str, plugin: str):  # type: ignore[no-untyped-def]
         return getattr(importlib.import_module(module_name), attr)
     except Exception as e:
         raise PluginLoadError(f"plugin {plugin!r}: cannot import {path}: {type(e).__name__}: {e}") from e
+
+
+def _core_extras() -> set[str]:
+    """The optional-dependency extras core declares (``lowlat[nvidia-mega]`` ...), from its installed metadata."""
+    try:
+        return set(metadata.metadata("lowlat").get_all("Provides-Extra") or [])
+    except metadata.PackageNotFoundError:
+        return set()

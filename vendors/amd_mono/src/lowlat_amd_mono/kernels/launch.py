@@ -8,6 +8,7 @@ check (``residency.check_grid``) of its compiled variant.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -80,7 +81,17 @@ class MonoOptions:
                          | {k for k in os.environ
                             if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in names})
         if unknown:
-            raise ValueError(f"unknown amd_mono option(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+            hints = []
+            for k in unknown:
+                env = k.startswith(ENV_PREFIX)
+                bare = k[len(ENV_PREFIX):].lower() if env else k[len("amd_mono_"):]
+                close = difflib.get_close_matches(bare, sorted(names), n=1)
+                if close:
+                    fix = ENV_PREFIX + close[0].upper() if env else "amd_mono_" + close[0]
+                    hints.append(f"{k}: did you mean {fix}?")
+            known = ", ".join(f"{ENV_PREFIX}{n.upper()}" for n in sorted(names))
+            raise ValueError(f"unknown amd_mono option(s) {', '.join(unknown)}. {' '.join(hints)} Known (also as "
+                             f"EngineConfig.extra['amd_mono_<name>']): {known}")
         vals: dict[str, Any] = {}
         for f in cls.__dataclass_fields__.values():
             raw = (extra or {}).get(f"amd_mono_{f.name}", os.environ.get(ENV_PREFIX + f.name.upper()))
