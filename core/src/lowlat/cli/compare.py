@@ -62,7 +62,9 @@ class CompareReport:
         speedup = g.decode_ms_per_step / p.decode_ms_per_step if p.decode_ms_per_step else float("nan")
         out.append(f"decode ms/step: general {g.decode_ms_per_step:.3f}, {p.label} {p.decode_ms_per_step:.3f} "
                    f"({speedup:.2f}x)")
-        out.append(f"steps per path with the plugin: {p.path_steps}")
+        counts = [f"{path} {mode} {v['steps']} ({v['graph_steps']} in CUDA graphs, {v['ms_per_step']:.3f} ms each)"
+                  for path, modes in sorted(p.path_steps.items()) for mode, v in sorted(modes.items())]
+        out.append(f"steps per path in the plugin run: {'; '.join(counts) or 'none'}")
         return out
 
 
