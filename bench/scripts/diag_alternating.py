@@ -18,6 +18,7 @@ from lowlat.layers.moe import SparseMoeBlock
 from lowlat.runtime import ModelRunner
 from lowlat_contract.cases import build_cases
 from lowlat_contract.harness import greedy_run
+from lowlat_contract.router_ties import router_gap_ulps
 
 
 class GapRecorder:
@@ -29,11 +30,7 @@ class GapRecorder:
 
     def hook(self, layer: int, top_k: int):
         def fn(_m, _i, out: torch.Tensor) -> None:
-            lg = out.detach().float()
-            v = lg.topk(top_k + 1, dim=-1).values
-            big = lg.abs().amax(dim=-1).clamp_min(1e-30)
-            ulp = torch.finfo(out.dtype).eps * torch.exp2(torch.floor(torch.log2(big)))
-            gaps = ((v[:, top_k - 1] - v[:, top_k]) / ulp).tolist()
+            gaps = router_gap_ulps(out.detach(), top_k).tolist()
             cur = self.calls[-1]
             for r, g in enumerate(gaps):
                 if r not in cur or g < cur[r][0]:
