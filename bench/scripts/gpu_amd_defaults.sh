@@ -2,11 +2,7 @@
 # One device call: the alternating-paths diagnosis for nvidia_mega on tiny-qwen3-moe (router gaps per step), then
 # amd_mono with its new sm90 defaults (PDL off, L2 prefetch off, 2 programs per SM for MoE models): GPU tests,
 # the contract suite on CUDA (every architecture's tiny preset + llama-3.2-1b), and per-layer times.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 step "diag alternating nvidia_mega" 120 python3 bench/scripts/diag_alternating.py --plugin nvidia_mega --device cuda \
   --seeds 8 > $OUT/diag_alternating_mega.txt 2>&1
 grep -E "^===|divergence [0-9]" $OUT/diag_alternating_mega.txt

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call: amd_mono with larger weight chunks per pipelined load (gemv_bk_max, gemv_tile_elems) per decoder
 # layer on llama-3.2-1b, qwen3-8b and qwen3-30b-a3b, and the logits/K/V contracts with the largest chunks.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 V="gemv_bk_max=1024;gemv_bk_max=1024,gemv_tile_elems=32768"
 step "amd tiles llama" 75 python3 vendors/amd_mono/bench_layers.py --models llama-3.2-1b --rows 1,8 --no-skips \
   --variants "$V" 2>&1 | tee $OUT/amd_tiles_llama.txt | grep -v "^#"

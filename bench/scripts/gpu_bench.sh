@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # One device call: `lowlat bench` for one model (arg 1) over general, both plugins and the hf peer; arg 2 = extra step.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
+source "$(dirname "$0")/gpu_common.sh"
 timeout ${BENCH_TIMEOUT:-420} python3 -m lowlat.cli bench --model "$1" --paths ${PATHS:-general,nvidia_mega,amd_mono,hf} \
   --batch-sizes 1,2,4,8 --modes decode,verify --verify-tokens 6 --context 1024 --input-sets 2 --warmup 5 --iters 50 \
   --hf-budget-s ${HF_BUDGET:-80} --out $OUT/bench 2>&1 | tee $OUT/bench_log.txt | tail -60

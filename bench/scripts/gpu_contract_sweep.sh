@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call: nvidia_mega's contract suite on CUDA with the router near-tie rule (every architecture's tiny
 # preset + llama-3.2-1b), then a sweep of amd_mono launch options per decoder layer (bench_layers.py --variants).
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 step "contract nvidia_mega on cuda" 120 python3 -m pytest -q -p no:cacheprovider --pyargs lowlat_contract \
   --lowlat-plugin nvidia_mega --lowlat-device cuda --lowlat-model llama-3.2-1b > $OUT/contract_mega.txt 2>&1
 grep -E "^=== |passed|failed" $OUT/contract_mega.txt | cut -c1-300

@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the nvidia_mega MoE kernel test, amd_mono's GPU tests, the contract suite on CUDA for both
 # vendors (every architecture's tiny preset + llama-3.2-1b), then `lowlat bench` on llama-3.2-1b with the hf peer.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 {
 step "mega MoE kernel tests" 60 python3 -m pytest -q vendors/nvidia_mega/tests/test_kernels_moe.py -x 2>&1 | tail -40
 step "amd_mono GPU tests" 150 python3 -m pytest -q vendors/amd_mono/tests/test_gpu.py 2>&1 | tail -30

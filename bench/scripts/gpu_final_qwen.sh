@@ -3,11 +3,7 @@
 # per-layer overlap ablation (PDL off, L2 prefetch off, stage-per-launch), then `lowlat bench` on qwen3-30b-a3b:
 # general and nvidia_mega at batch 1-8 + VERIFY, and the hf peer at the shapes earlier runs had no time for
 # (DECODE 2, 4, 8 and VERIFY; its batch-1 row is in bench/results/2026-11-30-h200-qwen3-30b-a3b).
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 {
 step "mega MoE kernel tests" 40 python3 -m pytest -q vendors/nvidia_mega/tests/test_kernels_moe.py
 step "contract nvidia_mega alternating, tiny-qwen3-moe" 40 python3 -m pytest -q -p no:cacheprovider --pyargs lowlat_contract \

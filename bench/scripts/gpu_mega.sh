@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # One device call: nvidia_mega kernels and plugin on the H200 (tests, kernel benches, greedy compare).
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 if [ "${1:-a}" = a ]; then
 step "core GPU tests" 60 python3 -m pytest -q -x core/tests/test_runtime_cuda_graph.py core/tests/test_decode_attention.py 2>&1 | tail -5
 step "mega tests on GPU" 120 python3 -m pytest -q -x vendors/nvidia_mega/tests 2>&1 | tail -15

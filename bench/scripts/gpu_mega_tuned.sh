@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
 # One device call: nvidia_mega with tuned plans: GPU tests, kernel/layer bench,
 # an 8-row plan sweep, and the 256-token greedy compare on qwen3-30b-a3b.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 step "mega tests on GPU" 90 python3 -m pytest -q -x vendors/nvidia_mega/tests 2>&1 | tail -4
 step "bench kernels" 200 python3 vendors/nvidia_mega/bench_kernels.py 2>&1 | tee $OUT/bench_kernels.txt | grep -v "^$" | tail -80
 step "tune 8 rows" 90 python3 vendors/nvidia_mega/tune_plans.py --models llama-3.2-1b --rows 8 --json $OUT/tune_8rows.json \

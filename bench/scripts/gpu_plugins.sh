@@ -1,10 +1,6 @@
 #!/usr/bin/env bash
 # One device call: amd_mono on the H200 (GPU tests, layer bench) and the contract suite on CUDA for both vendors.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 step "amd_mono GPU tests" 200 python3 -m pytest -q -x vendors/amd_mono/tests/test_gpu.py 2>&1 | tee $OUT/amd_gpu_tests.txt | tail -25
 step "amd_mono layer bench" 120 python3 vendors/amd_mono/bench_layers.py 2>&1 | tee $OUT/amd_bench_layers.txt | tail -30
 for p in nvidia_mega amd_mono; do

@@ -2,11 +2,7 @@
 # One device call before the 0.1.0 releases: nvidia_mega's contract suite on CUDA with the 4-ulp router near-tie
 # rule; amd_mono's 256-token greedy compare on llama-3.2-1b and qwen3-30b-a3b shapes (new defaults); `lowlat bench`
 # of amd_mono against the general path on both models.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono -e contract_tests 2>&1 | grep -v "Running pip"
-step() { echo "=== $1"; shift; timeout "$@"; echo "=== rc=$?"; }
+source "$(dirname "$0")/gpu_common.sh"
 step "contract nvidia_mega on cuda" 100 python3 -m pytest -q -p no:cacheprovider --pyargs lowlat_contract \
   --lowlat-plugin nvidia_mega --lowlat-device cuda --lowlat-model llama-3.2-1b > $OUT/contract_mega.txt 2>&1
 grep -E "^=== |passed|failed" $OUT/contract_mega.txt | cut -c1-300

@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install the working tree, run the GPU-only core tests, and decode real presets.
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-python3 -m pip install -q --no-deps --no-build-isolation -e core -e vendors/nvidia_mega -e vendors/amd_mono 2>&1 | tail -2
+source "$(dirname "$0")/gpu_common.sh"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 timeout 240 python3 -m pytest -q -x core/tests/test_runtime_cuda_graph.py core/tests/test_decode_attention.py 2>&1 | tail -15
