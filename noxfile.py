@@ -144,18 +144,23 @@ def contract(session: nox.Session, combo: tuple[str, str, str, str, str]) -> Non
     core, vendor = m.core_release(core_v), m.vendor_release(vendor_name, vendor_v)
     update = "--update" in session.posargs
     posargs = [a for a in session.posargs if a != "--update"]
+    if platform == "cuda-sm90" and not _has_sm90_gpu():
+        session.skip("cuda-sm90 needs an NVIDIA GPU of compute capability 9.0 or newer (checked with nvidia-smi "
+                     "before installing a CUDA torch)")
     tmp = pathlib.Path(session.create_tmp())
     core_dir = _checkout(session, "core", core.commit, tmp)
     suite_dir = _checkout(session, "contract_tests", core.commit, tmp)
-    vendor_dir = _checkout(session, vendor.path, vendor.commit, tmp)
-    session.install(TORCH if platform == "cpu-interpreter" else "torch", "triton>=3.6,<3.10", "pytest", "transformers")
-    if platform == "cuda-sm90":
-        probe = session.run("python", "-c", "import torch; print(torch.cuda.get_device_capability() >= (9, 0) "
-                            "if torch.cuda.is_available() else False)", silent=True)
-        if "True" not in str(probe):
-            session.skip("cuda-sm90 needs a GPU of compute capability 9.0 or newer")
+    vendor_dir = _checkout(session, vendor.path, vendor.commit, tmp, repo=vendor.repo)
+    session.install(TORCH if platform == "cpu-interpreter" else "torch", "pytest", "transformers")
     session.install(str(core_dir), str(suite_dir))
-    session.install("--no-deps", str(vendor_dir))  # a mismatched pair must reach core's discovery to be refused
+    # --no-deps: a mismatched pair must reach core's discovery to be refused; the vendor's other dependencies
+    # (all but core) are installed from its pyproject.toml
+    session.install("--no-deps", str(vendor_dir))
+    from lowlat_contract.checkout import vendor_dependencies
+
+    deps = vendor_dependencies(pathlib.Path(vendor_dir) / "pyproject.toml")
+    if deps:
+        session.install(*deps)
     env = {"TRITON_INTERPRET": "1"} if platform == "cpu-interpreter" else {}
     if expected == "incompatible":
         session.run("python", "-c", _REFUSAL_CHECK, vendor.plugin, core.version, env=env)
@@ -173,8 +178,9 @@ def contract(session: nox.Session, combo: tuple[str, str, str, str, str]) -> Non
 
         path = pathlib.Path("compat_matrix.toml")
         date = datetime.date.today().isoformat()
-        path.write_text(with_result(path.read_text(), TestedCombination(core_v, vendor_name, vendor_v, platform,
-                                                                         result, date)))
+        row = TestedCombination(core_v, vendor_name, vendor_v, platform, result, date,
+                                vendor_commit=vendor.commit or _head_commit(vendor.path))
+        path.write_text(with_result(path.read_text(), row))
         session.log(f"recorded {result} for core {core_v} x {vendor_name} {vendor_v} on {platform}")
     if result == "fail":
         session.error("the contract suite failed")
@@ -197,16 +203,42 @@ else:
 """
 
 
-def _checkout(session: nox.Session, path: str, commit: str, tmp) -> object:  # type: ignore[no-untyped-def]
-    """``path`` from ``commit`` (``git archive``) under ``tmp``; the working tree's ``path`` when commit is empty."""
+def _checkout(session: nox.Session, path: str, commit: str, tmp, repo: str = "") -> object:  # type: ignore[no-untyped-def]
+    """``path`` of ``repo`` (default: this repository) at ``commit``; the working tree when commit is empty.
+
+    lowlat_contract/checkout.py does the work; git's own error text ends the session.
+    """
     import pathlib
+    import sys
+
+    sys.path.insert(0, "contract_tests/src")
+    from lowlat_contract.checkout import CheckoutError, export_tree
+
+    try:
+        return export_tree(pathlib.Path.cwd(), path, commit, tmp, repo=repo)
+    except CheckoutError as e:
+        session.error(str(e))
+
+
+def _has_sm90_gpu() -> bool:
+    """Whether nvidia-smi reports a GPU of compute capability >= 9.0 (no torch needed)."""
+    import shutil
     import subprocess
 
-    if not commit:
-        return pathlib.Path(path).resolve()
-    dest = pathlib.Path(tmp) / commit[:12]
-    if not (dest / path).exists():
-        dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", "--format=tar", commit, path], check=True, capture_output=True)
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return dest / path
+    if shutil.which("nvidia-smi") is None:
+        return False
+    done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=60, check=False)
+    caps = [float(c) for c in done.stdout.split() if c.replace(".", "", 1).isdigit()]
+    return done.returncode == 0 and any(c >= 9.0 for c in caps)
+
+
+def _head_commit(path: str) -> str:
+    """HEAD's commit, ``+dirty`` when ``path`` differs from it: what a working-tree version was tested at."""
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return ""
+    clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", path], check=False).returncode == 0
+    return done.stdout.strip() + ("" if clean else "+dirty")

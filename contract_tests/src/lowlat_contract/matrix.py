@@ -7,10 +7,12 @@ Schema (version 1)::
 
     schema = 1
     [[core]]     version, commit ("" = working tree), plugin_api
-    [[vendor]]   name (distribution), plugin (entry point), path (source dir), version, commit,
-                 plugin_api, core_range (PEP 440)
+    [[vendor]]   name (distribution), plugin (entry point), path (source dir inside its repository),
+                 version, commit, plugin_api, core_range (PEP 440), repo (optional: another git
+                 repository, a directory or a URL; empty = this one; see checkout.py)
     [[tested]]   core, vendor, vendor_version, platform ("cpu-interpreter" | "cuda-sm90"),
-                 result ("pass" | "fail" | "incompatible"), date (YYYY-MM-DD), note (optional)
+                 result ("pass" | "fail" | "incompatible"), date (YYYY-MM-DD), note (optional),
+                 vendor_commit (optional: the vendor commit that ran, recorded by nox)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class VendorRelease:
     commit: str
     plugin_api: int
     core_range: str
+    repo: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class TestedCombination:
     result: str
     date: str
     note: str = ""
+    vendor_commit: str = ""
 
     @property
     def id(self) -> str:
@@ -136,7 +140,7 @@ def render_tested(entries: tuple[TestedCombination, ...] | list[TestedCombinatio
     out = []
     for t in sorted(entries, key=lambda e: (e.core, e.vendor, e.vendor_version, e.platform)):
         lines = ["[[tested]]"] + [f'{f.name} = "{getattr(t, f.name)}"' for f in fields(t)
-                                  if f.name != "note" or t.note]
+                                  if getattr(t, f.name) or f.name not in ("note", "vendor_commit")]
         out.append("\n".join(lines))
     return "\n\n".join(out) + ("\n" if out else "")
 
