@@ -1,4 +1,4 @@
-"""nox sessions: tests, lint, build, contract (one per core x vendor pair of compat_matrix.toml), bench.
+"""nox sessions: tests, lint, build, contract (one per core x vendor pair of compat_matrix.toml), bench, gpu.
 
 CPU machines take torch from the pinned CPU build (torch==2.13.0); an unpinned torch would pull a
 multi-GB CUDA build.
@@ -96,6 +96,15 @@ def bench(session: nox.Session) -> None:
         args = ["--model", "tiny-llama,tiny-qwen3-moe", "--paths", "general,hf", "--device", "cpu"]
     session.run("python", "-m", "lowlat.cli", "bench", *args, "--name", f"standard-{stamp}", *session.posargs,
                 external=True)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """GPU jobs named in bench/gpu_jobs.py, in the current environment: ``nox -s gpu -- contract bench``.
+
+    ``nox -s gpu -- --list`` prints the jobs and their steps; ``--models`` / ``--plugins`` / ``--scale`` pass on.
+    """
+    session.run("python", "bench/gpu_jobs.py", *(session.posargs or ["--list"]), external=True)
 
 
 # --- nox -s contract: every core x vendor combination in compat_matrix.toml, each in a fresh environment ---

@@ -14,6 +14,8 @@ import lowlat.kernels.decode_attention as da
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2},

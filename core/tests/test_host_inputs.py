@@ -11,6 +11,8 @@ from lowlat.runtime.cuda_graph_runner import CudaGraphRunner, GraphKey
 from lowlat.runtime.scheduler import Request, Scheduler, make_batch
 from lowlat.runtime.step_inputs import BatchBuilder, StepInputs
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 FIELDS = ("input_ids", "positions", "seq_lens", "req_pool_indices", "out_cache_loc", "extend_lens", "extend_start_loc")
 
 

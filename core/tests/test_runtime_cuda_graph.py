@@ -8,6 +8,8 @@ from lowlat.config import EngineConfig
 from lowlat.runtime import Engine, ForwardMode, SamplingParams
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner, GraphKey, capture_batch_sizes
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
 

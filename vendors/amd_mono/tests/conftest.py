@@ -6,3 +6,8 @@ if triton_interpreter_enabled():
     from lowlat_contract import interpreter
 
     interpreter.install()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: exercises a GPU path (skips without one); `python bench/gpu_jobs.py "
+                            "gpu-tests` runs every test so marked")

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("GPU tests need CUDA or ROCm and TRITON_INTERPRET unset", allow_module_level=True)
 

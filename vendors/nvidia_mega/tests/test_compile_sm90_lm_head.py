@@ -23,6 +23,8 @@ import torch
 import triton
 from lowlat_nvidia_mega.kernels import pdl
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
     pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
                 allow_module_level=True)

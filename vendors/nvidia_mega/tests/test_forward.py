@@ -22,6 +22,8 @@ from lowlat.runtime.kv_cache import KVPool
 from lowlat_nvidia_mega.build import build
 from lowlat_nvidia_mega.kernels import pdl
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 if not pdl.interpreting() and not torch.cuda.is_available():
     pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 

@@ -17,6 +17,8 @@ from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import plan_gemm, small_gemm, splitk_workspace_numel
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
+
 if not pdl.interpreting() and not torch.cuda.is_available():
     pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 

@@ -1,0 +1,202 @@
+"""The GPU jobs, named in one place: what a device call runs, as steps with time limits and output files.
+
+    python3 bench/gpu_jobs.py JOB [JOB ...] [--models M,M] [--plugins P,P] [--scale X]
+    nox -s gpu -- JOB [JOB ...]                      # the same, in the current environment
+    python3 bench/gpu_jobs.py --list                 # the jobs and their steps
+
+Each step runs one command under ``timeout_s * scale`` seconds, its output going to ``$OUT/<file>`` (default
+/tmp/out); the runner prints ``=== STEP`` / ``=== rc=N (S s)`` around the lines of the output that the step
+marks as its summary, and writes ``$OUT/jobs.json`` (every step's command, rc and seconds). Before the first
+step it installs the four distributions editable without dependencies (the device image has them) and, when
+``.whl/`` holds carried wheels, those into /tmp/site (put on PYTHONPATH); NVLink multicast stays off.
+
+Stdlib only: it runs on the device image as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CONTRACT = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "lowlat_contract"]
+LOWLAT = [PY, "-m", "lowlat.cli"]
+STANDARD_BENCH = ["--batch-sizes", "1,2,4,8", "--modes", "decode,verify", "--verify-tokens", "6", "--context",
+                  "1024", "--input-sets", "2", "--warmup", "5", "--iters", "50"]
+PASS_FAIL = r"^=+ .*(passed|failed|error)|^(FAILED|ERROR) "
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command: ``argv`` under ``timeout_s`` seconds, output to ``out``; lines matching ``show`` are echoed."""
+
+    name: str
+    timeout_s: float
+    argv: list[str]
+    out: str
+    show: str = PASS_FAIL
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Options:
+    models: list[str]
+    plugins: list[str]
+    scale: float
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")
+
+
+def smoke(o: Options) -> list[Step]:
+    """The machine, the versions, and a general-path generation per model."""
+    steps = [Step("versions", 60, [PY, "-c", "import torch, triton; print('torch', torch.__version__, 'triton', "
+                                   "triton.__version__, torch.cuda.get_device_name())"], "versions.txt", r".")]
+    steps += [Step(f"run general {m}", 240, [*LOWLAT, "run", "--model", m, "--device", "cuda", "--plugin", "none",
+                                             "--max-new-tokens", "64", "--max-context-len", "2048", "--prompt", "a"],
+                   f"run_{m}.txt", r"tok/s|ms|error") for m in o.models]
+    return steps
+
+
+def gpu_tests(o: Options) -> list[Step]:
+    """Every test marked ``gpu`` in core and the vendors (CUDA graphs, Triton kernels compiled for the GPU)."""
+    return [Step("gpu tests", 420, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "core/tests",
+                                    "vendors/nvidia_mega/tests", "vendors/amd_mono/tests"], "gpu_tests.txt")]
+
+
+def contract(o: Options) -> list[Step]:
+    """The contract suite on CUDA for each plugin, every architecture's tiny preset plus the given models."""
+    models = [a for m in o.models for a in ("--lowlat-model", m)]
+    return [Step(f"contract {p}", 540, [*CONTRACT, "--lowlat-plugin", p, "--lowlat-device", "cuda", *models],
+                 f"contract_{p}.txt", PASS_FAIL + r"|^performance") for p in o.plugins]
+
+
+def compare(o: Options) -> list[Step]:
+    """Greedy 256 tokens on the general path and each plugin: token agreement, logit difference, speed."""
+    return [Step(f"compare {p} {m}", 200, [*LOWLAT, "run", "--compare", "--plugin", p, "--model", m, "--device",
+                                           "cuda", "--dtype", "bfloat16", "--max-new-tokens", "256",
+                                           "--max-context-len", "1024", "--prompt", "The capital of France"],
+                 f"compare_{p}_{m}.txt", r"identical|diverge|near-tie|speed|ms/token|x ")
+            for m in o.models for p in o.plugins]
+
+
+def bench(o: Options) -> list[Step]:
+    """``lowlat bench``'s standard set per model: general, each plugin and the hf peer, side by side."""
+    paths = ",".join(["general", *o.plugins, "hf"])
+    return [Step(f"bench {m}", 480, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH,
+                                     "--hf-budget-s", "200", "--out", f"{os.environ.get('OUT', '/tmp/out')}/bench_{m}"],
+                 f"bench_{m}.txt", r"\|") for m in o.models]
+
+
+def mega_kernels(o: Options) -> list[Step]:
+    """nvidia_mega's per-kernel times against their byte floors, and the MoE / LM-head benches."""
+    return [Step("bench kernels", 200, [PY, "vendors/nvidia_mega/bench_kernels.py"], "bench_kernels.txt", r"\|"),
+            Step("bench moe/head", 150, [PY, "vendors/nvidia_mega/bench_moe_head.py"], "bench_moe_head.txt", r"\|")]
+
+
+def mega_tune(o: Options) -> list[Step]:
+    """nvidia_mega's launch-plan sweep for the given models (their winners go to kernels/tuned_plans.py)."""
+    return [Step("tune plans", 330, [PY, "vendors/nvidia_mega/tune_plans.py", "--models", ",".join(o.models),
+                                     "--rows", os.environ.get("ROWS", "1"), "--json",
+                                     f"{os.environ.get('OUT', '/tmp/out')}/tune.json"], "tune.txt", r"best|plan")]
+
+
+def amd_layers(o: Options) -> list[Step]:
+    """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants."""
+    variants = os.environ.get("AMD_VARIANTS", "")
+    extra = ["--variants", variants] if variants else []
+    return [Step(f"amd layers {m}", 200, [PY, "vendors/amd_mono/bench_layers.py", "--models", m, "--rows", "1,8",
+                                          "--no-skips", *extra], f"amd_layers_{m}.txt", r"\|") for m in o.models]
+
+
+def diag_alternating(o: Options) -> list[Step]:
+    """Per-step logit differences and router gaps of each plugin on tiny-qwen3-moe (router near-tie diagnosis)."""
+    return [Step(f"diag alternating {p}", 150, [PY, "bench/scripts/diag_alternating.py", "--plugin", p, "--device",
+                                                "cuda", "--seeds", "8"], f"diag_alternating_{p}.txt",
+                 r"^===|divergence [0-9]") for p in o.plugins]
+
+
+JOBS: dict[str, Callable[[Options], list[Step]]] = {
+    "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
+    "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
+    "diag-alternating": diag_alternating,
+}
+DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
+DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
+
+
+def prepare(out: Path) -> dict[str, str]:
+    """The environment every step runs in; installs the distributions (and carried wheels) once."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "OUT": str(out)}
+    wheels = sorted((ROOT / ".whl").glob("*.whl"))
+    if wheels:
+        subprocess.run([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", "/tmp/site", *map(str, wheels)], check=True)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in ("/tmp/site", env.get("PYTHONPATH", "")) if p)
+    subprocess.run([PY, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "core", "-e",
+                    "vendors/nvidia_mega", "-e", "vendors/amd_mono", "-e", "contract_tests"], check=True, cwd=ROOT,
+                   env=env)
+    return env
+
+
+def run_step(step: Step, out: Path, env: dict[str, str], scale: float) -> dict[str, object]:
+    """Run ``step``; returns its record (name, argv, rc, seconds, out). rc 124 = the time limit ran out."""
+    print(f"=== {step.name}", flush=True)
+    t0 = time.monotonic()
+    with open(out / step.out, "w") as f:
+        try:
+            rc = subprocess.run(step.argv, cwd=ROOT, env={**env, **step.env}, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=step.timeout_s * scale, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    secs = time.monotonic() - t0
+    pattern = re.compile(step.show)
+    for line in (out / step.out).read_text(errors="replace").splitlines():
+        if pattern.search(line):
+            print("  " + line[:300])
+    print(f"=== rc={rc} ({secs:.0f} s)", flush=True)
+    return {**asdict(step), "rc": rc, "seconds": round(secs, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jobs", nargs="*", help=f"jobs to run, in order: {', '.join(JOBS)}")
+    ap.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated presets (default %(default)s)")
+    ap.add_argument("--plugins", default=DEFAULT_PLUGINS, help="comma-separated plugins (default %(default)s)")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every step's time limit")
+    ap.add_argument("--list", action="store_true", help="print the jobs and their steps, run nothing")
+    args = ap.parse_args(argv)
+    opts = Options(args.models.split(","), args.plugins.split(","), args.scale)
+    unknown = [j for j in args.jobs if j not in JOBS]
+    if unknown or not (args.jobs or args.list):
+        ap.error(f"unknown job(s) {unknown}; jobs: {', '.join(JOBS)}" if unknown else "name at least one job")
+    if args.list:
+        for name, make in JOBS.items():
+            print(f"{name}: {(make.__doc__ or '').strip()}")
+            for s in make(opts):
+                print(f"    {s.name} ({s.timeout_s:.0f} s): {' '.join(s.argv)}")
+        return 0
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    env = prepare(out)
+    records = [run_step(s, out, env, opts.scale) for j in args.jobs for s in JOBS[j](opts)]
+    (out / "jobs.json").write_text(json.dumps({"jobs": args.jobs, "steps": records}, indent=1))
+    failed = [r["name"] for r in records if r["rc"] != 0]
+    print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
+          f"{len(records)} steps ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
