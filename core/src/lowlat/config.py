@@ -6,7 +6,9 @@ Both are frozen dataclasses validated at construction, after mini-sglang's confi
 from __future__ import annotations
 
 import json
+import math
 import os
+import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,8 @@ from typing import Any
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+MAX_LAYERS = 10_000  # a cheap bound checked before anything is sized by the layer count
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -26,7 +30,13 @@ class ModelConfig:
     """The model's shapes, from an HF ``config.json``.
 
     Sizes are in elements; ``head_dim`` defaults to hidden_size // num_attention_heads.
-    MoE fields are zero / empty for dense models.
+    MoE fields are zero / empty for dense models. ``mlp_bias`` (Llama only) adds biases to gate/up/down.
+    ``from_hf_dict`` / ``from_dir`` read config.json as transformers does (``lowlat.hf_config``; the audit is
+    docs/checkpoint-support.md). Construction validates every size (ints >= 1), eps and theta (> 0), the
+    rope type, head_dim (even) and the special ids (< vocab_size).
+
+    Raises:
+        ConfigError: naming the field and the fix.
     """
 
     architecture: str
@@ -43,6 +53,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False
+    mlp_bias: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -58,13 +69,43 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; lowlat runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        sizes = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "max_position_embeddings"]
+        if self.is_moe:
+            sizes += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"]
+        for name in sizes:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"ModelConfig.{name}={v!r} must be an integer >= 1 (config.json field {name})")
+        if self.num_hidden_layers > MAX_LAYERS:
+            raise ConfigError(f"ModelConfig.num_hidden_layers={self.num_hidden_layers} exceeds {MAX_LAYERS}; "
+                              "is config.json right?")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"ModelConfig.{name}={v!r} must be a finite number > 0 (config.json field {name})")
+        if self.head_dim % 2:
+            raise ConfigError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.is_moe and not (self.num_experts_per_tok and self.moe_intermediate_size):
-            raise ConfigError("a MoE model needs num_experts_per_tok and moe_intermediate_size")
+        if self.is_moe and self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be <= "
+                              f"num_experts={self.num_experts}")
+        if self.mlp_bias and self.architecture != "LlamaForCausalLM":
+            raise ConfigError(f"mlp_bias=True is a LlamaForCausalLM field; {self.architecture} has no MLP biases")
+        kind = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type") or "default"
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"rope_scaling rope_type={kind!r} is not supported; lowlat implements "
+                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos)):
+            bad = [i for i in ids if i is not None and not 0 <= i < self.vocab_size]
+            if bad:
+                raise ConfigError(f"{name}={bad[0]} is outside the vocabulary (vocab_size={self.vocab_size}); "
+                                  "fix config.json")
 
     @property
     def is_moe(self) -> bool:
@@ -86,41 +127,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed HF config.json. Raises ConfigError on an unknown architecture or missing key."""
-        archs = d.get("architectures") or []
-        if len(archs) != 1:
-            raise ConfigError(f"config.json must name exactly one architecture, found {archs!r}")
-        try:
-            heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
-            eos = d.get("eos_token_id")
-            return cls(
-                architecture=archs[0],
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d.get("intermediate_size") or 0),
-                num_hidden_layers=int(d["num_hidden_layers"]),
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                rope_scaling=_rope_scaling(d),
-                attention_bias=bool(d.get("attention_bias", False)),
-                num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
-                num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
-                moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-                norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-                decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
-                torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json lacks required key {e.args[0]!r}") from None
+        """Build from a parsed HF config.json (``lowlat.hf_config``: transformers' defaults for absent fields).
+
+        Raises:
+            ConfigError: naming the field, its value and what is supported, for an unsupported architecture or
+                feature, or an invalid value.
+        """
+        from lowlat.hf_config import hf_config_fields  # same floor; imports ConfigError from here
+
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, found {type(d).__name__}")
+        return cls(**hf_config_fields(d))
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -142,21 +159,13 @@ class ModelConfig:
         d["mlp_only_layers"] = list(self.mlp_only_layers)
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
+        if self.architecture != "LlamaForCausalLM":
+            d.pop("mlp_bias")
         if not self.is_moe:
             for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                       "decoder_sparse_step", "mlp_only_layers"):
                 d.pop(k)
         return d
-
-
-def _rope_scaling(d: dict[str, Any]) -> dict[str, Any] | None:
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
-    if not rs:
-        return None
-    kind = rs.get("rope_type") or rs.get("type")
-    if kind in (None, "default"):
-        return None
-    return dict(rs)
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,8 @@ class EngineConfig:
         seed: seed for presets' random weights and for sampling.
         speculative: the engine runs a speculative verifier (a feature plugins may require or refuse).
         num_layers: run only the first N decoder layers (benchmarks use two depths to get per-layer latency).
+        strict_max_position: refuse a ``max_context_len`` above the model's ``max_position_embeddings``
+            (default: warn; positions past it are outside what the model was trained on).
     """
 
     model: str = "tiny-llama"
@@ -197,6 +208,7 @@ class EngineConfig:
     seed: int = 0
     speculative: bool = False
     num_layers: int | None = None
+    strict_max_position: bool = False
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -214,6 +226,19 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.plugin:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Check this engine config against the model's: ``max_context_len`` <= ``max_position_embeddings``.
+
+        Warns (UserWarning) when it is larger; raises ConfigError instead with ``strict_max_position``.
+        """
+        if self.max_context_len <= model.max_position_embeddings:
+            return
+        msg = (f"max_context_len={self.max_context_len} exceeds the model's max_position_embeddings="
+               f"{model.max_position_embeddings} (config.json): positions past it were never trained")
+        if self.strict_max_position:
+            raise ConfigError(msg + f"; pass max_context_len <= {model.max_position_embeddings}")
+        warnings.warn(msg + "; outputs there may be poor (strict_max_position=True refuses this)", stacklevel=2)
 
     @property
     def resolved_device(self) -> str:

@@ -101,29 +101,34 @@ class QKVParallelLinear(nn.Module):
 class MergedColumnParallelLinear(nn.Module):
     """Several column-parallel projections of the same input fused in one weight (gate_up_proj).
 
-    x [T, in] -> [T, len(parts) * out_per_part / tp]; checkpoint tensors ``{part}.weight`` [out_per_part, in].
+    x [T, in] -> [T, len(parts) * out_per_part / tp]; checkpoint tensors ``{part}.weight`` [out_per_part, in]
+    and, with ``bias``, ``{part}.bias`` [out_per_part] (sharded the same way, in ``self.bias``).
     """
 
     def __init__(self, in_features: int, out_per_part: int, parts: tuple[str, ...], *, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, bias: bool = False) -> None:
         super().__init__()
         if out_per_part % tp.size:
             raise ValueError(f"intermediate_size={out_per_part} is not divisible by tp_size={tp.size}")
         self.in_features, self.out_per_part, self.parts, self.tp = in_features, out_per_part, parts, tp
         self.local_out = out_per_part // tp.size
         self.weight = _param(len(parts) * self.local_out, in_features, dtype=dtype, device=device)
+        self.bias = _param(len(parts) * self.local_out, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def hf_targets(self, prefix: str) -> dict[str, WeightTarget]:
         n, tp = self.local_out, self.tp
-        return {
-            f"{prefix}{part}.weight": copy_target(
-                self.weight[i * n:(i + 1) * n], (self.out_per_part, self.in_features),
-                lambda t: shard_dim(t, 0, tp.rank, tp.size))
-            for i, part in enumerate(self.parts)
-        }
+        out = {}
+        for i, part in enumerate(self.parts):
+            out[f"{prefix}{part}.weight"] = copy_target(self.weight[i * n:(i + 1) * n],
+                                                        (self.out_per_part, self.in_features),
+                                                        lambda t: shard_dim(t, 0, tp.rank, tp.size))
+            if self.bias is not None:
+                out[f"{prefix}{part}.bias"] = copy_target(self.bias[i * n:(i + 1) * n], (self.out_per_part,),
+                                                          lambda t: shard_dim(t, 0, tp.rank, tp.size))
+        return out
 
 
 class RowParallelLinear(nn.Module):

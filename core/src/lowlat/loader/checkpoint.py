@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -30,6 +32,21 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+
+HARMLESS = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed from config.json
+_WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+_QUANT_SUFFIXES = ("_scale", "_scale_inv", ".qweight", ".qzeros", ".scales", ".g_idx", "_packed", ".absmax")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _listing(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _examples(names: list[str], entries: dict[str, dict]) -> str:
+    return ", ".join(f"{n} ({entries[n]['dtype']})" for n in names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 class CheckpointError(ConfigError):
@@ -167,25 +184,71 @@ class CheckpointReader:
         """Bytes of tensor data in all tensors (for progress bars)."""
         return sum(e["data_offsets"][1] - e["data_offsets"][0] for e in self._entries.values())
 
-    def check_matches(self, config: ModelConfig) -> None:
-        """Check that every tensor ``config`` needs is present with its HF shape (extra tensors are ignored).
+    def check_matches(self, config: ModelConfig, *, partial: bool = False) -> list[str]:
+        """Account for every tensor against ``config`` before anything loads; return the names to load.
+
+        Each tensor is one ``config`` needs (with its HF shape; an MoE layer's experts may be per-expert or fused
+        ``experts.gate_up_proj`` / ``experts.down_proj``), a known harmless one (``HARMLESS``: rotary inv_freq
+        buffers, an ``lm_head.weight`` beside tied embeddings, which transformers ignores too), or reported:
+        an unexpected tensor inside the network (``model.*``, ``lm_head.*``: biases the config does not enable,
+        norms or experts of another architecture) means math lowlat would drop and is an error; one outside it
+        (e.g. an extra head such as ``mtp.*``) is warned about, names listed once. ``partial``: ``config`` keeps
+        only the first ``num_hidden_layers`` layers, so later layers' tensors are expected and skipped.
+        The layer count is compared with the checkpoint's before any per-layer work (a huge count fails fast).
 
         Raises:
-            CheckpointError: listing missing tensors and shape mismatches.
+            CheckpointError: listing quantized tensors (FP8/int dtypes, scale tensors), missing tensors, shape
+                mismatches and unexpected tensors, all at once.
         """
-        missing, wrong = [], []
-        for name, shape in hf_tensor_shapes(config):
-            if name not in self._entries:
-                missing.append(name)
-            elif self.shape(name) != shape:
-                wrong.append(f"{name} is {list(self.shape(name))}, config.json implies {list(shape)}")
-        if missing or wrong:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} missing tensor(s), e.g. {', '.join(missing[:3])}")
-            if wrong:
-                parts.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:3])}")
+        names = self.names()
+        quant = [n for n in names if self._entries[n]["dtype"] not in _WEIGHT_DTYPES or n.endswith(_QUANT_SUFFIXES)]
+        if quant:
+            raise CheckpointError(
+                f"{self.path} is a quantized checkpoint ({len(quant)} tensor(s) stored quantized or holding scales, "
+                f"e.g. {_examples(quant, self._entries)}); lowlat loads unquantized bfloat16/float16/float32 weights "
+                "only; use an unquantized checkpoint")
+        have_layers = 1 + max((int(m.group(1)) for n in names if (m := _LAYER.match(n))), default=-1)
+        if config.num_hidden_layers > have_layers:
+            raise CheckpointError(f"{self.path}: config.json says num_hidden_layers={config.num_hidden_layers} but "
+                                  f"the checkpoint holds tensors of {have_layers} layer(s); fix config.json")
+        expected = dict(hf_tensor_shapes(config))
+        for i in range(config.num_hidden_layers):
+            if not config.is_moe_layer(i):
+                continue
+            p = f"model.layers.{i}.mlp.experts."
+            e, h, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+            for fused, parts, shape in (("gate_up_proj", ("gate_proj", "up_proj"), (e, 2 * inter, h)),
+                                        ("down_proj", ("down_proj",), (e, h, inter))):
+                if p + fused in self._entries:
+                    expected[p + fused] = shape
+                    for j in range(e):
+                        for part in parts:
+                            expected.pop(f"{p}{j}.{part}.weight", None)
+        missing = [n for n in expected if n not in self._entries]
+        wrong = [f"{n} is {list(self.shape(n))}, config.json implies {list(expected[n])}"
+                 for n in expected if n in self._entries and self.shape(n) != expected[n]]
+        errors, extra = [], []
+        for n in names:
+            if n in expected or n.endswith(HARMLESS) or (n == "lm_head.weight" and config.tie_word_embeddings):
+                continue
+            m = _LAYER.match(n)
+            if partial and m and int(m.group(1)) >= config.num_hidden_layers:
+                continue
+            (errors if n.startswith(("model.", "lm_head.")) else extra).append(n)
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing tensor(s), e.g. {', '.join(missing[:3])}")
+        if wrong:
+            parts.append(f"{len(wrong)} shape mismatch(es): {'; '.join(wrong[:3])}")
+        if errors:
+            parts.append(f"{len(errors)} unexpected tensor(s) that {config.architecture} with this config.json would "
+                         f"not use (math lowlat would drop): {_listing(errors)}")
+        if parts:
             raise CheckpointError(f"{self.path} does not match its config.json: {'; '.join(parts)}")
+        if extra:
+            warnings.warn(f"{self.path}: {len(extra)} checkpoint tensor(s) outside the {config.architecture} network "
+                          f"are not used: {_listing(extra)}", stacklevel=2)
+        return [n for n in names if n in expected]
 
     def iter_tensors(self, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                      names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -238,9 +301,10 @@ def open_weights(model: str | os.PathLike[str], config: ModelConfig | None = Non
                  ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """(config, iterator of (HF name, tensor)) for a checkpoint directory or a preset name.
 
-    Both kinds yield exactly the tensors of ``hf_tensor_shapes(config)`` (a directory's extra tensors, such
-    as an lm_head stored beside tied embeddings, are skipped), in an unspecified order.
-    A directory is validated (``CheckpointReader`` and ``check_matches``) before the iterator is returned;
+    Both kinds yield the tensors of ``hf_tensor_shapes(config)`` (a directory's MoE experts may be fused instead),
+    in an unspecified order. A directory is validated before the iterator is returned (``CheckpointReader``,
+    then ``check_matches``, which accounts for every tensor: known harmless ones are skipped, anything else
+    unexpected is an error or a warning, never silently dropped);
     its tensors are loaded on ``device`` and cast to ``dtype`` (floating point only). A preset gives
     ``iter_synthetic_weights(config, seed=seed, dtype=dtype, device=device)``.
     ``config``: use this config instead of resolving ``model``'s (e.g. ``with_layers(preset, 2)``); for a
@@ -259,11 +323,11 @@ def open_weights(model: str | os.PathLike[str], config: ModelConfig | None = Non
     if cfg.num_hidden_layers > resolved.num_hidden_layers or any(
             getattr(cfg, f) != getattr(resolved, f) for f in
             ("architecture", "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "intermediate_size", "num_experts", "moe_intermediate_size", "tie_word_embeddings")):
+             "intermediate_size", "num_experts", "moe_intermediate_size", "tie_word_embeddings", "attention_bias",
+             "mlp_bias", "rms_norm_eps", "rope_theta", "rope_scaling", "norm_topk_prob", "num_experts_per_tok",
+             "decoder_sparse_step")):
         raise ConfigError(f"the config passed for {p} does not describe its checkpoint (only num_hidden_layers may "
                           f"be lower than config.json's {resolved.num_hidden_layers}); pass config=None")
     reader = CheckpointReader(p)
-    reader.check_matches(cfg)
-    wanted = {name for name, _ in hf_tensor_shapes(cfg)}
-    keep = [n for n in reader.names() if n in wanted]
+    keep = reader.check_matches(cfg, partial=cfg.num_hidden_layers < resolved.num_hidden_layers)
     return cfg, reader.iter_tensors(device=device, dtype=dt, names=keep)

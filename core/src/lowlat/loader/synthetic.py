@@ -106,6 +106,9 @@ def hf_tensor_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
             inter = c.intermediate_size
             out += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
                     (p + "mlp.down_proj.weight", (h, inter))]
+            if c.mlp_bias:
+                out += [(p + "mlp.gate_proj.bias", (inter,)), (p + "mlp.up_proj.bias", (inter,)),
+                        (p + "mlp.down_proj.bias", (h,))]
     out.append(("model.norm.weight", (h,)))
     if not c.tie_word_embeddings:
         out.append(("lm_head.weight", (c.vocab_size, h)))

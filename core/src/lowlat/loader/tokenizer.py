@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -144,7 +145,10 @@ def load_tokenizer(model_dir: str | os.PathLike[str] | None) -> TokenizerWrapper
 
     Uses ``model_dir/tokenizer.json`` when present. BOS/EOS come from ``tokenizer_config.json`` (token
     strings), then ``generation_config.json`` and ``config.json`` (ids; a list of EOS ids is kept whole).
-    With ``model_dir`` None (a preset) or no tokenizer.json, returns the byte tokenizer, and ``note`` says so.
+    With ``model_dir`` None (a preset) returns the byte tokenizer (bos 256, eos 257), and ``note`` says so. A
+    directory without tokenizer.json also gets the byte tokenizer, with a UserWarning, but its bos/eos ids are
+    the checkpoint's own (generation_config.json, then config.json; none if neither names one): the fallback
+    never changes when the model stops.
 
     Raises:
         ValueError: ``model_dir/tokenizer.json`` exists but cannot be parsed (message names the file).
@@ -167,7 +171,13 @@ def load_tokenizer(model_dir: str | os.PathLike[str] | None) -> TokenizerWrapper
             if tok_eos is not None:
                 eos = [tok_eos] + [i for i in eos if i != tok_eos]
             return TokenizerWrapper(tok, bos_token_id=bos, eos_token_ids=eos)
-        note = f"note: {d} has no tokenizer.json; using the built-in byte-level tokenizer (ids 0-255 are bytes)"
-    else:
-        note = "note: using the built-in byte-level tokenizer (ids 0-255 are bytes, 256 <|bos|>, 257 <|eos|>)"
+        gcfg, mcfg = _read_json(d / "generation_config.json"), _read_json(d / "config.json")
+        eos = _ids(gcfg.get("eos_token_id")) or _ids(mcfg.get("eos_token_id"))
+        bos = next(iter(_ids(gcfg.get("bos_token_id")) or _ids(mcfg.get("bos_token_id"))), None)
+        note = (f"{d} has no tokenizer.json; using the built-in byte-level tokenizer (ids 0-255 are bytes), so "
+                f"text prompts and completions are not this model's tokens; stopping uses the checkpoint's eos ids "
+                f"{eos} (generation_config.json / config.json)")
+        warnings.warn(note, stacklevel=2)
+        return TokenizerWrapper(make_byte_tokenizer(), bos_token_id=bos, eos_token_ids=eos, note="warning: " + note)
+    note = "note: using the built-in byte-level tokenizer (ids 0-255 are bytes, 256 <|bos|>, 257 <|eos|>)"
     return TokenizerWrapper(make_byte_tokenizer(), bos_token_id=256, eos_token_ids=[257], note=note)

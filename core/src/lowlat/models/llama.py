@@ -28,13 +28,17 @@ from lowlat.runtime.kv_cache import KVPool
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP: x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]; gate_up column parallel, down row parallel."""
+    """SwiGLU MLP: x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]; gate_up column parallel, down row parallel.
 
-    def __init__(self, hidden: int, inter: int, *, tp: TPInfo, dtype: torch.dtype, device: torch.device) -> None:
+    ``bias`` (Llama's ``mlp_bias``): gate, up and down carry biases (down's is added once, after the all-reduce).
+    """
+
+    def __init__(self, hidden: int, inter: int, *, tp: TPInfo, dtype: torch.dtype, device: torch.device,
+                 bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, inter, ("gate_proj", "up_proj"), tp=tp,
-                                                       dtype=dtype, device=device)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=False, tp=tp, dtype=dtype, device=device)
+                                                       dtype=dtype, device=device, bias=bias)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=tp, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -165,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer_id: int) -> nn.Module:
         """The MLP of decoder layer ``layer_id`` (dense here; Qwen3-MoE overrides it)."""
         c = self.config
-        return DenseMLP(c.hidden_size, c.intermediate_size, tp=self.tp, dtype=self.dtype, device=self.device)
+        return DenseMLP(c.hidden_size, c.intermediate_size, tp=self.tp, dtype=self.dtype, device=self.device,
+                        bias=c.mlp_bias)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:

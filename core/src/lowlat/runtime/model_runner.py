@@ -103,6 +103,7 @@ class ModelRunner:
         self.last_path = GENERAL
         try:
             self.model_config: ModelConfig = resolve_model(config.model)
+            config.check_model(self.model_config)
             if config.num_layers is not None:
                 self.model_config = with_layers(self.model_config, config.num_layers)
             self.dtype = config.resolved_dtype(self.model_config)
