@@ -135,7 +135,7 @@ def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "gen
         except Exception as e:  # PluginStepError: name the step, keep the cache usable for the next check
             restore(pool, snap)
             raise AssertionError(f"{what}: the plugin step raised {type(e).__name__}: {e}") from e
-        plugin_routing = _plugin_routing(d.plugin_forward)
+        plugin_routing = plugin_routing(d.plugin_forward)
         edited = input_edits(batch, pristine)
         if edited:
             problems.append(f"{what}: the plugin changed its inputs in place: {', '.join(edited)}")
@@ -162,7 +162,7 @@ def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "gen
     return StepResult(problems, got, want, got_kv, want_kv)
 
 
-def _plugin_routing(forward: Any) -> list[torch.Tensor] | None:
+def plugin_routing(forward: Any) -> list[torch.Tensor] | None:
     """The plugin's top-k expert ids per MoE layer for its latest step, if it exposes them (``last_routing()``,
     optional: list of int [T, k], layer order), else None."""
     fn = getattr(forward, "last_routing", None)

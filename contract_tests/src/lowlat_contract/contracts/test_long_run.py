@@ -35,7 +35,7 @@ pytestmark = pytest.mark.lowlat_contract("long_run", PROMISE)
 SCHEDULE = ((0, 3, 40), (0, 17, None), (5, 30, 52), (12, 1, None), (41, 9, None), (53, 24, None))
 """(join step, prompt tokens, leave step or None) per request: up to 4 at once, 6 in all, rows reused."""
 STEPS = {"full": 128, "covering": 64}
-PLUGIN_SHARE = {"full": 0.85, "covering": 0.5}
+PLUGIN_SHARE = {"full": 0.85, "covering": 0.2}  # covering: a plugin step costs ~1.5 s under the interpreter
 MEMORY_SLACK_BYTES = 1 << 20
 
 
