@@ -33,29 +33,68 @@ def tests(session: nox.Session) -> None:
 
 
 def _contract_in_parallel(session: nox.Session, plugins: list[str], env: dict[str, str]) -> None:
-    """``pytest --pyargs lowlat_contract --lowlat-plugin P`` for every P at once (one process each), then report."""
+    """``pytest --pyargs lowlat_contract --lowlat-plugin P`` for every P at once (one process each), then report.
+
+    Progress streams while they run: one line per plugin at most every PROGRESS_S seconds (tests done, failed,
+    elapsed, the latest test), and every failing test at once; the full logs are in .nox/contract-P.log.
+    """
     import os
     import subprocess
     import sys
+    import threading
+    import time
 
     bindir = session.bin
+    start = time.monotonic()
+    lock = threading.Lock()
     procs = []
+
+    def follow(plugin: str, proc: subprocess.Popen, log_path: str) -> None:
+        done = failed = 0
+        last = time.monotonic()
+        with open(log_path, "w") as log:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                log.write(line)
+                words = line.split()
+                status = next((w for w in ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL", "XPASS") if w in words),
+                              None)
+                if status is None or "::" not in line:
+                    continue
+                done += 1
+                failed += status in ("FAILED", "ERROR")
+                now = time.monotonic()
+                if status in ("FAILED", "ERROR") or now - last >= PROGRESS_S:
+                    last = now
+                    test = line.split("::")[-1].split(" ")[0][:90]
+                    with lock:
+                        sys.stdout.write(f"[contract {plugin}] {done} tests, {failed} failed, {now - start:.0f} s; "
+                                         f"{status.lower()} {test}\n")
+                        sys.stdout.flush()
+
     for plugin in plugins:
-        log = open(f".nox/contract-{plugin}.log", "w")  # noqa: SIM115 - closed below
-        cmd = [os.path.join(bindir, "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+        cmd = [os.path.join(bindir, "python"), "-m", "pytest", "-v", "-p", "no:cacheprovider", "--pyargs",
                "lowlat_contract", "--lowlat-plugin", plugin]
         full_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PATH": bindir + os.pathsep + os.environ["PATH"]}
-        procs.append((plugin, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True,
+                                bufsize=1)
+        log_path = f".nox/contract-{plugin}.log"
+        thread = threading.Thread(target=follow, args=(plugin, proc, log_path), daemon=True)
+        thread.start()
+        procs.append((plugin, log_path, proc, thread))
     failed = []
-    for plugin, log, proc in procs:
+    for plugin, log_path, proc, thread in procs:
         proc.wait()
-        log.close()
-        text = open(log.name).read()
-        sys.stdout.write(f"\n--- contract suite for {plugin} ---\n{text[-6000:]}")
+        thread.join()
+        text = open(log_path).read()
+        summary = text[text.rfind("lowlat contract") - 40:] if "lowlat contract" in text else text[-6000:]
+        sys.stdout.write(f"\n--- contract suite for {plugin} ({time.monotonic() - start:.0f} s) ---\n{summary[-6000:]}")
         if proc.returncode != 0:
             failed.append(plugin)
     if failed:
         session.error(f"contract suite failed for {', '.join(failed)} (logs in .nox/contract-*.log)")
+
+
+PROGRESS_S = 20  # seconds between progress lines of one contract run
 
 
 @nox.session(python="3.11")

@@ -71,3 +71,37 @@ def install_fixture_plugins(site_dir: str | Path, names: list[str] | None = None
         (info / "entry_points.txt").write_text(f"[lowlat.plugins]\n{name} = {FIXTURE_PLUGINS[name]}\n")
         (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/entry_points.txt,,\n{info.name}/RECORD,,\n")
     return names
+
+
+def register_module_plugin(target: str, site_dir: str | Path) -> str:
+    """Make a plugin defined in a module visible to discovery, as if installed; returns its plugin name.
+
+    ``target`` is ``NAME=package.module:OBJECT`` or ``package.module:OBJECT`` (then NAME is OBJECT lower-cased,
+    e.g. ``mutants:STALE_KV_HOOKS`` -> ``stale_kv_hooks``); OBJECT is what an entry point would name (an object
+    or module whose ``lowlat_model_specs`` hook returns the specs). One dist-info declaring this distribution's
+    core range is written into ``site_dir``, which is put first on ``sys.path`` (and ``PYTHONPATH``, for the TP
+    check's subprocesses). Raises ValueError for a malformed target, ImportError when OBJECT cannot be imported.
+    """
+    import importlib
+    import os
+    import sys
+
+    name, _, value = target.rpartition("=")
+    module, sep, obj = value.partition(":")
+    if not sep or not module or not obj.isidentifier():
+        raise ValueError(f"--lowlat-plugin {target!r}: expected NAME=package.module:OBJECT or package.module:OBJECT")
+    name = name or obj.lower()
+    if not getattr(importlib.import_module(module), obj, None):
+        raise ImportError(f"--lowlat-plugin {target!r}: module {module} has no attribute {obj}")
+    site = Path(site_dir)
+    dist = f"lowlat-contract-module-{name.replace('_', '-')}"
+    info = site / f"{dist.replace('-', '_')}-{__version__}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {__version__}\n"
+                                   f"Summary: lowlat plugin {name} from {value}\nRequires-Dist: lowlat{core_range()}\n")
+    (info / "entry_points.txt").write_text(f"[lowlat.plugins]\n{name} = {value}\n")
+    (info / "RECORD").write_text(f"{info.name}/METADATA,,\n{info.name}/entry_points.txt,,\n{info.name}/RECORD,,\n")
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    importlib.invalidate_caches()
+    return name

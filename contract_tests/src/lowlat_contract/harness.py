@@ -63,8 +63,10 @@ class Requests:
         try:
             self.rows = [pool.alloc_req() for _ in self.prompts]
             self.lens = [0] * len(self.prompts)
-            if self.prompts:
-                batch = self.runner.prepare_batch(ForwardMode.PREFILL, self.rows, self.lens, self.prompts)
+            full = [i for i, p in enumerate(self.prompts) if p]  # an empty prompt: a request at context 0
+            if full:
+                batch = self.runner.prepare_batch(ForwardMode.PREFILL, [self.rows[i] for i in full],
+                                                  [0] * len(full), [self.prompts[i] for i in full])
                 with torch.inference_mode():
                     self.prefill_logits = self.prefill(batch).clone()
                 self.lens = [len(p) for p in self.prompts]

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 
 _CASES = pytest.StashKey[Any]()
+PLUGIN_NAME = pytest.StashKey[str]()
+"""config.stash key: the plugin name the suite checks (a module-defined plugin gets its registered name)."""
 NOTES = pytest.StashKey[list]()
 """config.stash key: lines the contracts add to the "lowlat contract" summary (measured step times)."""
 
@@ -33,6 +35,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="where the models run (default: cuda when available)")
     group.addoption("--lowlat-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="model dtype (default: float32 on CPU, bfloat16 on GPUs, if the spec allows it)")
+    group.addoption("--lowlat-sweep", default=None, choices=("full", "covering"),
+                    help="shape sweeps: every shape (full), or a subset hitting every boundary once (covering; "
+                         "the default under TRITON_INTERPRET=1, full otherwise)")
+    group.addoption("--lowlat-allow-empty", action="store_true", default=False,
+                    help="exit 0 even when no contract test ran (no --lowlat-plugin, or every case skipped)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,12 +61,27 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         interpreter.install()
     from lowlat_contract.cases import ContractSetupError, build_cases
 
+    from lowlat_contract.fixtures import register_module_plugin
+
     o = config.getoption
     try:
-        config.stash[_CASES] = build_cases(o("lowlat_plugin"), o("lowlat_arch"), o("lowlat_model"),
-                                           o("lowlat_device"), o("lowlat_dtype"))
-    except ContractSetupError as e:
+        name = o("lowlat_plugin")
+        if ":" in name:  # NAME=package.module:OBJECT or package.module:OBJECT (docs/contract.md)
+            import tempfile
+
+            name = register_module_plugin(name, tempfile.mkdtemp(prefix="lowlat-contract-plugin-"))
+        config.stash[PLUGIN_NAME] = name
+        config.stash[_CASES] = build_cases(name, o("lowlat_arch"), o("lowlat_model"), o("lowlat_device"),
+                                           o("lowlat_dtype"))
+    except (ContractSetupError, ValueError, ImportError) as e:
         raise pytest.UsageError(f"lowlat contract suite: {e}") from None
+
+
+def sweep_mode(config: pytest.Config) -> str:
+    """"full" or "covering": --lowlat-sweep, else covering under TRITON_INTERPRET=1 and full otherwise."""
+    from lowlat.platform import triton_interpreter_enabled
+
+    return config.getoption("lowlat_sweep") or ("covering" if triton_interpreter_enabled() else "full")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -80,6 +102,7 @@ class ContractReport:
         self.config = config
         self.contracts: dict[str, dict[str, Any]] = {}  # name -> {"promise": str, "items": [nodeid]}
         self.outcomes: dict[str, tuple[str, str]] = {}  # nodeid -> (status, detail)
+        self.empty_reason = ""
 
     @pytest.hookimpl(trylast=True)  # after -k / -m deselection
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -90,6 +113,27 @@ class ContractReport:
             name, promise = mark.args
             self.contracts.setdefault(name, {"promise": promise, "items": []})["items"].append(item.nodeid)
             item.user_properties.append(("lowlat_contract", name))
+        if self.contracts and not self.config.getoption("lowlat_plugin") and not self._allow_empty():
+            raise pytest.UsageError("lowlat contract suite: no --lowlat-plugin NAME given, so nothing would be "
+                                    "checked; pass one (or --lowlat-allow-empty to accept an empty run)")
+
+    def _allow_empty(self) -> bool:
+        return bool(self.config.getoption("lowlat_allow_empty"))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        """A run that checked nothing is no pass: every selected contract test skipped (e.g. a Triton plugin on
+        a CPU without TRITON_INTERPRET=1) exits with NO_TESTS_COLLECTED (5) and a one-line reason."""
+        if not self.contracts or not self.config.getoption("lowlat_plugin") or self._allow_empty():
+            return
+        ran = [s for s, _ in self.outcomes.values() if s in ("passed", "failed")]
+        if ran or exitstatus not in (0, pytest.ExitCode.OK):
+            return
+        reasons = sorted({d for s, d in self.outcomes.values() if s == "skipped"})
+        self.empty_reason = (f"lowlat contract suite: every selected contract test was skipped, nothing was checked "
+                             f"({reasons[0][:160] if reasons else 'no test ran'}); pass --lowlat-allow-empty "
+                             f"to accept that")
+        session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         prev = self.outcomes.get(report.nodeid)
@@ -106,9 +150,12 @@ class ContractReport:
         if not self.contracts or not self.config.getoption("lowlat_plugin"):
             return
         tr = terminalreporter
+        if self.empty_reason:
+            tr.write_line(self.empty_reason, red=True)
         tr.section("lowlat contract")
         cases = self.config.stash.get(_CASES, [])
-        tr.write_line(f"plugin {self.config.getoption('lowlat_plugin')}; cases: "
+        tr.write_line(f"plugin {self.config.stash.get(PLUGIN_NAME, self.config.getoption('lowlat_plugin'))}; "
+                      f"sweep {sweep_mode(self.config)}; cases: "
                       f"{', '.join(c.id for c in cases) or 'none'}")
         for name, entry in self.contracts.items():
             self._write_contract(tr, name, entry)

@@ -92,3 +92,60 @@ def tie_rows(model: Any, forward: Any, num_tokens: int) -> tuple[Any, frozenset[
     with rec:
         out = forward()
     return out, frozenset(rec.ties)
+
+
+class RoutingRecorder:
+    """Context manager: records each general-path MoE layer's top-k expert ids ``topk[layer]`` (int64 [T, k],
+    CPU) and the rows at a near-tie (``near_ties``) of the one forward run inside it."""
+
+    def __init__(self, model: Any) -> None:
+        from lowlat.layers.moe import SparseMoeBlock
+
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)] if model is not None else []
+        self.topk: list[torch.Tensor] = []
+        self.near_ties: set[int] = set()
+        self._handles: list[Any] = []
+
+    def _hook(self, block: Any) -> Any:
+        def hook(_mod: Any, _inp: Any, out: torch.Tensor) -> None:
+            lg = out.detach()
+            self.topk.append(lg.float().topk(block.top_k, dim=-1).indices.cpu())
+            self.near_ties.update(near_tie_rows(lg, block.top_k))
+        return hook
+
+    def __enter__(self) -> RoutingRecorder:
+        self._handles = [b.gate.register_forward_hook(self._hook(b)) for b in self.blocks]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def routing_diff_rows(general: list[torch.Tensor], plugin: list[torch.Tensor]) -> set[int]:
+    """Rows (tokens) whose set of selected experts differs in any layer between the two paths' top-k ids
+    (lists of int [T, k] in layer order; ``general`` and ``plugin`` must have the same layers and rows)."""
+    rows: set[int] = set()
+    for g, p in zip(general, plugin):
+        gs, ps = g.sort(dim=-1).values, p.sort(dim=-1).values
+        rows.update((gs != ps).any(dim=-1).nonzero().flatten().tolist())
+    return rows
+
+
+def routing_excuses(model: Any, forward: Any, num_tokens: int,
+                    plugin_routing: list[torch.Tensor] | None) -> tuple[Any, frozenset[int]]:
+    """Run ``forward()`` (one general-path step of ``num_tokens`` tokens) and return its result and the rows whose
+    MoE routing differs between the two paths: measured from both paths' top-k when the plugin exposes its
+    routing (``plugin_routing``, same layers and rows as the general model's MoE layers), else the general path's
+    near-tie rows (``near_tie_rows``: where a flip is possible). Dense models: always empty."""
+    rec = RoutingRecorder(model)
+    with rec:
+        out = forward()
+    if not rec.blocks:
+        return out, frozenset()
+    usable = plugin_routing is not None and len(plugin_routing) == len(rec.topk) and all(
+        p.shape == g.shape for p, g in zip(plugin_routing, rec.topk))
+    if usable:
+        return out, frozenset(r for r in routing_diff_rows(rec.topk, plugin_routing) if r < num_tokens)
+    return out, frozenset(r for r in rec.near_ties if r < num_tokens)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from lowlat_contract.harness import Requests, kv_at, kv_restore, kv_state, prefix_lens, resolve_shape
-from lowlat_contract.router_ties import tie_rows
+from lowlat_contract.oracle import plugin_routing, copy_batch
+from lowlat_contract.router_ties import routing_excuses
 
 PROMISE = ("A plugin step writes K/V at exactly the slots in out_cache_loc, in every layer, with the general "
            "forward's values, and changes nothing else in the KV pool.")
@@ -71,11 +72,14 @@ def test_kv_writes_exact(case: Any, runner: Any, dispatcher: Any, mode: str) -> 
             for buf in [*pool.k_buffers, *pool.v_buffers]:
                 buf[~keep] = SENTINEL
             poisoned = kv_state(pool)
+            pristine = copy_batch(batch)
             dispatcher.run("plugin", batch)
             plugin_changes = _changed_slots(pool, poisoned)
             got = kv_at(pool, loc)
+            routing = plugin_routing(dispatcher.plugin_forward)
             kv_restore(pool, poisoned)
-            _, ties = tie_rows(runner.model, lambda: runner.general_forward(batch), batch.num_tokens)
+            _, ties = routing_excuses(runner.model, lambda: runner.general_forward(pristine), batch.num_tokens,
+                                      routing)
             general_changes = _changed_slots(pool, poisoned)
             want = kv_at(pool, loc)
     loc_set = set(loc.tolist())

@@ -169,6 +169,7 @@ class ReferenceForward:
             raise ValueError("the reference plugin serves DECODE and VERIFY steps, not PREFILL")
         if self.pool is None:
             raise ValueError("the KV pool is not ready; the runtime calls on_kv_pool_ready before any step")
+        self._routing: list[torch.Tensor] = []
         x = self._embed(batch.input_ids)
         cos = self.cos_table[batch.positions].to(self.dtype)
         sin = self.sin_table[batch.positions].to(self.dtype)
@@ -178,6 +179,11 @@ class ReferenceForward:
             x = x + (self._moe(w, h) if w.router_t is not None else self._dense(w, h))
         local = (rms(x, self.final_norm, self.eps) @ self.lm_head_t).float()
         return self._gather_logits(local)[:, :self.vocab]
+
+    def last_routing(self) -> list[torch.Tensor]:
+        """Optional hook the contract suite reads: the latest step's top-k expert ids per MoE layer (int64 [T, k],
+        layer order), so that only rows whose routing really differs from the general path's are excused."""
+        return list(getattr(self, "_routing", []))
 
     # -- pieces (broken variants override some) --------------------------------------------------------------
 
@@ -239,6 +245,7 @@ class ReferenceForward:
         c = self.config
         probs = torch.softmax((h @ w.router_t).float(), dim=-1)
         top_w, top_ids = probs.topk(c.num_experts_per_tok, dim=-1)
+        self._routing.append(top_ids)
         if c.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         combine = torch.zeros_like(probs, dtype=self.dtype).scatter(1, top_ids, top_w.to(self.dtype))  # [T, E]

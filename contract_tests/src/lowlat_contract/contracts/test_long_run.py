@@ -1,0 +1,144 @@
+"""Long runs: over many steps, with requests joining and leaving and the two paths interleaved, every plugin
+step's logits and stored K/V match the general path's, and the plugin holds no more memory at the end than
+after its first step.
+
+The run (``SCHEDULE``): requests join at different steps with different prompt lengths and leave at different
+steps (their rows and pages are reused by later ones); each step is DECODE, or VERIFY of 2 tokens every 7th
+step when covered; a seeded coin picks the path of each step. Plugin steps go through the isolated oracle
+with ``keep="plugin"``: what the plugin stored stays in the cache, so later steps on either path read it,
+as in serving. Next tokens are the general path's greedy picks. Damage that surfaces late (a wrong stored K
+read many steps later, state kept between calls, a workspace reused after N calls) shows as a logit or K/V
+mismatch at that step, not only as a flipped argmax.
+
+Memory: after the first and the last plugin step, the tensors reachable from the plugin's forward object
+(count and bytes, CPU and GPU) and, on CUDA, ``torch.cuda.memory_allocated`` must not have grown. On CUDA
+the workspace test also checks that building the plugin allocates no more device memory than it obtained
+through ``binding.alloc_workspace`` (plus the RoPE tables and 1 MiB).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from lowlat_contract.harness import rebuild_plugin
+from lowlat_contract.oracle import check_step
+from lowlat_contract.pytest_plugin import sweep_mode
+
+PROMISE = ("Over a long run with requests joining and leaving and paths interleaved, every plugin step matches the "
+           "general path, and the plugin's memory does not grow.")
+pytestmark = pytest.mark.lowlat_contract("long_run", PROMISE)
+
+SCHEDULE = ((0, 3, 40), (0, 17, None), (5, 30, 52), (12, 1, None), (41, 9, None), (53, 24, None))
+"""(join step, prompt tokens, leave step or None) per request: up to 4 at once, 6 in all, rows reused."""
+STEPS = {"full": 128, "covering": 64}
+PLUGIN_SHARE = {"full": 0.85, "covering": 0.2}  # covering: a plugin step costs ~1.5 s under the interpreter
+MEMORY_SLACK_BYTES = 1 << 20
+
+
+def _reachable(obj: Any) -> tuple[int, int]:
+    from lowlat_contract.contracts.test_weight_binding import _tensors_in
+
+    seen: dict[int, torch.Tensor] = {}
+    for t in _tensors_in(obj):
+        seen.setdefault(id(t), t)
+    return len(seen), sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, request: Any,
+                                  contract_notes: list[str]) -> None:
+    """The scheduled run (module docstring): every plugin step within tolerance; memory flat."""
+    from lowlat.runtime.forward_batch import ForwardMode
+
+    cov, mode = case.spec.coverage, sweep_mode(request.config)
+    if ForwardMode.DECODE not in cov.modes:
+        pytest.skip("DECODE is not in the spec's coverage")
+    pool, vocab = runner.kv_pool, runner.model_config.vocab_size
+    coin = random.Random(1234)
+    gen = torch.Generator().manual_seed(77)
+    active: dict[int, dict[str, Any]] = {}  # request id -> {"row", "len", "next"}
+    problems: list[str] = []
+    plugin_steps, first_mem, last_mem = 0, None, None
+    try:
+        for step in range(STEPS[mode]):
+            for rid, (join, n, leave) in enumerate(SCHEDULE):
+                if leave == step and rid in active:
+                    pool.free_req(active.pop(rid)["row"])
+                if join == step:
+                    active[rid] = _join(runner, n, gen)
+            ids = sorted(active)[:cov.max_tokens]
+            tpr = 2 if step % 7 == 6 and cov.covers(ForwardMode.VERIFY, 2 * len(ids)) else 1
+            fm = ForwardMode.VERIFY if tpr == 2 else ForwardMode.DECODE
+            toks = [[active[r]["next"]] + torch.randint(0, vocab, (tpr - 1,), generator=gen).tolist() for r in ids]
+            batch = runner.prepare_batch(fm, [active[r]["row"] for r in ids], [active[r]["len"] for r in ids], toks)
+            use_plugin = cov.covers(fm, batch.num_tokens) and coin.random() < PLUGIN_SHARE[mode] and \
+                dispatcher.plugin_forward.supports(batch)
+            if use_plugin:
+                res = check_step(runner, batch, case.tolerance, f"step {step} ({fm.name} {len(ids)}x{tpr}, contexts "
+                                 f"{[active[r]['len'] for r in ids]})", keep="plugin")
+                problems += res.problems
+                logits = res.want
+                plugin_steps += 1
+                mem = (_reachable(dispatcher.plugin_forward), _allocated(runner.device))
+                first_mem = first_mem or mem
+                last_mem = mem
+            else:
+                with torch.inference_mode():
+                    logits = dispatcher.run("general", batch).clone()
+            for j, r in enumerate(ids):
+                active[r]["len"] += tpr
+                active[r]["next"] = int(logits[(j + 1) * tpr - 1].argmax())
+                if active[r]["len"] + 3 >= pool.max_context_len:  # full: leave, a short newcomer takes its place
+                    pool.free_req(active.pop(r)["row"])
+                    active[r] = _join(runner, 5 + step % 11, gen)
+            if len(problems) >= 10:
+                break
+    finally:
+        for r in active.values():
+            pool.free_req(r["row"])
+    contract_notes.append(f"long_run  {case.id} ({mode}): {STEPS[mode]} steps, {plugin_steps} on the plugin")
+    assert not problems, "the long run diverged from the general path:\n" + "\n".join(problems[:10])
+    assert plugin_steps >= 8, f"only {plugin_steps} plugin steps ran (supports() refused the others)"
+    (n0, b0), a0 = first_mem
+    (n1, b1), a1 = last_mem
+    assert n1 <= n0 and b1 <= b0, (f"the plugin holds more tensors after {plugin_steps} steps than after its first: "
+                                   f"{n0} ({b0} bytes) -> {n1} ({b1} bytes)")
+    assert a1 <= a0 + MEMORY_SLACK_BYTES, (f"device memory grew over the run: {a0} -> {a1} bytes after "
+                                           f"{plugin_steps} plugin steps")
+
+
+def _join(runner: Any, n: int, gen: torch.Generator) -> dict[str, Any]:
+    from lowlat.runtime.forward_batch import ForwardMode
+
+    row = runner.kv_pool.alloc_req()
+    prompt = torch.randint(0, runner.model_config.vocab_size, (n,), generator=gen).tolist()
+    batch = runner.prepare_batch(ForwardMode.PREFILL, [row], [0], [prompt])
+    with torch.inference_mode():
+        logits = runner.general_forward(batch)
+    return {"row": row, "len": n, "next": int(logits[-1].argmax())}
+
+
+def test_workspaces_are_accounted(case: Any, cuda_only: None, runner: Any, dispatcher: Any) -> None:
+    """Building the plugin allocates no more device memory than ``binding.alloc_workspace`` handed out, plus the
+    RoPE tables (``binding.rope_cos_sin``, not accounted by design) and 1 MiB."""
+    dev = runner.device
+    before = _allocated(dev)
+    forward, binding = rebuild_plugin(runner)
+    grown = _allocated(dev) - before
+    mc = runner.model_config
+    rope = 2 * runner.config.max_context_len * (mc.head_dim // 2) * 4 * 2  # cos and sin, float32, maybe doubled
+    allowed = binding.workspace_bytes + rope + MEMORY_SLACK_BYTES
+    del forward
+    assert grown <= allowed, (f"building the plugin allocated {grown} bytes of device memory, but only "
+                              f"{binding.workspace_bytes} went through binding.alloc_workspace (allowed {allowed}); "
+                              f"allocate workspaces with alloc_workspace so the KV pool sizing counts them")

@@ -1,0 +1,135 @@
+"""Shape sweeps: every covered shape, across every batch, VERIFY-length, context and page boundary, in every
+declared dtype and page size, matches the general path through the isolated oracle (``lowlat_contract.oracle``).
+
+Each step runs on requests whose caches hold the sweep's context lengths (prefilled by the general forward),
+on an engine of its own per setting (``max_context_len`` long enough for the longest context). The oracle
+snapshots the pool, runs the plugin, checks the inputs and every slot outside ``out_cache_loc`` are untouched,
+then runs the general forward on the snapshot and compares logits and the K/V rows stored. Steps outside
+coverage (DECODE with one request more than ``max_tokens``) must take the general path. The plan and its
+``full`` / ``covering`` modes are in ``lowlat_contract.sweep``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lowlat_contract.harness import Requests, dispatcher_of
+from lowlat_contract.oracle import check_step
+from lowlat_contract.pytest_plugin import sweep_mode
+from lowlat_contract.sweep import DEFAULT_PAGE_SIZES, max_context, plan, setting_plan
+
+PROMISE = ("Every covered shape across batch, VERIFY-length, context and page boundaries, in every declared dtype "
+           "and page size, gives the general path's logits and K/V, touching nothing else.")
+pytestmark = pytest.mark.lowlat_contract("shape_sweeps", PROMISE)
+
+
+def _settings(case: Any) -> list[tuple[str, int]]:
+    """(dtype, page size) pairs this machine can run, the case's own first: every declared dtype x page size."""
+    req = case.spec.requirements
+    pages = sorted(req.page_sizes) if req.page_sizes is not None else list(DEFAULT_PAGE_SIZES)
+    dtypes = sorted(req.dtypes)
+    out = [(case.dtype, case.page_size)]
+    out += [(d, p) for d in dtypes for p in pages if (d, p) != out[0]]
+    return out
+
+
+def _runner(case: Any, dtype: str, page_size: int) -> Any:
+    from lowlat.runtime import ModelRunner
+
+    ctx = max_context(case.device) + case.max_verify_tokens + page_size + 1
+    cfg = case.engine_config(dtype=dtype, page_size=page_size, max_context_len=-(-ctx // 64) * 64)
+    return ModelRunner(cfg, show_progress=False)
+
+
+def _owner(reqs: Requests) -> Any:
+    pool = reqs.runner.kv_pool
+    live = {s: f"a cached token of request {i}" for i, (r, n) in enumerate(zip(reqs.rows, reqs.lens))
+            for s in pool.slots_of(r, n).tolist()}
+    return lambda s: "the dummy slot 0" if s == 0 else live.get(s, "a free slot")
+
+
+def run_steps(runner: Any, steps: list[Any], tol: Any, label: str) -> tuple[list[str], int, list[str]]:
+    """Run each SweepStep through the oracle; returns (problems, plugin steps checked, steps supports() refused)."""
+    from lowlat.runtime.forward_batch import ForwardMode
+
+    d = dispatcher_of(runner)
+    problems, refused, checked = [], [], 0
+    for i, step in enumerate(steps):
+        mode = ForwardMode[step.mode]
+        what = f"{label} {step.name}"
+        with Requests.with_prefixes(runner, list(step.contexts), seed=100 + i) as reqs:
+            owner = _owner(reqs)
+            batch = reqs.step(mode, step.tokens_per_req)
+            with torch.inference_mode():
+                path = d.choose(batch)
+            if step.expect == "general":
+                if path != "general":
+                    problems.append(f"{what}: outside coverage ({step.num_tokens} tokens), but the dispatcher "
+                                    f"chose the {path} path")
+                continue
+            if path != "plugin":
+                refused.append(step.name)
+                continue
+            result = check_step(runner, batch, tol, what, owner=owner)
+            problems += result.problems
+            checked += 1
+    return problems, checked, refused
+
+
+def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: list[str]) -> None:
+    """The case's dtype and page size: DECODE at each batch size (and one past coverage), VERIFY at each length
+    and batch, every context boundary (``sweep.plan``)."""
+    from lowlat.runtime.forward_batch import ForwardMode
+
+    cov, mode = case.spec.coverage, sweep_mode(request.config)
+    steps = plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
+                 ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, case.max_batch_size)
+    steps = [s for s in steps if s.expect == "general" or cov.covers(ForwardMode[s.mode], s.num_tokens)]
+    runner = _runner(case, case.dtype, case.page_size)
+    try:
+        problems, checked, refused = run_steps(runner, steps, case.tolerance,
+                                               f"{case.dtype} page {case.page_size}")
+    finally:
+        runner.close()
+    contract_notes.append(f"shape_sweeps  {case.id} ({mode}): {checked} plugin steps checked, {len(refused)} refused "
+                          f"by supports(){': ' + ', '.join(refused[:6]) if refused else ''}")
+    assert checked, f"supports() refused every step of the sweep ({refused[:5]}...): nothing was checked"
+    assert not problems, f"{len(problems)} sweep problem(s):\n" + "\n".join(problems[:25])
+
+
+def test_declared_settings(case: Any, case_trace: Any, request: Any) -> None:
+    """Every other declared dtype and page size this machine can run (``sweep.setting_plan``): a declared setting
+    must work, not just pass the guard."""
+    from lowlat.runtime.forward_batch import ForwardMode
+
+    from lowlat_contract.cases import TOLERANCES
+
+    if not case.is_tiny:
+        pytest.skip("builds one engine per declared setting: tiny presets only")
+    others = _settings(case)[1:]
+    if not others:
+        pytest.skip(f"the spec declares one dtype ({case.dtype}) and one page size ({case.page_size})")
+    cov, mode = case.spec.coverage, sweep_mode(request.config)
+    problems = []
+    for dtype, page in others:
+        steps = setting_plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
+                             ForwardMode.VERIFY in cov.modes, page, case.device, mode)
+        steps = [s for s in steps if cov.covers(ForwardMode[s.mode], s.num_tokens)]
+        try:
+            runner = _runner(case, dtype, page)
+        except Exception as e:  # a declared setting must build
+            problems.append(f"{dtype} page {page}: the engine with the plugin failed to start: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            continue
+        try:
+            found, checked, refused = run_steps(runner, steps, TOLERANCES[dtype], f"{dtype} page {page}")
+            problems += found
+            if not checked:
+                problems.append(f"{dtype} page {page}: supports() refused every step ({refused}), so the declared "
+                                f"setting serves nothing")
+        finally:
+            runner.close()
+    assert not problems, f"declared settings that do not work ({len(problems)}):\n" + "\n".join(problems[:25])

@@ -1,0 +1,89 @@
+"""Variants: for every checkpoint variant core's general path supports (``lowlat.models.variants
+.SUPPORTED_VARIANTS``, read when the suite runs), the plugin either refuses it up front, with a reason, or
+matches the general path on it.
+
+A refusal is the guard failing on a requirement with a non-empty reason (e.g. ``model=(("attention_bias",
+(False,)),)``) or ``check_model`` raising a lowlat plugin error after load. Otherwise the variant's tiny config is
+written as a checkpoint directory (``lowlat.loader.synthetic.write_checkpoint``), an engine with the plugin is
+built on it, and DECODE and VERIFY steps go through the isolated oracle. Variants without overrides are the
+case's own model and are covered by the other contracts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lowlat_contract.harness import Requests
+from lowlat_contract.oracle import check_step
+from lowlat_contract.pytest_plugin import sweep_mode
+
+PROMISE = ("For every model variant core's general path supports, the plugin's guard refuses it with a reason, or "
+           "the plugin matches the general path on it.")
+pytestmark = pytest.mark.lowlat_contract("variants", PROMISE)
+
+
+def _variants() -> list[Any]:
+    try:
+        from lowlat.models.variants import SUPPORTED_VARIANTS
+    except ImportError:  # a core without the list: nothing to enumerate
+        return []
+    return [v for v in SUPPORTED_VARIANTS if v.overrides]
+
+
+VARIANTS = _variants()
+
+
+def _steps(case: Any, mode: str) -> list[tuple[Any, int, int]]:
+    """(mode, requests, tokens per request) of the steps run on a variant the plugin accepts."""
+    from lowlat.runtime.forward_batch import ForwardMode
+
+    cov = case.spec.coverage
+    m = cov.max_tokens
+    want = [(ForwardMode.DECODE, min(3, m), 1)]
+    if mode == "full":  # covering: one DECODE step (a variant changes weights and shapes, not step shapes)
+        want += [(ForwardMode.VERIFY, 1, min(m, case.max_verify_tokens)), (ForwardMode.DECODE, m, 1),
+                 (ForwardMode.VERIFY, max(1, m // 2), 2)]
+    return [s for s in want if s[2] <= case.max_verify_tokens and cov.covers(s[0], s[1] * s[2])
+            and not (s[0] is ForwardMode.VERIFY and s[2] < 2)]
+
+
+@pytest.mark.parametrize("name", [v.name for v in VARIANTS] or ["none"])
+def test_variant_refused_or_matches(case: Any, case_trace: Any, name: str, tmp_path: Any, request: Any) -> None:
+    """The guard (or check_model) refuses this variant with a reason, or the plugin matches the general path."""
+    from lowlat.loader.synthetic import write_checkpoint
+    from lowlat.platform import detect_platform
+    from lowlat.plugin import LowlatPluginError, evaluate
+    from lowlat.runtime import ModelRunner
+
+    v = next((v for v in VARIANTS if v.name == name), None)
+    if v is None:
+        pytest.skip("this core lists no model variants (lowlat.models.variants.SUPPORTED_VARIANTS)")
+    if not case.is_tiny:
+        pytest.skip("variants are tiny configs: checked on the tiny preset's case")
+    config = v.config()
+    if config.architecture != case.architecture:
+        pytest.skip(f"{name} is a {config.architecture}")
+    trace = evaluate(case.plugin, case.spec, detect_platform(case.device), case.engine_config(), config)
+    if not trace.passed:
+        empty = [r.requirement for r in trace.failures if not r.reason.strip()]
+        assert not empty, f"{name}: the guard refuses it without a reason on {empty}"
+        return  # refused up front, with a reason
+    ckpt = write_checkpoint(config, tmp_path / name, seed=0, dtype=case.dtype)
+    try:
+        runner = ModelRunner(case.engine_config(model=str(ckpt)), show_progress=False)
+    except LowlatPluginError as e:  # check_model refused after load
+        assert str(e).strip(), f"{name}: check_model refused it without a reason"
+        return
+    problems = []
+    try:
+        for i, (mode, b, tpr) in enumerate(_steps(case, sweep_mode(request.config))):
+            with Requests.with_prefixes(runner, [1, 17, 33, 4, 21, 38, 7, 24][:b], seed=60 + i) as reqs:
+                batch = reqs.step(mode, tpr)
+                problems += check_step(runner, batch, case.tolerance, f"{name}: {mode.name} {b}x{tpr}").problems
+    finally:
+        runner.close()
+    assert not problems, (f"the plugin accepts variant {name} ({v.overrides}) but does not match the general path "
+                          f"on it; refuse it in the spec (requirements.model) or check_model, with a reason:\n"
+                          + "\n".join(problems[:8]))
