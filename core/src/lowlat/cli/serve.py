@@ -52,8 +52,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the flag when a server flag is out of range."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_queued_requests < 0:
-        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     for flag in ("request_timeout", "shutdown_grace"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")

@@ -21,8 +21,10 @@ def looks_like_repo_id(model: str) -> bool:
     return len(parts) == 2 and all(parts)
 
 
-def resolve_model_path(model: str) -> str:
+def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
     """What EngineConfig.model should be for ``model``: directories and presets unchanged, repo ids their snapshot.
+
+    ``cache_dir``: the hub cache to look in (default: huggingface_hub's, from HF_HUB_CACHE / HF_HOME).
 
     Raises:
         ConfigError: ``model`` is a repo id that is not in the local HF cache (or huggingface_hub is missing).
@@ -39,11 +41,11 @@ def resolve_model_path(model: str) -> str:
                           "pip install huggingface_hub, or pass a checkpoint directory") from None
     repo, _, revision = model.partition("@")
     try:
-        path = snapshot_download(repo, revision=revision or None, local_files_only=True)
+        path = snapshot_download(repo, revision=revision or None, local_files_only=True, cache_dir=cache_dir)
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
         raise ConfigError(
             f"model {model!r} is not a directory, a preset, or a repo in the local HF cache "
-            f"({constants.HF_HUB_CACHE}); fetch it with `hf download {repo}` (or `huggingface-cli download "
+            f"({cache_dir or constants.HF_HUB_CACHE}); fetch it with `hf download {repo}` (or `huggingface-cli download "
             f"{repo}`), or pass a checkpoint directory") from None
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"the cached snapshot of {model!r} at {path} has no config.json; is it a model repo? "

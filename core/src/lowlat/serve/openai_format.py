@@ -45,7 +45,14 @@ class Formatter:
             offsets.append(self._offset)
             self._offset += len(tok)
         return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-                "top_logprobs": [{self._token(i): v for i, v in t.top} for t in lps], "text_offset": offsets}
+                "top_logprobs": [self._top_dict(t.top) for t in lps], "text_offset": offsets}
+
+    def _top_dict(self, top: list[tuple[int, float]]) -> dict[str, float]:
+        """The legacy ``{token text: logprob}``; ids with the same text keep the likeliest one's value."""
+        out: dict[str, float] = {}
+        for i, v in top:
+            out.setdefault(self._token(i), v)
+        return out
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
