@@ -36,7 +36,7 @@ def test_completion_non_streaming_and_streaming_agree(client):
     kw = dict(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
     assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
-    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == len("Hello there".encode())
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == len(b"Hello there")
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

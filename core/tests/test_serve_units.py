@@ -37,9 +37,8 @@ def test_stop_string_split_over_tokens_is_held_back_and_cut():
 
 
 def test_chat_template_matches_transformers(tmp_path):
-    from transformers import PreTrainedTokenizerFast
-
     from lowlat.loader import make_byte_tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     tmpl = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
             "{% endif %}\n  <{{ m['role'] }}>{{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
@@ -94,9 +93,8 @@ def test_hf_repo_id_resolves_from_the_local_cache(tmp_path):
 
 
 def test_schema_rejections_name_the_field():
-    from pydantic import ValidationError
-
     from lowlat.serve.schemas import ChatCompletionRequest, CompletionRequest
+    from pydantic import ValidationError
 
     assert CompletionRequest(model="m", prompt=[[1, 2]]).prompt == [1, 2]
     for kw, param in (({"prompt": "x", "presence_penalty": 1}, "presence_penalty"),
