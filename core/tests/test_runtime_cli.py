@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import json
 
 import pytest
 from lowlat.cli import run as run_cli
@@ -50,3 +52,32 @@ def test_debug_shows_the_exception(monkeypatch):
     monkeypatch.setenv("LOWLAT_DEBUG", "1")
     with pytest.raises(ValueError, match="top_p"):
         run_cli.run(_parse(["--device", "cpu", "--top-p", "0"]))
+
+
+def test_single_prompt_streams_and_json_lines(capsys):
+    base = ["--device", "cpu", "--max-context-len", "64", "--max-new-tokens", "6", "--page-size", "8",
+            "--no-cuda-graph", "--ignore-eos"]
+    assert run_cli.run(_parse([*base, "--prompt", "stream me"])) == 0
+    out = capsys.readouterr().out
+    assert "[0] stream me" in out and "decode tok/s" in out
+    assert run_cli.run(_parse([*base, "--prompt", "a", "--prompt", "bb", "--json"])) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [d["type"] for d in lines] == ["completion", "completion", "stats"]
+    assert all(len(d["token_ids"]) == 6 and d["finish_reason"] == "length" for d in lines[:2])
+    assert lines[0]["prompt"] == "a" and "decode_s" in lines[0]["timings"] and lines[2]["by_path"]
+
+
+def test_stop_string_and_prompt_file(tmp_path, capsys, monkeypatch):
+    base = ["--device", "cpu", "--max-context-len", "64", "--max-new-tokens", "16", "--page-size", "8",
+            "--no-cuda-graph", "--ignore-eos", "--json"]
+    assert run_cli.run(_parse([*base, "--prompt", "stop"])) == 0
+    full = json.loads(capsys.readouterr().out.splitlines()[0])
+    stop = full["text"][4:6]
+    f = tmp_path / "prompts.txt"
+    f.write_text("stop\n\n")
+    assert run_cli.run(_parse([*base, "--prompt-file", str(f), "--stop", stop])) == 0
+    got = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert got["finish_reason"] == "stop" and got["text"] == full["text"][:full["text"].find(stop)]
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
+    assert run_cli.run(_parse([*base, "--prompt-file", "-"])) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["prompt"] == "from stdin"

@@ -1,12 +1,15 @@
-"""``lowlat run``: generate completions for prompts and print them with a timing summary.
+"""``lowlat run``: generate completions for prompts, streaming the text as it comes, with a timing summary.
 
-Argument handling lives in ``add_arguments`` (flags) and ``configs_from_args`` (flags -> EngineConfig,
-SamplingParams, prompts), so new flags touch those two functions only.
+Argument handling lives in ``add_engine_arguments`` (the engine flags, shared with ``lowlat serve``),
+``add_arguments`` (the rest) and ``configs_from_args`` (flags -> EngineConfig, SamplingParams, prompts), so new
+flags touch those functions only. The generation loop is ``lowlat.cli.streaming.stream_generate``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from typing import Any
 
 from lowlat.cli.errors import one_line_errors
@@ -18,22 +21,19 @@ DEFAULT_PROMPT = "The quick brown fox"
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``run`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``); sets ``func=run``."""
     p = subparsers.add_parser("run", help="generate completions for prompts and print timings",
-                              description="Generate completions with the lowlat engine and print a timing summary.")
+                              description="Generate completions with the lowlat engine, streaming each token as it "
+                                          "comes, and print a timing summary (or JSON with --json).")
     add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``lowlat run``."""
+def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "tiny-llama") -> None:
+    """The flags that make an EngineConfig (``lowlat run`` and ``lowlat serve``)."""
     d = EngineConfig()
-    p.add_argument("--model", default="tiny-llama", help="HF checkpoint directory or preset name (default tiny-llama)")
-    p.add_argument("--prompt", action="append", default=None,
-                   help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default 0)")
+    p.add_argument("--model", default=default_model,
+                   help=f"HF checkpoint directory, preset name, or HF repo id in the local HF cache "
+                        f"(default {default_model})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of preset weights and sampling (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="default auto")
     p.add_argument("--dtype", choices=("auto", *DTYPES), default=d.dtype, help="default auto")
@@ -45,37 +45,97 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", default="auto",
                    help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``lowlat run``."""
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append", default=None,
+                   help=f"a prompt; repeat for a batch (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--prompt-file", default=None, metavar="PATH",
+                   help="read prompts from PATH, one per line (blank lines skipped); '-' reads stdin")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default 0)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop a completion at TEXT (not included); repeat for several")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per completion (text, token_ids, finish_reason, timings), then "
+                        "one with the run's step stats, instead of the streamed text and tables")
     p.add_argument("--compare", action="store_true",
                    help="run the prompts greedily on the general path and with the plugin, and compare tokens, "
                         "logits and decode speed")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the engine flags; ``--model`` as an HF repo id resolves to its cached snapshot."""
+    from lowlat.serve.hf_cache import resolve_model_path
+
+    return EngineConfig(
+        model=resolve_model_path(args.model), device=args.device, dtype=args.dtype, tp_size=args.tp,
+        page_size=args.page_size, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
+        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin,
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then --prompt-file lines; the default prompt when neither is given."""
+    prompts = list(args.prompt or [])
+    if getattr(args, "prompt_file", None):
+        if args.prompt_file == "-":
+            text = sys.stdin.read()
+        else:
+            try:
+                with open(args.prompt_file, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as e:
+                raise ValueError(f"--prompt-file {args.prompt_file}: {e.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompt-file {args.prompt_file} holds no prompts (blank lines are skipped)")
+    return prompts or [DEFAULT_PROMPT]
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Any, list[str]]:
     """(EngineConfig, SamplingParams, prompts) from parsed flags. Raises ConfigError/ValueError on bad values."""
     from lowlat.runtime.sampling import SamplingParams
 
-    config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp, page_size=args.page_size,
-        max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin,
-    )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k)
-    return config, params, list(args.prompt or [DEFAULT_PROMPT])
+                            top_k=args.top_k, stop_at_eos=not getattr(args, "ignore_eos", False))
+    return engine_config_from_args(args), params, read_prompts(args)
 
 
 @one_line_errors("run")
 def run(args: argparse.Namespace) -> int:
     """Run ``lowlat run``. Returns 0, or 2 after printing one error line (LOWLAT_DEBUG=1 re-raises)."""
+    from lowlat.cli.streaming import stream_generate
     from lowlat.runtime.engine import Engine
 
     config, params, prompts = configs_from_args(args)
     if args.compare:
         return _compare(config, params, prompts)
+    stop = [s for s in (args.stop or []) if s]
     with Engine(config) as engine:
-        completions = engine.generate(prompts, params)
+        show = engine.rank == 0 and not args.json
+        live = show and len(prompts) == 1
+        if live:
+            sys.stdout.write(f"\n[0] {_printable(prompts[0])}")
+            sys.stdout.flush()
+
+        def on_text(index: int, text: str) -> None:
+            sys.stdout.write(_printable(text))
+            sys.stdout.flush()
+
+        completions = stream_generate(engine, prompts, params, stop=stop, on_text=on_text if live else None)
+        if live:
+            sys.stdout.write("\n")
         if engine.rank == 0:
-            _print_results(engine, prompts, completions)
+            if args.json:
+                _print_json(engine, prompts, completions)
+            else:
+                _print_results(engine, prompts, completions, texts=not live)
     return 0
 
 
@@ -94,7 +154,19 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text)
 
 
-def _print_results(engine: Any, prompts: list[str], completions: list[Any]) -> None:
+def _print_json(engine: Any, prompts: list[str], completions: list[Any]) -> None:
+    for i, (prompt, c) in enumerate(zip(prompts, completions)):
+        print(json.dumps({
+            "type": "completion", "index": i, "request_id": c.request_id, "prompt": prompt, "text": c.text,
+            "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+            "timings": {"queue_s": c.queue_s, "prefill_s": c.prefill_s, "decode_s": c.decode_s,
+                        "decode_tokens": c.decode_tokens, "decode_tokens_per_s": c.decode_tokens_per_s},
+        }, ensure_ascii=False))
+    print(json.dumps({"type": "stats", "model": engine.config.model, "by_mode": engine.stats.as_dict(),
+                      "by_path": engine.stats.paths_as_dict()}))
+
+
+def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, texts: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -109,9 +181,10 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any]) -> N
                        if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))
     for line in runner.plugin_host.rejections:
         console.print(Text(f"  auto skipped {line}", style="dim"))
-    for prompt, c in zip(prompts, completions):
-        console.print(Text(f"\n[{c.request_id}] ", style="bold") + Text(_printable(prompt), style="cyan")
-                      + Text(_printable(c.text)))
+    if texts:
+        for prompt, c in zip(prompts, completions):
+            console.print(Text(f"\n[{c.request_id}] ", style="bold") + Text(_printable(prompt), style="cyan")
+                          + Text(_printable(c.text)))
     table = Table(title="requests")
     for col in ("id", "prompt tok", "new tok", "finish", "prefill ms", "decode ms", "decode tok/s"):
         table.add_column(col, justify="right")

@@ -48,7 +48,7 @@ class Completion:
         request_id: the engine's id for it.
         prompt_token_ids / token_ids: prompt and generated ids (an EOS that ended it is included).
         text: ``token_ids`` decoded, special tokens skipped.
-        finish_reason: "eos" or "length".
+        finish_reason: "eos", "length" or "abort" (``Engine.abort``).
         queue_s: seconds from being added to its first prefill step.
         prefill_s: seconds from its first prefill step to its first token.
         decode_s: seconds from its first token to its last; ``decode_tokens`` tokens came in that time.
@@ -93,6 +93,9 @@ class Engine:
         stats: StepStats by forward mode and path; ``rank``: this TP rank.
         logits_observer: optional ``fn(step, logits)`` called after each forward with the step's float32
             logits (``lowlat run --compare`` records them); None by default.
+        step_observer: optional ``fn(step)`` called after each step's tokens are appended: the step's requests
+            (finished ones included) hold this step's new tokens at the end of ``output_ids`` (streaming
+            reads them); None by default.
 
     Raises:
         ConfigError / ValueError: bad configuration; WorkerError: a TP worker failed to start.
@@ -140,6 +143,7 @@ class Engine:
                                    chunked_prefill_size=config.chunked_prefill_size, inputs=self.runner.step_inputs)
         self.stats = StepStats()
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
+        self.step_observer: Callable[[ScheduledStep], None] | None = None
         self._next_rid = 0
 
     # -- public API (mirrored to spawned TP workers) ---------------------------------------------------------
@@ -176,6 +180,11 @@ class Engine:
         """Run one step over the queued requests; returns those that finished in it ([] when idle)."""
         self._check_usable()
         return self._call("_step")
+
+    def abort(self, rid: int) -> bool:
+        """Drop request ``rid`` (queued or running) and free its KV pages now; False when it is not running."""
+        self._check_usable()
+        return self._call("_abort", int(rid))
 
     def verify(self, drafts: dict[int, Sequence[int]]) -> VerifyResult:
         """Run one VERIFY step: each request feeds its pending token plus its k draft tokens.
@@ -255,6 +264,8 @@ class Engine:
             raise
         self.stats.record(step.mode, now - t0, step.batch.num_tokens, graphed=self.runner.last_graphed,
                           path=self.runner.last_path)
+        if self.step_observer is not None:
+            self.step_observer(step)
         return [self._completion(r) for r in finished] if finished else []
 
     def _pick(self, step: ScheduledStep, logits: torch.Tensor) -> list[int]:
@@ -328,6 +339,9 @@ class Engine:
             gen = make_generator(seed, self.runner.device)
         self.scheduler.add(Request(rid, list(ids), params, gen, self.eos_ids, t_added=time.perf_counter()))
         return rid
+
+    def _abort(self, rid: int) -> bool:
+        return self.scheduler.abort(rid)
 
     def _verify(self, drafts: dict[int, list[int]]) -> VerifyResult:
         step = self.scheduler.schedule_verify(drafts, self.config.max_verify_tokens)

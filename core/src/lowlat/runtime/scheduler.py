@@ -53,7 +53,7 @@ class Request:
         output_ids: generated ids so far.
         row: its ``req_to_token`` row while admitted.
         num_computed: tokens whose K/V are in the cache.
-        finish_reason: "eos" or "length" once finished.
+        finish_reason: "eos", "length" or "abort" once finished.
         t_*: ``time.perf_counter`` stamps (seconds): added, first prefill step began, first token, finished.
     """
 
@@ -308,6 +308,20 @@ class Scheduler:
             self._finish(r, now)
             finished.append(r)
         return finished
+
+    def abort(self, rid: int) -> bool:
+        """Drop request ``rid`` (waiting or running) and give its KV back; False when it is not here."""
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                r.state, r.finish_reason = RequestState.FINISHED, "abort"
+                return True
+        for r in self.running:
+            if r.rid == rid:
+                r.finish_reason = "abort"
+                self._finish(r, 0.0)
+                return True
+        return False
 
     def abort_all(self) -> None:
         """Drop every request and give its KV back (after a failed step)."""

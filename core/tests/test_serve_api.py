@@ -1,0 +1,177 @@
+"""lowlat serve in-process on 127.0.0.1, driven by the official openai client: completions and chat, streaming
+and not, stop strings, logprobs, cancellation freeing KV, overload (503), bad parameters (tiny-llama, CPU)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from _serve_util import MODEL, running_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    url = server[0]
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def test_models_health_metrics(server, client):
+    url = server[0]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for name in ("lowlat_requests_total", "lowlat_time_to_first_token_seconds", "lowlat_queue_depth",
+                 "lowlat_steps_total", "lowlat_generation_tokens_total"):
+        assert name in text
+
+
+def test_completion_non_streaming_and_streaming_agree(client):
+    kw = dict(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == len(b"Hello there")
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len([c for c in chunks if c.choices]) >= 2  # it streamed in pieces
+
+
+def test_chat_non_streaming_and_streaming(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kw)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_and_top_k_passes(client):
+    kw = dict(model=MODEL, prompt="abc", max_tokens=10, temperature=0.9, top_p=0.9, seed=7,
+              extra_body={"top_k": 20, "ignore_eos": True})
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+
+
+def test_stop_string_cuts_the_text(client):
+    kw = dict(model=MODEL, prompt="The stop test", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[6:8]
+    got = client.completions.create(**kw, stop=[stop])
+    assert got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == text[:text.find(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True))
+    assert streamed == text[:text.find(stop)]
+
+
+def test_logprobs_completion_and_chat(client):
+    got = client.completions.create(model=MODEL, prompt="log", max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(got.tokens) == len(got.token_logprobs) == len(got.top_logprobs) == 5
+    for lp, top in zip(got.token_logprobs, got.top_logprobs):
+        assert lp <= 0 and 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(lp, abs=1e-5)  # greedy
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert len(chat) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in chat)
+
+
+def test_client_disconnect_aborts_and_frees_kv(server, client):
+    _, loop, engine, slow = server
+    pool = engine.runner.kv_pool
+    wait_for(lambda: loop.in_flight == 0, what="an idle server")
+    free = pool.free_pages
+    slow.s = 0.01
+    try:
+        stream = client.completions.create(model=MODEL, prompt="cancel me", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it), next(it)
+        assert pool.free_pages < free  # it holds pages while it runs
+        stream.close()
+        wait_for(lambda: pool.free_pages == free and loop.in_flight == 0 and not engine.scheduler.running,
+                 what="the aborted request's KV pages back in the pool")
+    finally:
+        slow.s = 0.0
+
+
+def test_overload_is_503_with_retry_after(server, client):
+    _, loop, engine, slow = server  # max_batch_size 2, max_queued 2
+    wait_for(lambda: loop.in_flight == 0, what="an idle server")
+    slow.s = 0.01
+    streams = []
+    try:
+        for _ in range(2):  # two run ...
+            s = client.completions.create(model=MODEL, prompt="busy", max_tokens=200, stream=True,
+                                          extra_body={"ignore_eos": True})
+            next(iter(s))
+            streams.append(s)
+        for _ in range(2):  # ... two wait
+            streams.append(client.completions.create(model=MODEL, prompt="wait", max_tokens=4, stream=True))
+        wait_for(lambda: loop.pending == 2, what="two queued requests")
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="one too many", max_tokens=4)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.response.json()["error"]["code"] == "overloaded"
+    finally:
+        for s in streams:
+            s.close()
+        slow.s = 0.0
+    wait_for(lambda: loop.in_flight == 0 and not engine.scheduler.running, what="the streams aborted")
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"top_p": 3}, "top_p"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10_000}, "max_tokens"),
+    ({"n": 2}, "n"),
+    ({"extra_body": {"top_k": -5}}, "top_k"),
+    ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+    ({"logprobs": 50}, "logprobs"),
+    ({"prompt": [0, 99999]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_bad_parameters_are_400_naming_the_field(client, kw, param):
+    args = {"model": MODEL, "prompt": "x", "max_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**args)
+    err = e.value.response.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_unknown_model_is_404_and_bad_chat_is_400(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="x", max_tokens=2)
+    assert e.value.response.json()["error"]["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    assert e.value.response.json()["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       top_logprobs=2)
+    assert e.value.response.json()["error"]["param"] == "top_logprobs"
+
+
+def test_request_timeout_is_504(server, client):
+    _, loop, _, slow = server
+    slow.s = 0.02
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=MODEL, prompt="slow", max_tokens=200, extra_body={"timeout": 0.3,
+                                                                                               "ignore_eos": True})
+        assert e.value.status_code == 504
+    finally:
+        slow.s = 0.0
+    wait_for(lambda: loop.in_flight == 0, what="the timed-out request gone")

@@ -1,0 +1,61 @@
+"""``lowlat serve`` as a subprocess: SIGTERM lets a running stream finish, refuses new work, exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+START_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_and_exits_0():
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lowlat.cli", "serve", "--device", "cpu", "--port", str(port),
+                             "--max-context-len", "512", "--no-cuda-graph", "--shutdown-grace", "20"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        body = {"model": "tiny-llama", "prompt": "drain me", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        finish = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            for line in lines:
+                if line == "data: [DONE]":
+                    break
+                if line.startswith("data: "):
+                    finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+        assert finish == "length"  # the running request finished within the grace period
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+        assert "lowlat serve: stopped" in out and "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
