@@ -169,6 +169,41 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeMethod:
+    """A parsed ``speculative_method``: ``kind`` "ngram", "draft" (``path``) or "simulated" (``mean``).
+
+    ``mean`` is the simulated mean acceptance length: tokens appended per request per VERIFY step, the bonus
+    token included (so 1.0 <= mean <= k + 1).
+    """
+
+    kind: str
+    path: str | None = None
+    mean: float | None = None
+
+
+SPECULATIVE_FORMS = "ngram, draft:PATH (checkpoint directory or preset) or simulated:MEAN (mean acceptance length)"
+
+
+def parse_method(method: str) -> SpeculativeMethod:
+    """Parse ``lowlat run --speculative``'s value. Raises ConfigError naming the accepted forms."""
+    kind, _, arg = method.strip().partition(":")
+    if kind == "ngram" and not arg:
+        return SpeculativeMethod("ngram")
+    if kind == "draft" and arg:
+        return SpeculativeMethod("draft", path=arg)
+    if kind == "simulated" and arg:
+        try:
+            mean = float(arg)
+        except ValueError:
+            mean = float("nan")
+        if not mean >= 1.0:
+            raise ConfigError(f"simulated:MEAN needs a mean acceptance length >= 1 (tokens per VERIFY step, the "
+                              f"bonus token included), got {arg!r}")
+        return SpeculativeMethod("simulated", mean=mean)
+    raise ConfigError(f"speculative method {method!r} is not one of {SPECULATIVE_FORMS}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What the user asked the engine for.
 
@@ -187,7 +222,19 @@ class EngineConfig:
         chunked_prefill_size: prompts longer than this are prefilled in chunks (tokens).
         plugin: "none", "auto" or a plugin name.
         seed: seed for presets' random weights and for sampling.
-        speculative: the engine runs a speculative verifier (a feature plugins may require or refuse).
+        speculative: the engine runs a speculative verifier (a feature plugins may require or refuse); True
+            with no ``speculative_method`` means "ngram".
+        speculative_method: the drafter, as ``lowlat run --speculative`` takes it: "ngram", "draft:PATH" (a
+            smaller checkpoint or preset with the same vocabulary) or "simulated:MEAN" (benchmarks only: a
+            random acceptance of mean acceptance length MEAN, not the model's text); None: no speculation.
+            Setting it sets ``speculative``. See ``lowlat.runtime.speculative``.
+        num_draft_tokens: draft tokens k per request and VERIFY step (k + 1 <= max_verify_tokens); None:
+            ``min(5, max_verify_tokens - 1)`` (6 verified rows per step, as in the reference design's results);
+            ``draft_tokens`` is the resolved k.
+        ngram_n / ngram_window: the n-gram drafter matches the last ``ngram_n`` tokens (then shorter suffixes,
+            down to 1) within the last ``ngram_window`` tokens of prompt plus output.
+        speculative_adaptive: fall back to plain DECODE steps while the measured acceptance makes speculation
+            slower than plain decoding (``lowlat.runtime.speculative.controller``).
         num_layers: run only the first N decoder layers (benchmarks use two depths to get per-layer latency).
         strict_max_position: refuse a ``max_context_len`` above the model's ``max_position_embeddings``
             (default: warn; positions past it are outside what the model was trained on).
@@ -207,6 +254,11 @@ class EngineConfig:
     plugin: str = "auto"
     seed: int = 0
     speculative: bool = False
+    speculative_method: str | None = None
+    num_draft_tokens: int | None = None
+    ngram_n: int = 3
+    ngram_window: int = 1024
+    speculative_adaptive: bool = True
     num_layers: int | None = None
     strict_max_position: bool = False
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
@@ -226,6 +278,38 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.plugin:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
+        if self.speculative_method is not None or self.speculative:
+            self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        method = self.speculative_method or "ngram"
+        object.__setattr__(self, "speculative_method", method)
+        object.__setattr__(self, "speculative", True)
+        for name in ("num_draft_tokens", "ngram_n", "ngram_window"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_verify_tokens < 2:
+            raise ConfigError("speculative decoding needs max_verify_tokens >= 2 (one draft token per step)")
+        if self.num_draft_tokens is not None and self.num_draft_tokens + 1 > self.max_verify_tokens:
+            raise ConfigError(f"num_draft_tokens={self.num_draft_tokens} makes {self.num_draft_tokens + 1} tokens "
+                              f"per VERIFY step, above max_verify_tokens={self.max_verify_tokens}; lower "
+                              "num_draft_tokens or raise max_verify_tokens")
+        sm = parse_method(method)
+        if sm.kind == "simulated" and sm.mean > self.draft_tokens + 1:
+            raise ConfigError(f"simulated:{sm.mean:g} is above the longest possible acceptance "
+                              f"num_draft_tokens + 1 = {self.draft_tokens + 1}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """The draft tokens k per VERIFY step: ``num_draft_tokens``, or min(5, max_verify_tokens - 1)."""
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        return max(1, min(5, self.max_verify_tokens - 1))
+
+    @property
+    def speculative_spec(self) -> SpeculativeMethod | None:
+        """The parsed ``speculative_method`` (None when speculation is off)."""
+        return parse_method(self.speculative_method) if self.speculative_method else None
 
     def check_model(self, model: ModelConfig) -> None:
         """Check this engine config against the model's: ``max_context_len`` <= ``max_position_embeddings``.

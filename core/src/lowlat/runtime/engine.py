@@ -26,6 +26,7 @@ from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
+from lowlat.runtime.speculative.speculator import Speculator
 from lowlat.runtime.stats import StepStats
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
@@ -91,6 +92,7 @@ class Engine:
     Attributes:
         runner: this rank's ModelRunner; ``tokenizer``: the checkpoint's tokenizer (or the byte tokenizer);
         stats: StepStats by forward mode and path; ``rank``: this TP rank.
+        speculator: the speculative step (``lowlat.runtime.speculative``; its ``stats``), None unless speculative.
         logits_observer: optional ``fn(step, logits)`` called after each forward with the step's float32
             logits (``lowlat run --compare`` records them); None by default.
         step_observer: optional ``fn(step)`` called after each step's tokens are appended: the step's requests
@@ -111,6 +113,7 @@ class Engine:
         self._workers: tp_launch.WorkerGroup | None = None
         self._failed: BaseException | None = None
         self.runner: ModelRunner | None = None
+        self.speculator: Speculator | None = None  # EngineConfig.speculative: drafts + VERIFY in step()
         if self._ctx is None and config.tp_size > 1:  # fail on bad input before any process starts
             _check_tp(resolve_model(config.model), config.tp_size)
         try:
@@ -122,6 +125,8 @@ class Engine:
                     weakref.finalize(self, self._workers.close)  # stop workers even if close() is never called
             ctx = self._ctx
             self.rank = ctx.tp.rank if ctx else 0
+            if config.speculative:  # first: a draft model's KV pool is small, the target's takes what is left
+                self.speculator = Speculator(config, ctx)
             self.runner = ModelRunner(config, tp=ctx.tp if ctx else None, device=ctx.device if ctx else None,
                                       cpu_group=ctx.cpu_group if ctx else None)
             if self._workers is not None:
@@ -215,6 +220,9 @@ class Engine:
         if self._workers is not None:
             self._workers.close()
             self._workers = None
+        if self.speculator is not None:
+            self.speculator.close()
+            self.speculator = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -234,12 +242,18 @@ class Engine:
         if not torch.is_inference_mode_enabled():  # generate() enters it once for the whole loop
             with torch.inference_mode():
                 return self._step()
+        if self.speculator is not None:  # a speculative VERIFY (or plain DECODE) step, None: prompt work first
+            done = self.speculator.step(self)
+            if done is not None:
+                return done
         step = self.scheduler.schedule()
         if step is None:
             return []
         return self._run(step)
 
-    def _run(self, step: ScheduledStep) -> list[Completion]:
+    def _run(self, step: ScheduledStep,
+             pick: Callable[[ScheduledStep, torch.Tensor], list[int]] | None = None) -> list[Completion]:
+        """Run ``step``; ``pick(step, logits)`` replaces ``_pick`` (the speculative acceptance of a VERIFY step)."""
         try:
             t0 = time.perf_counter()
             if step.mode is ForwardMode.PREFILL:
@@ -249,7 +263,7 @@ class Engine:
             logits = self.runner.forward(step.batch)
             if self.logits_observer is not None:
                 self.logits_observer(step, logits)
-            toks = self._pick(step, logits)
+            toks = (pick or self._pick)(step, logits)
             now = time.perf_counter()
             if step.mode is ForwardMode.DECODE:
                 finished = self.scheduler.update_decode(step, toks, now)

@@ -193,6 +193,16 @@ class Scheduler:
         batch = self._build(ForwardMode.DECODE, decoding, view.rows, [r.output_ids[-1] for r in decoding], 1)
         return ScheduledStep(ForwardMode.DECODE, decoding, batch, view.sample_rows, decoding, greedy=view.greedy)
 
+    def prefill_pending(self) -> bool:
+        """Whether ``schedule()`` would return a PREFILL step now (a prompt in progress, or one admissible)."""
+        if any(r.state is RequestState.PREFILLING for r in self.running):
+            return True
+        return bool(self.waiting) and self._can_admit(self.waiting[0])
+
+    def decoding(self) -> list[Request]:
+        """The DECODING requests, in the order a DECODE step batches them (do not modify the list)."""
+        return (self._view or self._make_view()).decoding
+
     def check_verify(self, drafts: dict[int, list[int]], max_tokens_per_req: int) -> list[Request]:
         """Validate a VERIFY request; returns the requests in ``drafts`` order.
 

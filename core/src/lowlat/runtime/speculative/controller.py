@@ -1,0 +1,119 @@
+"""The adaptive off-switch: speculate only while it beats plain decoding.
+
+Cost model. A VERIFY step of B requests and k + 1 rows each appends ``tau`` tokens per request on average (the
+mean acceptance length, bonus token included) and costs ``t_spec`` seconds (drafting plus the VERIFY step, host
+time); a plain DECODE step of B requests appends 1 token per request in ``t_decode``. Speculation is faster
+exactly when ``tau > t_spec / t_decode``. ``tau`` is an exponential moving average over VERIFY steps; the two
+times are moving averages per batch size (and k + 1), measured at run time.
+
+Hysteresis and probes. Speculation turns off when ``tau < ratio * (1 - hysteresis)`` and back on when
+``tau > ratio * (1 + hysteresis)``. While it is on, every ``probe_every``-th step (and the first step at a new
+batch size) is a plain DECODE step, so ``t_decode`` stays measured; while it is off, every ``probe_every``-th
+step is a VERIFY step, so ``tau`` and ``t_spec`` follow the text.
+
+Tensor parallelism. Ranks must take the same decision every step, but their clocks differ. Decisions therefore
+read only the acceptance (identical on every rank: the same tokens) and an *agreed* copy of the times, which
+``agree`` (an all-reduce mean over the ranks' CPU group) refreshes every ``agree_every`` measurements; which
+shapes were measured, and when, is deterministic.
+
+The switch is per batch: every request of a VERIFY step rides in it with the same k (one captured shape), so a
+request with poor drafts cannot leave alone; its acceptance still counts in ``tau``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Key = tuple[int, int]  # (batch size, tokens per request): (B, 1) is DECODE
+
+
+@dataclass
+class Controller:
+    """Decides each step between VERIFY and DECODE (see the module docstring).
+
+    Args:
+        adaptive: False: always speculate (no probes).
+        probe_every: steps between probes (see above).
+        hysteresis: relative band around the break-even ratio.
+        ewma: weight of a new measurement in the moving averages.
+        agree_every: measurements between agreements of the times over TP ranks.
+        agree: ``fn(values) -> values`` averaging a list of floats over the ranks; None on one rank.
+
+    Attributes:
+        on: speculation is on; ``switches``: times it flipped; ``reason``: why it is in its state (for stats).
+        tau: the moving mean acceptance length (None before any VERIFY step).
+        probes: DECODE steps taken while on plus VERIFY steps taken while off, to keep the model measured.
+    """
+
+    adaptive: bool = True
+    probe_every: int = 32
+    hysteresis: float = 0.1
+    ewma: float = 0.25
+    agree_every: int = 8
+    agree: Callable[[list[float]], list[float]] | None = None
+    on: bool = True
+    switches: int = 0
+    probes: int = 0
+    reason: str = "on: nothing measured yet"
+    tau: float | None = None
+    _local: dict[Key, float] = field(default_factory=dict)
+    _agreed: dict[Key, float] = field(default_factory=dict)
+    _since_probe: int = 0
+    _since_agree: int = 0
+
+    def speculate(self, batch_size: int, tokens_per_req: int) -> bool:
+        """Whether the next step of ``batch_size`` requests runs VERIFY with ``tokens_per_req`` rows each."""
+        if not self.adaptive:
+            return True
+        self._since_probe += 1
+        if (batch_size, 1) not in self._local:  # a new batch size: measure plain decoding first
+            self.probes += 1
+            return False
+        self._decide(batch_size, tokens_per_req)
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            self.probes += 1
+            return not self.on
+        return self.on
+
+    def record(self, batch_size: int, tokens_per_req: int, seconds: float, tau: float | None = None) -> None:
+        """Add one measured step: DECODE (``tokens_per_req`` 1) or VERIFY with its mean acceptance length ``tau``."""
+        if not self.adaptive:
+            return
+        key = (batch_size, tokens_per_req)
+        old = self._local.get(key)
+        self._local[key] = seconds if old is None else old + self.ewma * (seconds - old)
+        if tau is not None:
+            self.tau = tau if self.tau is None else self.tau + self.ewma * (tau - self.tau)
+        self._since_agree += 1
+        if self.agree is None:
+            self._agreed = dict(self._local)
+        elif self._since_agree >= self.agree_every or not self._agreed:
+            keys = sorted(self._local)
+            self._agreed = dict(zip(keys, self.agree([self._local[k] for k in keys])))
+        else:
+            return
+        self._since_agree = 0
+
+    def ratio(self, batch_size: int, tokens_per_req: int) -> float | None:
+        """Agreed ``t_spec / t_decode`` at this shape, or None until both are measured and agreed."""
+        d = self._agreed.get((batch_size, 1))
+        v = self._agreed.get((batch_size, tokens_per_req))
+        return v / d if d and v is not None else None
+
+    def _decide(self, batch_size: int, tokens_per_req: int) -> None:
+        ratio = self.ratio(batch_size, tokens_per_req)
+        if ratio is None or self.tau is None:
+            return
+        if self.on and self.tau < ratio * (1 - self.hysteresis):
+            self.on = False
+            self.switches += 1
+            self.reason = (f"off: acceptance length {self.tau:.2f} < VERIFY/DECODE time ratio {ratio:.2f} at batch "
+                           f"{batch_size} (plain DECODE is faster)")
+        elif not self.on and self.tau > ratio * (1 + self.hysteresis):
+            self.on = True
+            self.switches += 1
+            self.reason = f"on: acceptance length {self.tau:.2f} > time ratio {ratio:.2f} at batch {batch_size}"
+        elif self.on:
+            self.reason = f"on: acceptance length {self.tau:.2f} vs time ratio {ratio:.2f} at batch {batch_size}"

@@ -1,0 +1,97 @@
+"""The n-gram (prompt lookup) drafter.
+
+Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding; vLLM's ``ngram`` proposer):
+find an earlier occurrence of the request's last ``n`` tokens (prompt and output together) and propose the
+tokens that followed it. Lookup tries suffixes of ``n``, then ``n - 1`` ... 1 tokens, within the last ``window``
+tokens, and takes the most recent match. The continuation is copied LZ77-style: when it runs into the suffix
+itself, it repeats with the match's period, so a request stuck in a loop of period ``p < k`` still gets k
+drafts.
+
+Per request the drafter keeps a numpy copy of its tokens (appending only what is new since the last call); the
+search is one vectorised compare of all windows (``sliding_window_view``), no Python loop over positions: a few
+microseconds for the default window of 1024 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from lowlat.runtime.scheduler import Request
+from lowlat.runtime.speculative.drafter import Drafter, Drafts
+
+
+class _Tokens:
+    """A request's tokens: ``buf[:len]`` int64, grown by doubling."""
+
+    __slots__ = ("buf", "len")
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(256, dtype=np.int64)
+        self.len = 0
+
+    def sync(self, req: Request) -> np.ndarray:
+        """Append the tokens of ``req`` not seen yet; returns the view of all of them."""
+        total = len(req.prompt_ids) + len(req.output_ids)
+        if total > self.len:
+            if total > len(self.buf):
+                grown = np.zeros(max(total, 2 * len(self.buf)), dtype=np.int64)
+                grown[:self.len] = self.buf[:self.len]
+                self.buf = grown
+            np_ = len(req.prompt_ids)
+            new = (req.prompt_ids + req.output_ids)[self.len:] if self.len < np_ else req.output_ids[self.len - np_:]
+            self.buf[self.len:total] = new
+            self.len = total
+        return self.buf[:self.len]
+
+
+def lookup(tokens: np.ndarray, n: int, k: int, window: int) -> list[int]:
+    """Draft ``k`` tokens for the sequence ``tokens`` ([L] int64) by n-gram lookup; [] when nothing matches.
+
+    Suffixes of n, n-1, ... 1 tokens are matched against every earlier position of the last ``window`` tokens
+    (the suffix itself excluded); the most recent match wins and its continuation, repeated with the match's
+    period where it overlaps the suffix, gives the k drafts.
+    """
+    t = tokens[-window:]
+    size = len(t)
+    for m in range(min(n, size - 1), 0, -1):
+        suffix = t[size - m:]
+        windows = np.lib.stride_tricks.sliding_window_view(t[:size - 1], m)  # starts 0 .. size-1-m
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + m  # first token after the match; start <= size - 1
+            return np.resize(t[start:], k).tolist()  # cyclic: the overlapping copy of a period size - start
+    return []
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafts (see the module docstring).
+
+    Args:
+        n: longest suffix matched (tokens).
+        window: tokens searched, counted back from the last one.
+        max_len: the engine's max_context_len (a request never holds more tokens).
+    """
+
+    def __init__(self, *, n: int = 3, window: int = 1024, max_len: int = 2048) -> None:
+        self.n = n
+        self.window = window
+        self.max_len = max_len
+        self.name = "ngram"
+        self._tokens: dict[int, _Tokens] = {}
+
+    def propose(self, requests: Sequence[Request], k: int) -> Drafts:
+        out = []
+        for r in requests:
+            st = self._tokens.get(r.rid)
+            if st is None:
+                st = self._tokens[r.rid] = _Tokens()
+            out.append(lookup(st.sync(r), self.n, k, self.window))
+        return Drafts(out)
+
+    def release(self, rid: int) -> None:
+        self._tokens.pop(rid, None)
+
+    def close(self) -> None:
+        self._tokens.clear()

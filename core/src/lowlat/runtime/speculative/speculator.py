@@ -1,0 +1,170 @@
+"""The speculative step of the engine loop: draft, VERIFY, accept, roll back; or a plain DECODE step.
+
+``Engine._step`` hands each step to ``Speculator.step`` first. When prompt work is pending it returns None and
+the engine schedules PREFILL as usual; otherwise it takes the step:
+
+1. k = ``EngineConfig.draft_tokens``, lowered so that no request can pass ``max_new_tokens`` (a request's KV
+   promise at admission covers exactly its ``max_new_tokens``); at k < 1, or when the controller
+   (``controller.Controller``) says plain decoding is faster, it runs a DECODE step instead;
+2. the drafter proposes up to k ids per decoding request; shorter proposals are padded to k (a padded draft is a
+   point-mass guess like any other, so exactness is untouched); when no request has a draft it runs DECODE;
+3. one VERIFY step (``Scheduler.schedule_verify``: k + 1 rows per request, built into the CUDA-graph buffers, so a
+   captured (batch, k + 1) graph replays, plugin or general path) runs through ``Engine._run`` with this module's
+   acceptance (``verify.greedy_accept`` when every request is greedy, else ``verify.rejection_sample``;
+   simulated: ``SimulatedDrafter.accept_counts``);
+4. ``Scheduler.update`` appends the kept drafts plus the token after them and truncates each request's KV to
+   the tokens kept (``KVPool.truncate``: pages past the kept length go back to the pool).
+
+Greedy requests get exactly the tokens of plain greedy decoding; sampled ones tokens distributed as plain
+sampling's (``verify``'s docstring has the argument and the papers).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from lowlat.config import EngineConfig
+from lowlat.runtime.sampling import sample
+from lowlat.runtime.scheduler import ScheduledStep
+from lowlat.runtime.speculative.controller import Controller
+from lowlat.runtime.speculative.drafter import Drafter, Drafts, make_drafter
+from lowlat.runtime.speculative.stats import SpecStats
+from lowlat.runtime.speculative.verify import greedy_accept, rejection_sample, target_probs
+
+
+def _agree_fn(ctx: Any) -> Any:
+    """An all-reduce mean of a list of floats over the ranks' CPU group (None without TP)."""
+    if ctx is None or ctx.tp.size < 2:
+        return None
+    import torch.distributed as dist
+
+    def agree(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=ctx.cpu_group)
+        return (t / ctx.tp.size).tolist()
+
+    return agree
+
+
+class Speculator:
+    """Speculative decoding for one engine (see the module docstring).
+
+    Args:
+        config: the engine's configuration (``speculative`` on).
+        ctx: the engine's TPContext, or None.
+
+    Attributes:
+        drafter, controller, stats (a SpecStats); k: draft tokens per step.
+    """
+
+    def __init__(self, config: EngineConfig, ctx: Any = None) -> None:
+        self.config = config
+        self.k = config.draft_tokens
+        self.drafter: Drafter = make_drafter(config, ctx)
+        self.controller = Controller(adaptive=config.speculative_adaptive, agree=_agree_fn(ctx))
+        self.stats = SpecStats(method=self.drafter.name, simulated=self.drafter.simulated, k=self.k)
+
+    def step(self, engine: Any) -> list[Any] | None:
+        """Run one step of ``engine`` (an Engine, in inference mode): VERIFY or DECODE; None when prompt work is
+        pending (the engine schedules that). Returns the Completions that finished."""
+        sched = engine.scheduler
+        if sched.prefill_pending():
+            return None
+        reqs = sched.decoding()
+        if not reqs:
+            return None
+        k = min(self.k, min(r.params.max_new_tokens - len(r.output_ids) for r in reqs) - 1)
+        if k < 1 or not self.controller.speculate(len(reqs), k + 1):
+            return self._decode(engine)
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(reqs, k)
+        lens = [min(len(d), k) for d in drafts.tokens]
+        if not any(lens):
+            self.stats.no_draft_steps += 1
+            return self._decode(engine, t0)
+        tokens = {r.rid: (d[:k] + [d[-1] if d else r.output_ids[-1]] * (k - n))
+                  for r, d, n in zip(reqs, drafts.tokens, lens)}
+        t1 = time.perf_counter()
+        step = sched.schedule_verify(tokens, self.config.max_verify_tokens)
+        accept = _Acceptance(engine, self.drafter, drafts)
+        done = engine._run(step, pick=accept)
+        t2 = time.perf_counter()
+        self.stats.add_verify(accept.kept, sum(lens), k, t1 - t0, t2 - t1)
+        self.controller.record(len(reqs), k + 1, t2 - t0, tau=1 + sum(accept.kept) / len(accept.kept))
+        self._release(done)
+        return done
+
+    def _decode(self, engine: Any, t0: float | None = None) -> list[Any]:
+        """A plain DECODE step (``t0``: when drafting began, for a step whose drafts were all empty)."""
+        start = time.perf_counter() if t0 is None else t0
+        step = engine.scheduler.schedule()
+        if step is None:
+            return []
+        done = engine._run(step)
+        dt = time.perf_counter() - start
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(step.requests)
+        self.stats.decode_s += dt
+        if t0 is None:  # a DECODE step that also drafted is not plain decoding's cost
+            self.controller.record(len(step.requests), 1, dt)
+        self._release(done)
+        return done
+
+    def _release(self, done: list[Any]) -> None:
+        for c in done:
+            self.drafter.release(c.request_id)
+
+    def summary(self, engine: Any = None) -> list[str]:
+        """Lines for ``lowlat run`` (acceptance length, VERIFY steps per path, the off-switch)."""
+        return self.stats.lines(engine.stats if engine is not None else None, self.controller)
+
+    def as_dict(self, engine: Any = None) -> dict[str, Any]:
+        return self.stats.as_dict(engine.stats if engine is not None else None, self.controller)
+
+    def close(self) -> None:
+        self.drafter.close()
+
+
+class _Acceptance:
+    """``Engine._run``'s ``pick`` for a speculative VERIFY step: picks per row that ``accepted_tokens`` turns into
+    the kept drafts plus the token after them (row ``i * (k+1) + j``: draft j while kept, then that token, then
+    -1 fillers that are never read). ``kept`` holds the drafts kept per request afterwards."""
+
+    def __init__(self, engine: Any, drafter: Drafter, drafts: Drafts) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.probs = drafts.probs
+        self.kept: list[int] = []
+
+    def __call__(self, step: ScheduledStep, logits: torch.Tensor) -> list[int]:
+        reqs = step.requests
+        b, k1 = len(reqs), step.batch.tokens_per_req
+        k = k1 - 1
+        rows = logits[:b * k1].view(b, k1, logits.shape[-1])
+        draft_lists = [step.drafts[r.rid] for r in reqs]
+        drafts = torch.tensor(draft_lists, dtype=torch.int64, device=logits.device)
+        if self.drafter.simulated:
+            n = torch.tensor(self.drafter.accept_counts(b, k), dtype=torch.int64, device=logits.device)
+            at_n = rows[torch.arange(b, device=logits.device), n]
+            token = torch.argmax(at_n, dim=-1) if step.greedy else sample(
+                at_n, [r.params for r in reqs], [r.generator for r in reqs])
+            clash = (n < k) & (token == drafts.gather(1, n.clamp(max=k - 1)[:, None]).squeeze(1))
+            token = torch.where(clash, (token + 1) % logits.shape[-1], token)
+        elif step.greedy and self.probs is None:
+            n, token = greedy_accept(rows, drafts)
+        else:
+            p = target_probs(rows.reshape(b * k1, -1), [r.params for r in reqs for _ in range(k1)])
+            q = self.probs[:, :k].to(logits.device) if self.probs is not None else None
+            n, token = rejection_sample(p.view(b, k1, -1), drafts, q, [r.generator for r in reqs])
+        self.engine._sync()
+        kept, toks = n.tolist(), token.tolist()
+        self.kept = kept
+        picks: list[int] = []
+        for d, m, t in zip(draft_lists, kept, toks):
+            picks += d[:m]
+            picks.append(t)
+            picks += [-1] * (k - m)
+        return picks

@@ -1,0 +1,115 @@
+"""Speculative decoding in the engine loop: greedy output equals plain decoding token for token for every drafter,
+at batch 1 and 4, on the general path and with the contract suite's reference plugin; KV pages come back
+(CPU, tiny presets; each engine starts in about a second)."""
+
+from __future__ import annotations
+
+import pytest
+from lowlat.config import ConfigError, EngineConfig
+from lowlat.runtime import Engine, ForwardMode, SamplingParams
+from plugin_dists import activate
+
+# Repetitive and plain prompts: the n-gram drafter finds matches in some, none in others.
+PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [9, 8, 7], [5, 5, 5, 5, 5, 5], [100, 200, 300, 100, 200, 7, 8, 9, 10]]
+LENGTHS = [23, 17, 30, 12]  # different ends: requests leave the batch at different steps
+DRAFTERS = ["ngram", "draft:tiny-qwen3", "draft:tiny-llama"]  # tiny-llama drafting itself: every draft kept
+KW = dict(model="tiny-llama", device="cpu", dtype="float32", max_context_len=96, max_batch_size=4, page_size=4)
+
+
+def params(batch: int) -> list[SamplingParams]:
+    return [SamplingParams(max_new_tokens=n, stop_at_eos=False) for n in LENGTHS[:batch]]
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[tuple[str, int], list[list[int]]]:
+    """Plain greedy decoding (no speculation) per (plugin, batch)."""
+    out = {}
+    with Engine(EngineConfig(plugin="none", **KW)) as e:
+        for b in (1, 4):
+            out[b] = [c.token_ids for c in e.generate(PROMPTS[:b], params(b))]
+    return out
+
+
+@pytest.fixture
+def reference_plugin(tmp_path, monkeypatch):
+    """The contract suite's plain-torch reference plugin, installed as a real distribution for this test."""
+    from lowlat_contract.fixtures import install_fixture_plugins
+
+    site = tmp_path / "site"
+    install_fixture_plugins(site, ["reference"])
+    activate(site, monkeypatch)
+    monkeypatch.setenv("LOWLAT_PLUGINS", "reference")
+    return "reference"
+
+
+def run_spec(method: str, batch: int, plugin: str = "none", **kw):
+    with Engine(EngineConfig(plugin=plugin, speculative_method=method, speculative_adaptive=False, **KW, **kw)) as e:
+        pool = e.runner.kv_pool
+        free = pool.free_pages, pool.free_rows
+        got = [c.token_ids for c in e.generate(PROMPTS[:batch], params(batch))]
+        assert (pool.free_pages, pool.free_rows) == free  # rolled-back and finished requests leak no page
+        drafter = e.speculator.drafter
+        if hasattr(drafter, "runner"):  # the draft model's own pool too
+            dpool = drafter.runner.kv_pool
+            assert dpool.free_pages == drafter.initial_free_pages and not drafter.states
+        return got, e.speculator.as_dict(e), e.stats.paths_as_dict()
+
+
+@pytest.mark.parametrize("method", DRAFTERS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_identity_general_path(plain, method, batch):
+    got, spec, paths = run_spec(method, batch)
+    assert got == plain[batch]
+    assert spec["verify_steps"] > 0 and paths["general"]["VERIFY"]["steps"] == spec["verify_steps"]
+    if method == "draft:tiny-llama":  # the target drafting itself: every draft is kept
+        assert spec["accepted"] == spec["drafted"] and spec["acceptance_length"] > 5.0
+
+
+@pytest.mark.parametrize("method", DRAFTERS)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_identity_reference_plugin(plain, reference_plugin, method, batch):
+    got, spec, paths = run_spec(method, batch, plugin=reference_plugin)
+    assert got == plain[batch]
+    by_path = spec["verify_steps_by_path"]  # the plugin covers 16 tokens a step: 4 x 6 rows go to the general path
+    assert by_path["plugin"] > 0 and sum(by_path.values()) == spec["verify_steps"]
+    assert paths["plugin"]["VERIFY"]["steps"] == by_path["plugin"]
+
+
+def test_ngram_prompt_lookup_keeps_drafts_on_repetitive_text(plain):
+    got, spec, _ = run_spec("ngram", 4)
+    assert got == plain[4] and spec["accepted"] > 0
+    assert sum(spec["accept_hist"]) == spec["emitted"] - spec["accepted"]  # one histogram entry per request-step
+
+
+def test_eos_inside_accepted_drafts_stops_there():
+    eos_prompt = [3, 3, 3, 3]
+    with Engine(EngineConfig(plugin="none", **KW)) as e:
+        full = e.generate([eos_prompt], SamplingParams(max_new_tokens=20, stop_at_eos=False))[0].token_ids
+    stop = full[5]  # pretend the 6th token is EOS: generation must end right there, even mid-VERIFY
+    with Engine(EngineConfig(plugin="none", speculative_method="draft:tiny-llama", speculative_adaptive=False,
+                             **KW)) as e:
+        e.eos_ids = frozenset({stop})  # requests take the engine's EOS ids when added
+        c = e.generate([eos_prompt], SamplingParams(max_new_tokens=20))[0]
+        assert c.token_ids == full[:full.index(stop) + 1] and c.finish_reason == "eos"
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="not one of"):
+        EngineConfig(speculative_method="medusa")
+    with pytest.raises(ConfigError, match="max_verify_tokens"):
+        EngineConfig(speculative_method="ngram", num_draft_tokens=8)
+    with pytest.raises(ConfigError, match="longest possible"):
+        EngineConfig(speculative_method="simulated:7", num_draft_tokens=4)
+    c = EngineConfig(speculative=True, max_verify_tokens=3)
+    assert c.speculative_method == "ngram" and c.draft_tokens == 2
+    assert EngineConfig(speculative_method="draft:/x").speculative and EngineConfig().draft_tokens == 5
+
+
+def test_step_api_and_verify_api_still_work_with_speculation():
+    with Engine(EngineConfig(plugin="none", speculative_method="ngram", speculative_adaptive=False, **KW)) as e:
+        rid = e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=12, stop_at_eos=False))
+        done = []
+        while e.has_unfinished():
+            done += e.step()
+        assert [c.request_id for c in done] == [rid]
+        assert e.stats.by_mode[ForwardMode.VERIFY].steps == e.speculator.stats.verify_steps > 0
