@@ -230,3 +230,21 @@ def test_defaults_table_covers_every_audited_field_with_a_default() -> None:
             "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
             "initializer_range", "use_cache", "rope_parameters"}
         assert not missing, (mt, missing)
+
+
+IGNORED_VALUES = {"initializer_range": 0.5, "use_cache": False, "output_router_logits": True,
+                  "router_aux_loss_coef": 0.5, "attention_dropout": 0.3, "transformers_version": "4.0.0",
+                  "output_hidden_states": True, "return_dict": False, "chunk_size_feed_forward": 4,
+                  "id2label": {"0": "a"}, "label2id": {"a": 0}, "problem_type": "regression", "pad_token_id": 0,
+                  "pretraining_tp": 4, "is_encoder_decoder": False}
+
+
+@pytest.mark.parametrize("mt", list(CONFIG_CLASSES))
+def test_ignored_fields_do_not_change_the_config(mt: str) -> None:
+    """Fields the audit marks "ignored" take any valid value without changing what lowlat computes."""
+    preset = {"llama": "tiny-llama", "qwen3": "tiny-qwen3", "qwen3_moe": "tiny-qwen3-moe"}[mt]
+    base = get_preset(preset).to_hf_dict()
+    ignored = [f for f, how in FIELDS[mt].items() if how.startswith("ignored") or f == "pad_token_id"]
+    assert ignored
+    for f in ignored:
+        assert ModelConfig.from_hf_dict({**base, f: IGNORED_VALUES[f]}) == get_preset(preset), f
