@@ -204,8 +204,11 @@ class CheckpointReader:
         lowp = [n for n in names if self._entries[n]["dtype"] not in _WEIGHT_DTYPES]
         scales = [n for n in names if n.endswith(_QUANT_SUFFIXES) and n not in lowp]
         if lowp or scales:
-            what = [f"{len(lowp)} tensor(s) stored in a quantized dtype, e.g. {_examples(lowp, self._entries)}"] * bool(lowp)
-            what += [f"{len(scales)} scale/packing tensor(s), e.g. {_examples(scales, self._entries)}"] * bool(scales)
+            what = []
+            if lowp:
+                what.append(f"{len(lowp)} tensor(s) stored in a quantized dtype, e.g. {_examples(lowp, self._entries)}")
+            if scales:
+                what.append(f"{len(scales)} scale/packing tensor(s), e.g. {_examples(scales, self._entries)}")
             raise CheckpointError(
                 f"{self.path} is a quantized checkpoint ({'; '.join(what)}); lowlat loads unquantized "
                 "bfloat16/float16/float32 weights only; use an unquantized checkpoint")
