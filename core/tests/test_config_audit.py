@@ -83,6 +83,17 @@ def test_defaults_that_were_guessed_before() -> None:
                                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                         "high_freq_factor": 4.0}})
     assert llama3.rope_scaling["original_max_position_embeddings"] == 512
+    d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "original_max_position_embeddings": 64,
+         "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}
+    for rope_orig in (128, None):  # in the rope dict it counts; top level only, transformers ignores it
+        if rope_orig is None:
+            del d["rope_parameters"]["original_max_position_embeddings"]
+        hf = tf.LlamaConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+        want = hf.rope_parameters["original_max_position_embeddings"]
+        with pytest.warns(UserWarning, match="original_max_position_embeddings"):
+            assert ModelConfig.from_hf_dict(d).rope_scaling["original_max_position_embeddings"] == want
+        assert want == (rope_orig or 2048)
 
 
 @pytest.mark.parametrize("u", UNSUPPORTED, ids=lambda u: u.name)

@@ -161,8 +161,9 @@ def _rope(d: dict[str, Any], mt: str, max_pos: int) -> tuple[float, dict[str, An
         high = read_float("rope_parameters.high_freq_factor", rs.get("high_freq_factor"))
         if low == high:
             raise _fail("rope_parameters.high_freq_factor", high, "it must differ from low_freq_factor")
+        # transformers 5.24 ignores a top-level original_max_position_embeddings for these models (warned as unknown)
         old = read_int("rope_parameters.original_max_position_embeddings",
-                       rs.get("original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos)))
+                       rs.get("original_max_position_embeddings", max_pos))
         out.update(low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=old)
     return theta, out
 
