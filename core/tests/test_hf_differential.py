@@ -149,3 +149,23 @@ def test_a_dropped_bias_would_be_caught(checkpoints) -> None:
     tokens, logits = greedy(model, steps=4)
     ref = hf_logits(hf, tokens)
     assert (logits - ref).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("v", SUPPORTED_VARIANTS, ids=lambda v: v.name)
+def test_config_json_without_default_valued_fields(v: Variant, checkpoints, tmp_path) -> None:
+    """A config.json that omits every field equal to transformers' default means the same model to both."""
+    import json
+
+    _, path = checkpoints[v.name]
+    full = json.loads((path / "config.json").read_text())
+    cfg_cls = getattr(tf, CLASSES[full["model_type"]][0])
+    defaults = cfg_cls().to_dict()
+    keep = {"architectures", "model_type"}
+    stripped = {k: val for k, val in full.items() if k in keep or k not in defaults or defaults[k] != val}
+    assert len(stripped) < len(full)
+    (tmp_path / "config.json").write_text(json.dumps(stripped))
+    hf_stripped = tf.AutoConfig.from_pretrained(tmp_path)
+    for k, val in full.items():  # transformers reads the stripped file as the full one
+        if k not in ("transformers_version", "dtype", "layer_types"):
+            assert getattr(hf_stripped, k, val) == val, k
+    assert resolve_model(str(tmp_path)) == resolve_model(str(path))
