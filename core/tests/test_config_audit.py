@@ -265,7 +265,8 @@ def test_ignored_fields_do_not_change_the_config(mt: str) -> None:
 PUBLISHED = {
     "llama-3.2-1b": {
         "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+        "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+        "initializer_range": 0.02,
         "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
         "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
         "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -274,7 +275,8 @@ PUBLISHED = {
         "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256},
     "qwen3-8b": {
         "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02,
         "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
         "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
         "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
