@@ -47,11 +47,16 @@ SUPPORTED_VARIANTS: tuple[Variant, ...] = (
     Variant("qwen3-mha", "tiny-qwen3", {"num_key_value_heads": 8}),
     Variant("qwen3-mqa", "tiny-qwen3", {"num_key_value_heads": 1}),
     Variant("qwen3-attention-bias", "tiny-qwen3", {"attention_bias": True}),
+    Variant("qwen3-rope-linear", "tiny-qwen3", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     Variant("moe-base", "tiny-qwen3-moe"),  # every layer sparse, norm_topk_prob true
     Variant("moe-no-norm-topk", "tiny-qwen3-moe", {"norm_topk_prob": False}),
     Variant("moe-dense-layer-0", "tiny-qwen3-moe", {"mlp_only_layers": (0,)}),
     Variant("moe-sparse-step-2", "tiny-qwen3-moe", {"decoder_sparse_step": 2}),
     Variant("moe-tied", "tiny-qwen3-moe", {"tie_word_embeddings": True}),
+    Variant("moe-attention-bias", "tiny-qwen3-moe", {"attention_bias": True}),
+    Variant("moe-rope-llama3", "tiny-qwen3-moe", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256}}),
 )
 
 
