@@ -157,6 +157,7 @@ class ModelConfig:
         d["model_type"] = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
                            "Qwen3MoeForCausalLM": "qwen3_moe"}[self.architecture]
         d["mlp_only_layers"] = list(self.mlp_only_layers)
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None  # a copy: consumers mutate it
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
         if self.architecture != "LlamaForCausalLM":

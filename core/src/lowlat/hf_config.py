@@ -101,7 +101,7 @@ def _get(d: dict[str, Any], key: str, defaults: dict[str, Any]) -> Any:
 
 
 def read_int(key: str, v: Any, *, minimum: int = 1, maximum: int | None = None) -> int:
-    """``v`` as an int field of config.json. Raises ConfigError naming ``key`` for a non-integer or out-of-range value."""
+    """``v`` as an int field of config.json. Raises ConfigError naming ``key`` for a non-integer or out-of-range."""
     if isinstance(v, bool) or not isinstance(v, int):
         raise ConfigError(f"config.json field {key}={v!r} must be an integer (a JSON number such as 32), "
                           f"not {type(v).__name__}; fix config.json")
@@ -145,7 +145,8 @@ def _rope(d: dict[str, Any], mt: str, max_pos: int) -> tuple[float, dict[str, An
     if isinstance(rs.get("full_attention"), dict):  # nested by layer type (all layers are full attention)
         rs = rs["full_attention"]
     rs = dict(rs)
-    theta = read_float("rope_parameters.rope_theta", rs.get("rope_theta", d.get("rope_theta", DEFAULTS[mt]["rope_theta"])))
+    theta = rs.get("rope_theta", d.get("rope_theta", DEFAULTS[mt]["rope_theta"]))
+    theta = read_float("rope_theta", theta)
     prf = rs.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if prf != 1.0:
         raise _fail("partial_rotary_factor", prf, "lowlat rotates the whole head (1.0)")
@@ -160,8 +161,9 @@ def _rope(d: dict[str, Any], mt: str, max_pos: int) -> tuple[float, dict[str, An
         high = read_float("rope_parameters.high_freq_factor", rs.get("high_freq_factor"))
         if low == high:
             raise _fail("rope_parameters.high_freq_factor", high, "it must differ from low_freq_factor")
+        # transformers 5.24 ignores a top-level original_max_position_embeddings for these models (warned as unknown)
         old = read_int("rope_parameters.original_max_position_embeddings",
-                       rs.get("original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos)))
+                       rs.get("original_max_position_embeddings", max_pos))
         out.update(low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=old)
     return theta, out
 

@@ -201,12 +201,17 @@ class CheckpointReader:
                 mismatches and unexpected tensors, all at once.
         """
         names = self.names()
-        quant = [n for n in names if self._entries[n]["dtype"] not in _WEIGHT_DTYPES or n.endswith(_QUANT_SUFFIXES)]
-        if quant:
+        lowp = [n for n in names if self._entries[n]["dtype"] not in _WEIGHT_DTYPES]
+        scales = [n for n in names if n.endswith(_QUANT_SUFFIXES) and n not in lowp]
+        if lowp or scales:
+            what = []
+            if lowp:
+                what.append(f"{len(lowp)} tensor(s) stored in a quantized dtype, e.g. {_examples(lowp, self._entries)}")
+            if scales:
+                what.append(f"{len(scales)} scale/packing tensor(s), e.g. {_examples(scales, self._entries)}")
             raise CheckpointError(
-                f"{self.path} is a quantized checkpoint ({len(quant)} tensor(s) stored quantized or holding scales, "
-                f"e.g. {_examples(quant, self._entries)}); lowlat loads unquantized bfloat16/float16/float32 weights "
-                "only; use an unquantized checkpoint")
+                f"{self.path} is a quantized checkpoint ({'; '.join(what)}); lowlat loads unquantized "
+                "bfloat16/float16/float32 weights only; use an unquantized checkpoint")
         have_layers = 1 + max((int(m.group(1)) for n in names if (m := _LAYER.match(n))), default=-1)
         if config.num_hidden_layers > have_layers:
             raise CheckpointError(f"{self.path}: config.json says num_hidden_layers={config.num_hidden_layers} but "
