@@ -106,7 +106,8 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
         gen = _gen_request(body, ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, loop,
                            settings, "prompt")
         return await _respond(request, loop, gen, body, Formatter(chat=False, model=body.model,
-                                                                  tokenizer=loop.tokenizer))
+                                                                  tokenizer=loop.tokenizer,
+                                                                  token_ids=body.return_token_ids))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -126,7 +127,8 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
         top = (body.top_logprobs or 0) if body.logprobs else None
         gen = _gen_request(body, ids, budget, top, loop, settings, "messages")
         return await _respond(request, loop, gen, body, Formatter(chat=True, model=body.model,
-                                                                  tokenizer=loop.tokenizer))
+                                                                  tokenizer=loop.tokenizer,
+                                                                  token_ids=body.return_token_ids))
 
     return app
 
@@ -248,8 +250,7 @@ async def _sse(loop: EngineLoop, stream: RequestStream, fmt: Formatter, include_
                 done = True
                 yield sse(error_body(str(err), type_=err.type, param=err.param, code=err.code or err.status))
                 break
-            if d.text or d.finish_reason or d.logprobs:
-                yield sse(fmt.chunk(d))
+            yield sse(fmt.chunk(d))  # every step's delta, "" text included: clients can time each token
             if d.finish_reason:
                 done = True
                 if include_usage:

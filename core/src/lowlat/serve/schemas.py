@@ -52,6 +52,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     timeout: float | None = Field(default=None, gt=0.0)  # lowlat extra: seconds for this request
+    return_token_ids: bool = False  # lowlat/vLLM extra: each choice also carries its "token_ids"
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:
