@@ -104,3 +104,12 @@ def test_schema_rejections_name_the_field():
         assert e.value.errors()[0]["ctx"]["error"].param == param
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+
+
+def test_unknown_ids_do_not_hold_the_text_back_for_ever():
+    ids = [300] * 10 + list(b"ok")  # ids past the tokenizer's vocabulary decode to U+FFFD
+    d = IncrementalDetokenizer(TOK)
+    pieces = [d.add([i]) for i in ids]
+    assert "".join(pieces) + d.finish() == TOK.decode(ids)
+    assert sum(1 for p in pieces[:10] if p) >= 2  # emitted while it ran, not all at the end
+    assert d._read - d._prefix <= 4

@@ -80,14 +80,25 @@ class RequestStream:
         self.handle = -1
 
     def put(self, d: Delta) -> None:
-        try:
-            self._aloop.call_soon_threadsafe(self._q.put_nowait, d)
-        except RuntimeError:  # the event loop is closed: nobody is reading any more
-            pass
+        """Put one delta (from any thread)."""
+        deliver(self._aloop, [(self, d)])
 
     async def get(self, timeout_s: float) -> Delta:
         """The next delta. Raises asyncio.TimeoutError after ``timeout_s``."""
         return await asyncio.wait_for(self._q.get(), timeout_s)
+
+
+def _put_all(items: list[tuple[RequestStream, Delta]]) -> None:
+    for stream, d in items:
+        stream._q.put_nowait(d)
+
+
+def deliver(aloop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Delta]]) -> None:
+    """Hand ``items`` to their streams on ``aloop`` with one wake-up of that loop (thread-safe)."""
+    try:
+        aloop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the event loop is closed: nobody is reading any more
+        pass
 
 
 @dataclass
@@ -139,6 +150,7 @@ class EngineLoop:
         self._by_rid: dict[int, _State] = {}
         self._by_handle: dict[int, _State] = {}
         self._to_abort: list[_State] = []
+        self._outbox: list[tuple[RequestStream, Delta]] = []  # deltas of this step, sent in one batch
         self.failed: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="lowlat-engine-loop", daemon=True)
 
@@ -231,6 +243,7 @@ class EngineLoop:
             self.failed = exc
             for st in list(self._by_handle.values()):
                 self._end(st, "error", error=f"{type(exc).__name__}: {exc}")
+            self._flush()
         finally:
             e.step_observer = e.logits_observer = None
             e.close(abort=self.failed is not None)
@@ -271,8 +284,21 @@ class EngineLoop:
             self._end(st, "timeout", error=f"the request did not finish within its timeout of {st.req.timeout_s} s")
         self._abort_dropped()
 
+    def _flush(self) -> None:
+        """Send the collected deltas: one wake-up per event loop per step, not one per request."""
+        if not self._outbox:
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[RequestStream, Delta]]]] = {}
+        for item in self._outbox:
+            by_loop.setdefault(id(item[0]._aloop), (item[0]._aloop, []))[1].append(item)
+        self._outbox = []
+        for aloop, items in by_loop.values():
+            deliver(aloop, items)
+
     def _abort_dropped(self) -> None:
-        """Abort in the engine every request that ended here but still runs there (frees its KV pages now)."""
+        """Abort in the engine every request that ended here but still runs there (frees its KV pages now);
+        then send the collected deltas."""
+        self._flush()
         while self._to_abort:
             st = self._to_abort.pop()
             if st.rid >= 0:
@@ -329,7 +355,7 @@ class EngineLoop:
             finish = FINISH_REASONS.get(engine_finish, engine_finish)
         st.completion += len(new)
         if finish is None:
-            st.stream.put(Delta(text, new, lps))
+            self._outbox.append((st.stream, Delta(text, new, lps)))
             return
         text += st.detok.finish()
         self._end(st, finish, last=Delta(text, new, lps))
@@ -342,7 +368,7 @@ class EngineLoop:
         d = last or Delta(st.detok.finish() if finish != "error" else "", [])
         d.finish_reason, d.error = finish, error
         d.prompt_tokens, d.completion_tokens = len(st.req.prompt_ids), st.completion
-        st.stream.put(d)
+        self._outbox.append((st.stream, d))
         self._by_handle.pop(st.handle, None)
         self._by_rid.pop(st.rid, None)
         with self._lock:
