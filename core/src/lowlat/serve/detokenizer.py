@@ -6,8 +6,9 @@ difference, so tokenizers whose pieces depend on their left context (SentencePie
 the same text as decoding the whole sequence. Text ending in U+FFFD (an incomplete UTF-8 sequence) is held
 back until a later token completes it, the request ends, or ``MAX_HELD_TOKENS`` tokens are held (then the U+FFFD
 is real: an id the tokenizer does not know, as with presets' random weights), so the window stays short.
-When stop strings are set, the last ``max(len(stop)) - 1`` characters are held back too, so a stop string split
-over tokens is never streamed; a matched stop string is cut off (OpenAI semantics: the stop sequence is not part of the text).
+When stop strings are set, the last ``max(len(stop)) - 1`` characters are held back too, so a stop string
+split over tokens is never streamed; a matched stop string is cut off (OpenAI semantics: the stop sequence is
+not part of the text).
 """
 
 from __future__ import annotations
