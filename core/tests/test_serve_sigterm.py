@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 START_S = 90.0
 
@@ -21,11 +22,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_and_exits_0():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sigterm_drains_and_exits_0(tp):
+    """With --tp 2 rank 0 serves and the spawned worker follows its calls."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "lowlat.cli", "serve", "--device", "cpu", "--port", str(port),
-                             "--max-context-len", "512", "--no-cuda-graph", "--shutdown-grace", "20"],
+                             "--max-context-len", "512", "--no-cuda-graph", "--shutdown-grace", "20", "--tp", str(tp)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
 
     from lowlat.bench.serve_bench import run_serve_bench
 
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise RuntimeError("lowlat bench serve needs httpx: pip install 'lowlat[serve,bench]'") from None
     cfg = config_from_args(args)
     stamp = args.name or "serve-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path("bench") / "results" / stamp
