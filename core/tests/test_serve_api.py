@@ -74,6 +74,19 @@ def test_stop_string_cuts_the_text(client):
     assert streamed == text[:text.find(stop)]
 
 
+def test_stop_token_ids_end_the_request_at_that_token(client):
+    kw = dict(model=MODEL, prompt="ids", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = full.choices[0].token_ids
+    assert len(ids) == 16
+    idx = 5
+    got = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                      "stop_token_ids": [ids[idx]]})
+    first = ids.index(ids[idx])
+    assert got.choices[0].finish_reason == "stop" and got.choices[0].token_ids == ids[:first + 1]
+    assert got.usage.completion_tokens == first + 1
+
+
 def test_logprobs_completion_and_chat(client):
     got = client.completions.create(model=MODEL, prompt="log", max_tokens=5, temperature=0, logprobs=3,
                                     extra_body={"ignore_eos": True}).choices[0].logprobs
@@ -162,6 +175,18 @@ def test_unknown_model_is_404_and_bad_chat_is_400(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        top_logprobs=2)
     assert e.value.response.json()["error"]["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_chat_without_max_tokens_runs_to_the_context_limit(server, client):
+    _, loop, _, _ = server
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "long"}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.total_tokens == min(loop.max_context_len, loop.max_cached_tokens + 1)
 
 
 def test_request_timeout_is_504(server, client):

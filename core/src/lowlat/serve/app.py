@@ -112,10 +112,14 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(body.model, settings)
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & {"messages", "add_generation_prompt", *settings.chat_template.special_tokens})
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
         try:
             text = settings.chat_template.render(body.template_messages(),
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+                                                 add_generation_prompt=body.add_generation_prompt, **extra)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         except InvalidParam as e:
@@ -123,7 +127,7 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
         ids = loop.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the chat template rendered the messages to no tokens", param="messages")
-        budget = body.token_budget or max(1, loop.max_context_len - len(ids))
+        budget = body.token_budget or max(1, request_limit(loop) - len(ids))  # OpenAI: up to the context
         top = (body.top_logprobs or 0) if body.logprobs else None
         gen = _gen_request(body, ids, budget, top, loop, settings, "messages")
         return await _respond(request, loop, gen, body, Formatter(chat=True, model=body.model,
@@ -154,10 +158,15 @@ def _check_model(model: str, settings: ServeSettings) -> None:
                        type_="not_found_error", param="model", code="model_not_found")
 
 
+def request_limit(loop: EngineLoop) -> int:
+    """Tokens one request may hold here, prompt plus completion (the context, or the KV pool if smaller)."""
+    return min(loop.max_context_len, loop.max_cached_tokens + 1)
+
+
 def _gen_request(body: Any, ids: list[int], max_tokens: int, logprobs: int | None, loop: EngineLoop,
                  settings: ServeSettings, prompt_field: str) -> GenRequest:
     """Validate lengths and sampling values against this engine; raises APIError(400) naming the field."""
-    limit = min(loop.max_context_len, loop.max_cached_tokens + 1)
+    limit = request_limit(loop)
     if len(ids) >= limit:
         raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit - 1} "
                             f"(max_context_len {loop.max_context_len})", param=prompt_field)
