@@ -200,3 +200,33 @@ def test_request_timeout_is_504(server, client):
     finally:
         slow.s = 0.0
     wait_for(lambda: loop.in_flight == 0, what="the timed-out request gone")
+
+
+def test_raw_http_errors_keep_the_openai_shape(server):
+    url = server[0]
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    r = httpx.get(f"{url}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_non_streaming_client_that_gives_up_frees_kv(server):
+    url, loop, engine, slow = server
+    pool = engine.runner.kv_pool
+    wait_for(lambda: loop.in_flight == 0, what="an idle server")
+    free = pool.free_pages
+    aborts = loop.metrics.requests.labels("abort")
+    before = aborts._value.get()
+    slow.s = 0.01
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "gone", "max_tokens": 200,
+                                                       "ignore_eos": True}, timeout=0.5)
+        wait_for(lambda: pool.free_pages == free and loop.in_flight == 0, timeout_s=10,
+                 what="the abandoned request aborted")
+        assert aborts._value.get() == before + 1  # aborted, not run to its end
+    finally:
+        slow.s = 0.0

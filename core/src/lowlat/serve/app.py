@@ -221,16 +221,21 @@ async def _respond(request: Request, loop: EngineLoop, gen: GenRequest, body: An
         return StreamingResponse(_sse(loop, stream, fmt, body.include_usage, deadline),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     deltas: list[Delta] = []
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         while not deltas or deltas[-1].finish_reason is None:
             try:
                 deltas.append(await stream.get(DISCONNECT_POLL_S))
             except asyncio.TimeoutError:
+                pass
+            now = time.monotonic()
+            if now >= next_check:  # by the clock: deltas may come every step and never let get() time out
+                next_check = now + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     loop.abort(stream.handle)
                     return Response(status_code=499)
-                if time.monotonic() > deadline:
-                    raise APIError(504, "the engine did not answer in time", type_="timeout_error") from None
+            if now > deadline:
+                raise APIError(504, "the engine did not answer in time", type_="timeout_error")
     except BaseException:
         if not deltas or deltas[-1].finish_reason is None:
             loop.abort(stream.handle)
