@@ -63,7 +63,7 @@ def test_seeded_sampling_repeats_and_top_k_passes(client):
     assert a == b
 
 
-def test_stop_string_cuts_the_text(client):
+def test_stop_string_cuts_the_text(server, client):
     kw = dict(model=MODEL, prompt="The stop test", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     text = client.completions.create(**kw).choices[0].text
     stop = text[6:8]
@@ -72,6 +72,9 @@ def test_stop_string_cuts_the_text(client):
     assert got.choices[0].text == text[:text.find(stop)]
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True))
     assert streamed == text[:text.find(stop)]
+    _, loop, engine, _ = server  # the reader found the stop string; the engine request was aborted
+    wait_for(lambda: loop.in_flight == 0 and not engine.scheduler.running, what="the stopped request gone")
+    assert loop.metrics.requests.labels("stop")._value.get() >= 2
 
 
 def test_stop_token_ids_end_the_request_at_that_token(client):

@@ -188,7 +188,7 @@ def _gen_request(body: Any, ids: list[int], max_tokens: int, logprobs: int | Non
 
 
 def _submit(loop: EngineLoop, gen: GenRequest, settings: ServeSettings) -> RequestStream:
-    stream = RequestStream(asyncio.get_running_loop())
+    stream = RequestStream(asyncio.get_running_loop(), loop.tokenizer, gen.stop)
     try:
         loop.submit(gen, stream)
     except Overloaded as e:

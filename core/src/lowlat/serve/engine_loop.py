@@ -4,8 +4,11 @@ The HTTP side calls ``submit`` (thread-safe, never blocks) and reads the returne
 ``await stream.get(timeout)``; it calls ``abort`` when its client goes away. The loop thread drains the command
 queue between steps, so new requests join the running batch at the next step (continuous batching) and an
 aborted request's KV pages are free before the next step runs. After each step the engine's ``step_observer``
-hands the loop the step's requests; their new tokens are detokenized incrementally (``IncrementalDetokenizer``),
-checked for stop strings and stop token ids, and put on each request's stream.
+hands the loop the step's requests; their new token ids (checked for stop token ids) go to each request's stream,
+all streams' deltas with one wake-up of the event loop. Text is made on the reading side: ``RequestStream.get``
+detokenizes incrementally (``IncrementalDetokenizer``) and applies stop strings (a hit aborts the request, one
+step late at most), so the loop thread's host work per step stays O(1) per request while the reader's runs
+during the next GPU step (``.tolist()`` releases the GIL while it waits for the device).
 
 Bounds: at most ``max_queued`` requests wait for a batch slot (``submit`` raises ``Overloaded`` beyond it);
 each request may carry a deadline (it is aborted and its stream ends with ``finish_reason="timeout"``);
@@ -60,32 +63,67 @@ class TokenLogprob:
 
 @dataclass
 class Delta:
-    """What one step added to a request: text, ids, logprobs; the last delta has ``finish_reason``."""
+    """What one step added to a request: ids, logprobs, and (filled by ``RequestStream.get``) text.
+
+    The last delta has ``finish_reason``: stop | length | abort | timeout | error | invalid (refused at add).
+    ``stop_token``: the last id is a stop token id (it counts as generated but has no text).
+    """
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # stop | length | abort | timeout | error | invalid (refused at add)
+    finish_reason: str | None = None
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_token: bool = False
 
 
 class RequestStream:
-    """Deltas of one request, put by the loop thread, read by an asyncio task on ``aloop``."""
+    """Deltas of one request, put by the loop thread, read (and detokenized) by an asyncio task on ``aloop``.
 
-    def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
+    Args:
+        tokenizer: decodes the ids into ``Delta.text``; None leaves the text empty.
+        stop: stop strings; the first hit ends the stream (``finish_reason="stop"``) and aborts the request.
+    """
+
+    def __init__(self, aloop: asyncio.AbstractEventLoop, tokenizer: Any = None, stop: Sequence[str] = ()) -> None:
         self._aloop = aloop
         self._q: asyncio.Queue[Delta] = asyncio.Queue()
         self.handle = -1
+        self.owner: EngineLoop | None = None
+        self.prompt_tokens = 0
+        self.tokens = 0  # ids received so far
+        self.ended = False
+        self._detok = IncrementalDetokenizer(tokenizer, stop) if tokenizer is not None else None
 
     def put(self, d: Delta) -> None:
         """Put one delta (from any thread)."""
         deliver(self._aloop, [(self, d)])
 
     async def get(self, timeout_s: float) -> Delta:
-        """The next delta. Raises asyncio.TimeoutError after ``timeout_s``."""
-        return await asyncio.wait_for(self._q.get(), timeout_s)
+        """The next delta, with its text. Raises asyncio.TimeoutError after ``timeout_s``."""
+        d = await asyncio.wait_for(self._q.get(), timeout_s)
+        return self.process(d)
+
+    def process(self, d: Delta) -> Delta:
+        """Fill ``d.text`` and apply stop strings (on the reading thread)."""
+        self.tokens += len(d.token_ids)
+        if self._detok is None or self.ended:
+            return d
+        ids = d.token_ids[:-1] if d.stop_token else d.token_ids
+        if d.finish_reason in (None, "stop", "length"):
+            d.text = self._detok.add(ids)
+            if self._detok.stopped and d.finish_reason is None:  # a stop string: end here, abort the request
+                d.finish_reason = "stop"
+                d.prompt_tokens, d.completion_tokens = self.prompt_tokens, self.tokens
+                if self.owner is not None:
+                    self.owner.abort(self.handle, finish="stop")
+            if d.finish_reason is not None:
+                d.text += self._detok.finish()
+        if d.finish_reason is not None:
+            self.ended = True
+        return d
 
 
 def _put_all(items: list[tuple[RequestStream, Delta]]) -> None:
@@ -106,7 +144,6 @@ class _State:
     handle: int
     req: GenRequest
     stream: RequestStream
-    detok: IncrementalDetokenizer
     t_submit: float
     deadline: float | None
     rid: int = -1
@@ -188,15 +225,16 @@ class EngineLoop:
             self._pending += 1
             self._in_flight += 1
             handle = next(self._ids)
-        stream.handle = handle
-        self._cmds.put(("add", _State(handle, req, stream, IncrementalDetokenizer(self.tokenizer, req.stop),
-                                      time.monotonic(),
-                                      None if req.timeout_s is None else time.monotonic() + req.timeout_s)))
+        stream.handle, stream.owner, stream.prompt_tokens = handle, self, len(req.prompt_ids)
+        now = time.monotonic()
+        deadline = None if req.timeout_s is None else now + req.timeout_s
+        self._cmds.put(("add", _State(handle, req, stream, now, deadline)))
         return handle
 
-    def abort(self, handle: int) -> None:
-        """Abort the request (its client went away); a finished one is left alone. Thread-safe."""
-        self._cmds.put(("abort", handle))
+    def abort(self, handle: int, finish: str = "abort") -> None:
+        """End the request with ``finish`` (the client went away: "abort"; a stop string: "stop") and free its
+        KV pages before the next step; a finished one is left alone. Thread-safe."""
+        self._cmds.put(("abort", (handle, finish)))
 
     def refuse_new(self) -> None:
         """From now on ``submit`` raises NotAccepting; running requests go on."""
@@ -258,9 +296,9 @@ class EngineLoop:
             if kind == "add":
                 self._add(arg)
             elif kind == "abort":
-                st = self._by_handle.get(arg)
+                st = self._by_handle.get(arg[0])
                 if st is not None:
-                    self._end(st, "abort")
+                    self._end(st, arg[1])
                     self._abort_dropped()
             elif kind == "stop":
                 self._stop_at = arg
@@ -348,24 +386,20 @@ class EngineLoop:
         if st.req.logprobs is not None:
             rows = [st.pending_lp.pop(i) for i in sorted(st.pending_lp)]
             lps = [TokenLogprob(t, float(lp[t]), top[:st.req.logprobs]) for t, (lp, top) in zip(new, rows)]
-        text = st.detok.add(new if stop_at is None else new[:stop_at])
-        if st.detok.stopped:
-            finish = "stop"
-        elif finish is None and engine_finish is not None:
+        if finish is None and engine_finish is not None:
             finish = FINISH_REASONS.get(engine_finish, engine_finish)
         st.completion += len(new)
         if finish is None:
-            self._outbox.append((st.stream, Delta(text, new, lps)))
+            self._outbox.append((st.stream, Delta("", new, lps)))
             return
-        text += st.detok.finish()
-        self._end(st, finish, last=Delta(text, new, lps))
+        self._end(st, finish, last=Delta("", new, lps, stop_token=stop_at is not None))
 
     def _end(self, st: _State, finish: str, *, error: str | None = None, last: Delta | None = None) -> None:
         """End ``st``'s stream with ``finish``; a request still running in the engine is aborted after the step."""
         if st.done:
             return
         st.done = True
-        d = last or Delta(st.detok.finish() if finish != "error" else "", [])
+        d = last or Delta("", [])
         d.finish_reason, d.error = finish, error
         d.prompt_tokens, d.completion_tokens = len(st.req.prompt_ids), st.completion
         self._outbox.append((st.stream, d))
