@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -59,6 +60,21 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port. Raises ValueError naming the flag when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port "
+                         "or stop what uses it") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 @one_line_errors("serve")
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT. Returns 0 after a clean shutdown."""
@@ -78,6 +94,7 @@ def serve(args: argparse.Namespace) -> int:
     from lowlat.serve.metrics import ServeMetrics
 
     check_args(args)
+    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails in a second, not minutes
     config = engine_config_from_args(args)
     if config.tp_size > 1 and tp_launch.under_torchrun():
         raise ValueError("lowlat serve starts its own tensor-parallel workers; run it without torchrun "
@@ -100,11 +117,13 @@ def serve(args: argparse.Namespace) -> int:
     # before the engine is closed, so a drained shutdown exits 0.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     loop.start()
-    print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{args.port}/v1 "
+    port = sock.getsockname()[1]
+    print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{port}/v1 "
           f"(chat template: {template.origin}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         loop.stop(grace_s=1.0)
         signal.signal(signal.SIGTERM, previous)
     print("lowlat serve: stopped", file=sys.stderr, flush=True)

@@ -23,10 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lowlat.runtime.sampling import SamplingParams
 from lowlat.serve.chat_template import ChatTemplate, ChatTemplateError
-from lowlat.serve.engine_loop import Delta, EngineLoop, GenRequest, NotAccepting, Overloaded, RequestStream
+from lowlat.serve.engine_loop import EngineLoop, NotAccepting, Overloaded
 from lowlat.serve.metrics import CONTENT_TYPE, ServeMetrics
 from lowlat.serve.openai_format import SSE_DONE, Formatter, sse
 from lowlat.serve.schemas import ChatCompletionRequest, CompletionRequest, InvalidParam, error_body
+from lowlat.serve.streams import Delta, GenRequest, RequestStream
 
 DISCONNECT_POLL_S = 0.5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

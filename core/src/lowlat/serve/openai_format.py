@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any
 
-from lowlat.serve.engine_loop import Delta, TokenLogprob
+from lowlat.serve.streams import Delta, TokenLogprob
 
 
 class Formatter:
