@@ -41,6 +41,15 @@ def test_bench_serve_starts_a_server_per_path(tmp_path, capsys):
     assert (tmp_path / "server-general.log").is_file()
 
 
+def test_a_path_that_cannot_start_is_skipped_and_the_rest_measured(tmp_path):
+    args = _parse([*TINY, "--concurrency", "1", "--paths", "general,no_such_plugin", "--out", str(tmp_path),
+                   "--no-plot"])
+    assert args.func(args) == 1
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["paths"] == ["general"] and [s["path"] for s in res["skipped"]] == ["no_such_plugin"]
+    assert "skipped" in (tmp_path / "results.md").read_text()
+
+
 def test_bench_serve_drives_a_running_server(tmp_path):
     with running_server() as (url, *_):
         args = _parse([*TINY, "--url", url, "--label", "mine", "--out", str(tmp_path)])

@@ -247,48 +247,63 @@ def measure_path(cfg: ServeBenchConfig, path: str, url: str, model_name: str, vo
 
 def run_serve_bench(cfg: ServeBenchConfig, *, out_dir: Path, command: list[str] | None = None, plot: bool = True,
                     log: Log = print) -> dict[str, Any]:
-    """Run it; write results.json / results.md / results.png to ``out_dir``; return the results dict."""
-    import json
+    """Run it; write results.json / results.md / results.png to ``out_dir``; return the results dict.
 
+    A path whose server does not start is recorded under ``skipped`` (with the log's tail) and the run goes on;
+    results.json and results.md are rewritten after every path, so a run cut short keeps what it measured.
+    """
     import torch
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from lowlat.bench.env import environment
-    from lowlat.bench.serve_report import plot_serve, render_serve_markdown
 
     device = torch.device("cuda", 0) if cfg.device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
     vocab = _vocab(cfg)
-    levels: list[dict[str, Any]] = []
-    steps: dict[str, dict[str, float]] = {}
     paths = [cfg.label] if cfg.url else list(cfg.paths)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
-        for path in paths:
-            if cfg.url:
-                levels += measure_path(cfg, path, cfg.url, _served_name(cfg.url), vocab, progress)
-                steps[path] = step_counts(cfg.url)
-                continue
-            log(f"bench serve: starting lowlat serve for path {path} ({cfg.model} on {cfg.device})")
-            with ServerProcess(cfg, path, out_dir / f"server-{path}.log") as server:
-                levels += measure_path(cfg, path, server.url, cfg.model, vocab, progress)
-                steps[path] = step_counts(server.url)
-    results = {
+    results: dict[str, Any] = {
         "schema": SCHEMA, "meta": environment(device, command),
         "settings": {"model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "input_len": cfg.input_len,
                      "output_len": cfg.output_len, "concurrency": list(cfg.concurrency),
                      "requests": {str(c): cfg.measured(c) for c in cfg.concurrency},
                      "warmup": {str(c): cfg.warmups(c) for c in cfg.concurrency}, "url": cfg.url,
                      "serve_args": list(cfg.serve_args), "seed": cfg.seed},
-        "paths": paths, "levels": levels, "ratios": ratios(levels), "server_steps": steps,
+        "paths": [], "levels": [], "ratios": [], "server_steps": {}, "skipped": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        for path in paths:
+            if cfg.url:
+                results["levels"] += measure_path(cfg, path, cfg.url, _served_name(cfg.url), vocab, progress)
+                results["server_steps"][path] = step_counts(cfg.url)
+            else:
+                log(f"bench serve: starting lowlat serve for path {path} ({cfg.model} on {cfg.device})")
+                try:
+                    with ServerProcess(cfg, path, out_dir / f"server-{path}.log") as server:
+                        results["levels"] += measure_path(cfg, path, server.url, cfg.model, vocab, progress)
+                        results["server_steps"][path] = step_counts(server.url)
+                except RuntimeError as e:  # the server did not start: say why, measure the other paths
+                    log(f"bench serve: path {path} skipped: {e}")
+                    results["skipped"].append({"path": path, "reason": str(e)})
+                    continue
+            results["paths"].append(path)
+            results["ratios"] = ratios(results["levels"])
+            _write(results, out_dir, plot=False, log=log)
+    _write(results, out_dir, plot=plot, log=log)
+    log(f"bench serve: wrote {out_dir}/results.json, results.md" + (", results.png" if plot else ""))
+    return results
+
+
+def _write(results: dict[str, Any], out_dir: Path, *, plot: bool, log: Log) -> None:
+    import json
+
+    from lowlat.bench.serve_report import plot_serve, render_serve_markdown
+
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "results.md").write_text(render_serve_markdown(results))
-    if plot:
+    if plot and results["levels"]:
         try:
             plot_serve(results, out_dir / "results.png")
         except ImportError:
             log("bench serve: matplotlib is missing; no PNG (pip install 'lowlat[bench]')")
-    log(f"bench serve: wrote {out_dir}/results.json, results.md" + (", results.png" if plot else ""))
-    return results

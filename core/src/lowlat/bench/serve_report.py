@@ -41,6 +41,9 @@ def render_serve_markdown(results: dict[str, Any]) -> str:
     for path, steps in (results.get("server_steps") or {}).items():
         lines.append("")
         lines.append(f"Steps served by {path}: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(steps.items())))
+    for sk in results.get("skipped") or ():
+        why = [line for line in sk["reason"].splitlines() if line.strip()]
+        lines += ["", f"Path {sk['path']} skipped: {why[0]}" + (f" ... {why[-1]}" if len(why) > 1 else "")]
     errs = [(lv["path"], lv["concurrency"], e) for lv in results["levels"] for e in lv["error_examples"]]
     if errs:
         lines += ["", "Errors:"] + [f"- {p} c={c}: {e}" for p, c, e in errs]

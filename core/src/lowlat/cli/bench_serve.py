@@ -98,4 +98,4 @@ def run(args: argparse.Namespace) -> int:
     from lowlat.bench.serve_report import render_serve_markdown
 
     print(render_serve_markdown(results), end="")
-    return 0 if not any(lv["errors"] for lv in results["levels"]) else 1
+    return 0 if not results["skipped"] and not any(lv["errors"] for lv in results["levels"]) else 1
