@@ -94,37 +94,39 @@ def serve(args: argparse.Namespace) -> int:
     from lowlat.serve.metrics import ServeMetrics
 
     check_args(args)
-    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails in a second, not minutes
     config = engine_config_from_args(args)
-    if config.tp_size > 1 and tp_launch.under_torchrun():
-        raise ValueError("lowlat serve starts its own tensor-parallel workers; run it without torchrun "
-                         f"(lowlat serve --tp {config.tp_size} ...)")
-    template = ChatTemplate.load(config.model if is_checkpoint_dir(config.model) else None, args.chat_template)
-    engine = Engine(config)
-    metrics = ServeMetrics()
-    loop = EngineLoop(engine, max_queued=args.max_queued_requests, metrics=metrics)
-    name = args.served_model_name or args.model
-    app = create_app(loop, ServeSettings(name, template, request_timeout_s=args.request_timeout), metrics)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            loop.refuse_new()  # new requests get 503 at once; running ones go on within the grace period
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=args.shutdown_grace, lifespan="off"))
-    # uvicorn re-raises the signal it caught once it has shut down; a Python handler keeps that from killing us
-    # before the engine is closed, so a drained shutdown exits 0.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    loop.start()
-    port = sock.getsockname()[1]
-    print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{port}/v1 "
-          f"(chat template: {template.origin}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails in a second, not minutes
     try:
-        server.run(sockets=[sock])
+        if config.tp_size > 1 and tp_launch.under_torchrun():
+            raise ValueError("lowlat serve starts its own tensor-parallel workers; run it without torchrun "
+                             f"(lowlat serve --tp {config.tp_size} ...)")
+        template = ChatTemplate.load(config.model if is_checkpoint_dir(config.model) else None, args.chat_template)
+        engine = Engine(config)
+        metrics = ServeMetrics()
+        loop = EngineLoop(engine, max_queued=args.max_queued_requests, metrics=metrics)
+        name = args.served_model_name or args.model
+        app = create_app(loop, ServeSettings(name, template, request_timeout_s=args.request_timeout), metrics)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                loop.refuse_new()  # new requests get 503 at once; running ones go on within the grace period
+                super().handle_exit(sig, frame)
+
+        server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace,
+                                       lifespan="off"))
+        # uvicorn re-raises the signal it caught once it has shut down; a Python handler keeps that from killing
+        # us before the engine is closed, so a drained shutdown exits 0.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        loop.start()
+        port = sock.getsockname()[1]
+        print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{port}/v1 "
+              f"(chat template: {template.origin}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            loop.stop(grace_s=1.0)
+            signal.signal(signal.SIGTERM, previous)
     finally:
         sock.close()
-        loop.stop(grace_s=1.0)
-        signal.signal(signal.SIGTERM, previous)
     print("lowlat serve: stopped", file=sys.stderr, flush=True)
     return 0
