@@ -27,7 +27,6 @@ class InvalidParam(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
