@@ -71,6 +71,8 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        if metrics is not None:
+            metrics.rejected.labels("400").inc()
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
