@@ -82,8 +82,9 @@ async def one_request(client: object, url: str, model: str, prompt: list[int], o
                     rec.prompt_tokens = obj["usage"]["prompt_tokens"]
                     rec.output_tokens = obj["usage"]["completion_tokens"]
                 for ch in obj.get("choices") or ():
-                    rec.chunk_times.append(now)
-                    rec.chunk_tokens.append(len(ch.get("token_ids") or ()))
+                    rec.chunk_times.append(now)  # a server without return_token_ids: one token per text chunk
+                    ids = ch.get("token_ids")
+                    rec.chunk_tokens.append(len(ids) if ids is not None else int(bool(ch.get("text"))))
     except Exception as e:  # connection refused, reset, timeout: the record says why
         rec.error = f"{type(e).__name__}: {e}"
     rec.t_end = time.perf_counter()
