@@ -63,7 +63,7 @@ def test_seeded_sampling_repeats_and_top_k_passes(client):
     assert a == b
 
 
-def test_stop_string_cuts_the_text(client):
+def test_stop_string_cuts_the_text(server, client):
     kw = dict(model=MODEL, prompt="The stop test", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     text = client.completions.create(**kw).choices[0].text
     stop = text[6:8]
@@ -72,6 +72,22 @@ def test_stop_string_cuts_the_text(client):
     assert got.choices[0].text == text[:text.find(stop)]
     streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True))
     assert streamed == text[:text.find(stop)]
+    _, loop, engine, _ = server  # the reader found the stop string; the engine request was aborted
+    wait_for(lambda: loop.in_flight == 0 and not engine.scheduler.running, what="the stopped request gone")
+    assert loop.metrics.requests.labels("stop")._value.get() >= 2
+
+
+def test_stop_token_ids_end_the_request_at_that_token(client):
+    kw = dict(model=MODEL, prompt="ids", max_tokens=16, temperature=0)
+    full = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = full.choices[0].token_ids
+    assert len(ids) == 16
+    idx = 5
+    got = client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                      "stop_token_ids": [ids[idx]]})
+    first = ids.index(ids[idx])
+    assert got.choices[0].finish_reason == "stop" and got.choices[0].token_ids == ids[:first + 1]
+    assert got.usage.completion_tokens == first + 1
 
 
 def test_logprobs_completion_and_chat(client):
@@ -162,6 +178,18 @@ def test_unknown_model_is_404_and_bad_chat_is_400(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        top_logprobs=2)
     assert e.value.response.json()["error"]["param"] == "top_logprobs"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"messages": []}})
+    assert e.value.response.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_chat_without_max_tokens_runs_to_the_context_limit(server, client):
+    _, loop, _, _ = server
+    got = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "long"}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.total_tokens == min(loop.max_context_len, loop.max_cached_tokens + 1)
 
 
 def test_request_timeout_is_504(server, client):
@@ -175,3 +203,33 @@ def test_request_timeout_is_504(server, client):
     finally:
         slow.s = 0.0
     wait_for(lambda: loop.in_flight == 0, what="the timed-out request gone")
+
+
+def test_raw_http_errors_keep_the_openai_shape(server):
+    url = server[0]
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    r = httpx.get(f"{url}/v1/nothing", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_non_streaming_client_that_gives_up_frees_kv(server):
+    url, loop, engine, slow = server
+    pool = engine.runner.kv_pool
+    wait_for(lambda: loop.in_flight == 0, what="an idle server")
+    free = pool.free_pages
+    aborts = loop.metrics.requests.labels("abort")
+    before = aborts._value.get()
+    slow.s = 0.01
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "gone", "max_tokens": 200,
+                                                       "ignore_eos": True}, timeout=0.5)
+        wait_for(lambda: pool.free_pages == free and loop.in_flight == 0, timeout_s=10,
+                 what="the abandoned request aborted")
+        assert aborts._value.get() == before + 1  # aborted, not run to its end
+    finally:
+        slow.s = 0.0

@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 START_S = 90.0
 
@@ -21,11 +22,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_and_exits_0():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sigterm_drains_and_exits_0(tp, tmp_path):
+    """With --tp 2 rank 0 serves and the spawned worker follows its calls."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     proc = subprocess.Popen([sys.executable, "-m", "lowlat.cli", "serve", "--device", "cpu", "--port", str(port),
-                             "--max-context-len", "512", "--no-cuda-graph", "--shutdown-grace", "20"],
+                             "--max-context-len", "512", "--no-cuda-graph", "--shutdown-grace", "20", "--tp", str(tp),
+                             "--served-model-name", "mine", "--chat-template", str(template)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -39,7 +45,11 @@ def test_sigterm_drains_and_exits_0():
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.1)
-        body = {"model": "tiny-llama", "prompt": "drain me", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        assert httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"] == "mine"
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": "mine", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 2}).json()
+        assert chat["usage"]["prompt_tokens"] == len("[abc]")  # the --chat-template file rendered it
+        body = {"model": "mine", "prompt": "drain me", "max_tokens": 400, "stream": True, "ignore_eos": True}
         finish = None
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200

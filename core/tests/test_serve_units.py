@@ -104,3 +104,31 @@ def test_schema_rejections_name_the_field():
         assert e.value.errors()[0]["ctx"]["error"].param == param
     with pytest.raises(ValidationError):
         ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}])
+
+
+def test_unknown_ids_do_not_hold_the_text_back_for_ever():
+    ids = [300] * 10 + list(b"ok")  # ids past the tokenizer's vocabulary decode to U+FFFD
+    d = IncrementalDetokenizer(TOK)
+    pieces = [d.add([i]) for i in ids]
+    assert "".join(pieces) + d.finish() == TOK.decode(ids)
+    assert sum(1 for p in pieces[:10] if p) >= 2  # emitted while it ran, not all at the end
+    assert d._read - d._prefix <= 4
+
+
+def test_serve_flags_and_their_errors(capsys, monkeypatch):
+    import argparse
+
+    from lowlat.cli import serve as serve_cli
+
+    parser = argparse.ArgumentParser(prog="lowlat")
+    serve_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve"])
+    assert (args.host, args.port, args.model, args.plugin) == ("127.0.0.1", 8000, "tiny-llama", "auto")
+    assert args.max_queued_requests == 256 and args.func is serve_cli.serve
+    monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
+    for argv, msg in ((["--port", "70000"], "--port"), (["--max-queued-requests", "0"], "--max-queued-requests"),
+                      (["--request-timeout", "0"], "--request-timeout"),
+                      (["--model", "org/none", "--port", "0"], "local HF cache")):
+        assert serve_cli.serve(parser.parse_args(["serve", "--device", "cpu", *argv])) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1

@@ -1,6 +1,7 @@
 """``lowlat bench``: decode step latency per path, mode and batch size, against the roofline and the peers.
 
-``lowlat bench --report results.json`` prints the markdown table of an earlier run instead (docs/benchmarks.md).
+``lowlat bench --report results.json`` prints the markdown table of an earlier run instead (docs/benchmarks.md);
+``lowlat bench serve`` measures a server instead (``lowlat.cli.bench_serve``).
 Flags left unset take the device's defaults (``lowlat.bench.config.GPU_DEFAULTS`` / ``CPU_DEFAULTS``).
 """
 
@@ -24,6 +25,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "the general path and HF transformers. Writes results.json, results.md and results.png.")
     add_arguments(p)
     p.set_defaults(func=run)
+    from lowlat.cli import bench_serve
+
+    bench_serve.add_parser(p.add_subparsers(dest="bench_command", metavar="{serve}",
+                                            help="serve: per-user decode speed of a server (lowlat bench serve -h)"))
     return p
 
 
@@ -94,7 +99,7 @@ def command_line(args: argparse.Namespace) -> list[str]:
     """The command as flags (every flag that is set, defaults included), for the results' metadata."""
     out = ["lowlat", "bench"]
     for key, value in vars(args).items():
-        if key in ("func", "command") or value is None or value is False:
+        if key in ("func", "command", "bench_command") or value is None or value is False:
             continue
         out += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return out

@@ -119,24 +119,49 @@ def run(args: argparse.Namespace) -> int:
     stop = [s for s in (args.stop or []) if s]
     with Engine(config) as engine:
         show = engine.rank == 0 and not args.json
-        live = show and len(prompts) == 1
-        if live:
+        if show and len(prompts) == 1:  # one prompt: its tokens go straight to stdout
             sys.stdout.write(f"\n[0] {_printable(prompts[0])}")
             sys.stdout.flush()
 
-        def on_text(index: int, text: str) -> None:
-            sys.stdout.write(_printable(text))
-            sys.stdout.flush()
+            def on_text(index: int, text: str) -> None:
+                sys.stdout.write(_printable(text))
+                sys.stdout.flush()
 
-        completions = stream_generate(engine, prompts, params, stop=stop, on_text=on_text if live else None)
-        if live:
+            completions = stream_generate(engine, prompts, params, stop=stop, on_text=on_text)
             sys.stdout.write("\n")
+            streamed = True
+        elif show and sys.stdout.isatty():  # several on a terminal: one live line per prompt
+            completions, streamed = _live(engine, prompts, params, stop), True
+        else:
+            completions, streamed = stream_generate(engine, prompts, params, stop=stop), False
         if engine.rank == 0:
             if args.json:
                 _print_json(engine, prompts, completions)
             else:
-                _print_results(engine, prompts, completions, texts=not live)
+                _print_results(engine, prompts, completions, texts=not streamed)
     return 0
+
+
+def _live(engine: Any, prompts: list[str], params: Any, stop: list[str]) -> list[Any]:
+    """Generate with a rich Live view: each prompt's line grows as its tokens come."""
+    from rich.console import Group
+    from rich.live import Live
+    from rich.text import Text
+
+    from lowlat.cli.streaming import stream_generate
+
+    texts = [""] * len(prompts)
+
+    def view() -> Group:
+        return Group(*(Text(f"[{i}] ", style="bold") + Text(_printable(p), style="cyan") + Text(_printable(t))
+                       for i, (p, t) in enumerate(zip(prompts, texts))))
+
+    with Live(view(), refresh_per_second=12) as live:
+        def on_text(index: int, text: str) -> None:
+            texts[index] += text
+            live.update(view())
+
+        return stream_generate(engine, prompts, params, stop=stop, on_text=on_text)
 
 
 def _compare(config: EngineConfig, params: Any, prompts: list[str]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -59,6 +60,21 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port. Raises ValueError naming the flag when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); pick another --port "
+                         "or stop what uses it") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 @one_line_errors("serve")
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT. Returns 0 after a clean shutdown."""
@@ -79,33 +95,38 @@ def serve(args: argparse.Namespace) -> int:
 
     check_args(args)
     config = engine_config_from_args(args)
-    if config.tp_size > 1 and tp_launch.under_torchrun():
-        raise ValueError("lowlat serve starts its own tensor-parallel workers; run it without torchrun "
-                         f"(lowlat serve --tp {config.tp_size} ...)")
-    template = ChatTemplate.load(config.model if is_checkpoint_dir(config.model) else None, args.chat_template)
-    engine = Engine(config)
-    metrics = ServeMetrics()
-    loop = EngineLoop(engine, max_queued=args.max_queued_requests, metrics=metrics)
-    name = args.served_model_name or args.model
-    app = create_app(loop, ServeSettings(name, template, request_timeout_s=args.request_timeout), metrics)
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            loop.refuse_new()  # new requests get 503 at once; running ones go on within the grace period
-            super().handle_exit(sig, frame)
-
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=args.shutdown_grace, lifespan="off"))
-    # uvicorn re-raises the signal it caught once it has shut down; a Python handler keeps that from killing us
-    # before the engine is closed, so a drained shutdown exits 0.
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    loop.start()
-    print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{args.port}/v1 "
-          f"(chat template: {template.origin}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+    sock = _bind(args.host, args.port)  # before the model loads: a busy port fails in a second, not minutes
     try:
-        server.run()
+        if config.tp_size > 1 and tp_launch.under_torchrun():
+            raise ValueError("lowlat serve starts its own tensor-parallel workers; run it without torchrun "
+                             f"(lowlat serve --tp {config.tp_size} ...)")
+        template = ChatTemplate.load(config.model if is_checkpoint_dir(config.model) else None, args.chat_template)
+        engine = Engine(config)
+        metrics = ServeMetrics()
+        loop = EngineLoop(engine, max_queued=args.max_queued_requests, metrics=metrics)
+        name = args.served_model_name or args.model
+        app = create_app(loop, ServeSettings(name, template, request_timeout_s=args.request_timeout), metrics)
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: Any) -> None:
+                loop.refuse_new()  # new requests get 503 at once; running ones go on within the grace period
+                super().handle_exit(sig, frame)
+
+        server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace,
+                                       lifespan="off"))
+        # uvicorn re-raises the signal it caught once it has shut down; a Python handler keeps that from killing
+        # us before the engine is closed, so a drained shutdown exits 0.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        loop.start()
+        port = sock.getsockname()[1]
+        print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{port}/v1 "
+              f"(chat template: {template.origin}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            loop.stop(grace_s=1.0)
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        loop.stop(grace_s=1.0)
-        signal.signal(signal.SIGTERM, previous)
+        sock.close()
     print("lowlat serve: stopped", file=sys.stderr, flush=True)
     return 0

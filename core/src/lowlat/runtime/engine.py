@@ -49,7 +49,7 @@ class Completion:
         request_id: the engine's id for it.
         prompt_token_ids / token_ids: prompt and generated ids (an EOS that ended it is included).
         text: ``token_ids`` decoded, special tokens skipped.
-        finish_reason: "eos", "length" or "abort" (``Engine.abort``).
+        finish_reason: "eos" or "length".
         queue_s: seconds from being added to its first prefill step.
         prefill_s: seconds from its first prefill step to its first token.
         decode_s: seconds from its first token to its last; ``decode_tokens`` tokens came in that time.
@@ -187,7 +187,7 @@ class Engine:
         return self._call("_step")
 
     def abort(self, rid: int) -> bool:
-        """Drop request ``rid`` (queued or running) and free its KV pages now; False when it is not running."""
+        """Drop request ``rid`` (queued or running) and free its KV pages now; False when it is not there."""
         self._check_usable()
         return self._call("_abort", int(rid))
 

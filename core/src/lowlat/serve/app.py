@@ -23,10 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lowlat.runtime.sampling import SamplingParams
 from lowlat.serve.chat_template import ChatTemplate, ChatTemplateError
-from lowlat.serve.engine_loop import Delta, EngineLoop, GenRequest, NotAccepting, Overloaded, RequestStream
+from lowlat.serve.engine_loop import EngineLoop, NotAccepting, Overloaded
 from lowlat.serve.metrics import CONTENT_TYPE, ServeMetrics
 from lowlat.serve.openai_format import SSE_DONE, Formatter, sse
 from lowlat.serve.schemas import ChatCompletionRequest, CompletionRequest, InvalidParam, error_body
+from lowlat.serve.streams import Delta, GenRequest, RequestStream
 
 DISCONNECT_POLL_S = 0.5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -70,6 +71,8 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        if metrics is not None:
+            metrics.rejected.labels("400").inc()
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -106,15 +109,20 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
         gen = _gen_request(body, ids, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, loop,
                            settings, "prompt")
         return await _respond(request, loop, gen, body, Formatter(chat=False, model=body.model,
-                                                                  tokenizer=loop.tokenizer))
+                                                                  tokenizer=loop.tokenizer,
+                                                                  token_ids=body.return_token_ids))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(body.model, settings)
+        extra = dict(body.chat_template_kwargs or {})
+        reserved = sorted(set(extra) & {"messages", "add_generation_prompt", *settings.chat_template.special_tokens})
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
         try:
             text = settings.chat_template.render(body.template_messages(),
-                                                 add_generation_prompt=body.add_generation_prompt,
-                                                 **(body.chat_template_kwargs or {}))
+                                                 add_generation_prompt=body.add_generation_prompt, **extra)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         except InvalidParam as e:
@@ -122,11 +130,12 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
         ids = loop.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise APIError(400, "the chat template rendered the messages to no tokens", param="messages")
-        budget = body.token_budget or max(1, loop.max_context_len - len(ids))
+        budget = body.token_budget or max(1, request_limit(loop) - len(ids))  # OpenAI: up to the context
         top = (body.top_logprobs or 0) if body.logprobs else None
         gen = _gen_request(body, ids, budget, top, loop, settings, "messages")
         return await _respond(request, loop, gen, body, Formatter(chat=True, model=body.model,
-                                                                  tokenizer=loop.tokenizer))
+                                                                  tokenizer=loop.tokenizer,
+                                                                  token_ids=body.return_token_ids))
 
     return app
 
@@ -152,10 +161,15 @@ def _check_model(model: str, settings: ServeSettings) -> None:
                        type_="not_found_error", param="model", code="model_not_found")
 
 
+def request_limit(loop: EngineLoop) -> int:
+    """Tokens one request may hold here, prompt plus completion (the context, or the KV pool if smaller)."""
+    return min(loop.max_context_len, loop.max_cached_tokens + 1)
+
+
 def _gen_request(body: Any, ids: list[int], max_tokens: int, logprobs: int | None, loop: EngineLoop,
                  settings: ServeSettings, prompt_field: str) -> GenRequest:
     """Validate lengths and sampling values against this engine; raises APIError(400) naming the field."""
-    limit = min(loop.max_context_len, loop.max_cached_tokens + 1)
+    limit = request_limit(loop)
     if len(ids) >= limit:
         raise APIError(400, f"the prompt has {len(ids)} tokens; this server takes at most {limit - 1} "
                             f"(max_context_len {loop.max_context_len})", param=prompt_field)
@@ -177,7 +191,7 @@ def _gen_request(body: Any, ids: list[int], max_tokens: int, logprobs: int | Non
 
 
 def _submit(loop: EngineLoop, gen: GenRequest, settings: ServeSettings) -> RequestStream:
-    stream = RequestStream(asyncio.get_running_loop())
+    stream = RequestStream(asyncio.get_running_loop(), loop.tokenizer, gen.stop)
     try:
         loop.submit(gen, stream)
     except Overloaded as e:
@@ -210,16 +224,21 @@ async def _respond(request: Request, loop: EngineLoop, gen: GenRequest, body: An
         return StreamingResponse(_sse(loop, stream, fmt, body.include_usage, deadline),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     deltas: list[Delta] = []
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         while not deltas or deltas[-1].finish_reason is None:
             try:
                 deltas.append(await stream.get(DISCONNECT_POLL_S))
             except asyncio.TimeoutError:
+                pass
+            now = time.monotonic()
+            if now >= next_check:  # by the clock: deltas may come every step and never let get() time out
+                next_check = now + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     loop.abort(stream.handle)
                     return Response(status_code=499)
-                if time.monotonic() > deadline:
-                    raise APIError(504, "the engine did not answer in time", type_="timeout_error") from None
+            if now > deadline:
+                raise APIError(504, "the engine did not answer in time", type_="timeout_error")
     except BaseException:
         if not deltas or deltas[-1].finish_reason is None:
             loop.abort(stream.handle)
@@ -248,8 +267,7 @@ async def _sse(loop: EngineLoop, stream: RequestStream, fmt: Formatter, include_
                 done = True
                 yield sse(error_body(str(err), type_=err.type, param=err.param, code=err.code or err.status))
                 break
-            if d.text or d.finish_reason or d.logprobs:
-                yield sse(fmt.chunk(d))
+            yield sse(fmt.chunk(d))  # every step's delta, "" text included: clients can time each token
             if d.finish_reason:
                 done = True
                 if include_usage:

@@ -4,9 +4,11 @@ Text is decoded with the tokenizer over a sliding window of ids, after vLLM's pr
 (vllm/transformers_utils/detokenizer_utils.py): decode ``ids[prefix:read]`` and ``ids[prefix:]`` and emit the
 difference, so tokenizers whose pieces depend on their left context (SentencePiece spaces, byte-level BPE) give
 the same text as decoding the whole sequence. Text ending in U+FFFD (an incomplete UTF-8 sequence) is held
-back until the next token completes it (or the request ends). When stop strings are set, the last
-``max(len(stop)) - 1`` characters are held back too, so a stop string split over tokens is never streamed;
-a matched stop string is cut off (OpenAI semantics: the stop sequence is not part of the text).
+back until a later token completes it, the request ends, or ``MAX_HELD_TOKENS`` tokens are held (then the U+FFFD
+is real: an id the tokenizer does not know, as with presets' random weights), so the window stays short.
+When stop strings are set, the last ``max(len(stop)) - 1`` characters are held back too, so a stop string
+split over tokens is never streamed; a matched stop string is cut off (OpenAI semantics: the stop sequence is
+not part of the text).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+MAX_HELD_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so at most 4 tokens complete it
 
 
 class IncrementalDetokenizer:
@@ -43,7 +46,8 @@ class IncrementalDetokenizer:
         self.ids.extend(int(i) for i in new_ids)
         prefix_text = self.tokenizer.decode(self.ids[self._prefix:self._read])
         full = self.tokenizer.decode(self.ids[self._prefix:])
-        if len(full) > len(prefix_text) and not full.endswith(REPLACEMENT):
+        held = len(self.ids) - self._read
+        if len(full) > len(prefix_text) and (not full.endswith(REPLACEMENT) or held >= MAX_HELD_TOKENS):
             self.text += full[len(prefix_text):]
             self._prefix, self._read = self._read, len(self.ids)
         return self._emit(final=False)

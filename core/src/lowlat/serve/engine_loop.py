@@ -4,8 +4,11 @@ The HTTP side calls ``submit`` (thread-safe, never blocks) and reads the returne
 ``await stream.get(timeout)``; it calls ``abort`` when its client goes away. The loop thread drains the command
 queue between steps, so new requests join the running batch at the next step (continuous batching) and an
 aborted request's KV pages are free before the next step runs. After each step the engine's ``step_observer``
-hands the loop the step's requests; their new tokens are detokenized incrementally (``IncrementalDetokenizer``),
-checked for stop strings and stop token ids, and put on each request's stream.
+hands the loop the step's requests; their new token ids (checked for stop token ids) go to each request's stream,
+all streams' deltas with one wake-up of the event loop. Text is made on the reading side: ``RequestStream.get``
+detokenizes incrementally (``IncrementalDetokenizer``) and applies stop strings (a hit aborts the request, one
+step late at most), so the loop thread's host work per step stays O(1) per request while the reader's runs
+during the next GPU step (``.tolist()`` releases the GIL while it waits for the device).
 
 Bounds: at most ``max_queued`` requests wait for a batch slot (``submit`` raises ``Overloaded`` beyond it);
 each request may carry a deadline (it is aborted and its stream ends with ``finish_reason="timeout"``);
@@ -20,12 +23,10 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowlat.runtime.sampling import SamplingParams
-from lowlat.serve.detokenizer import IncrementalDetokenizer
+from lowlat.serve.streams import Delta, GenRequest, RequestStream, TokenLogprob, deliver
 
 FINISH_REASONS = {"eos": "stop", "length": "length", "abort": "abort"}
 IDLE_WAIT_S = 0.05
@@ -40,62 +41,10 @@ class NotAccepting(RuntimeError):
 
 
 @dataclass
-class GenRequest:
-    """One generation as the HTTP side asks for it (already tokenized and validated)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: Sequence[str] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    logprobs: int | None = None  # number of top alternatives per token; None: no logprobs
-    timeout_s: float | None = None
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), most likely first
-
-
-@dataclass
-class Delta:
-    """What one step added to a request: text, ids, logprobs; the last delta has ``finish_reason``."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # stop | length | abort | timeout | error | invalid (refused at add)
-    error: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class RequestStream:
-    """Deltas of one request, put by the loop thread, read by an asyncio task on ``aloop``."""
-
-    def __init__(self, aloop: asyncio.AbstractEventLoop) -> None:
-        self._aloop = aloop
-        self._q: asyncio.Queue[Delta] = asyncio.Queue()
-        self.handle = -1
-
-    def put(self, d: Delta) -> None:
-        try:
-            self._aloop.call_soon_threadsafe(self._q.put_nowait, d)
-        except RuntimeError:  # the event loop is closed: nobody is reading any more
-            pass
-
-    async def get(self, timeout_s: float) -> Delta:
-        """The next delta. Raises asyncio.TimeoutError after ``timeout_s``."""
-        return await asyncio.wait_for(self._q.get(), timeout_s)
-
-
-@dataclass
 class _State:
     handle: int
     req: GenRequest
     stream: RequestStream
-    detok: IncrementalDetokenizer
     t_submit: float
     deadline: float | None
     rid: int = -1
@@ -139,6 +88,7 @@ class EngineLoop:
         self._by_rid: dict[int, _State] = {}
         self._by_handle: dict[int, _State] = {}
         self._to_abort: list[_State] = []
+        self._outbox: list[tuple[RequestStream, Delta]] = []  # deltas of this step, sent in one batch
         self.failed: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="lowlat-engine-loop", daemon=True)
 
@@ -176,15 +126,16 @@ class EngineLoop:
             self._pending += 1
             self._in_flight += 1
             handle = next(self._ids)
-        stream.handle = handle
-        self._cmds.put(("add", _State(handle, req, stream, IncrementalDetokenizer(self.tokenizer, req.stop),
-                                      time.monotonic(),
-                                      None if req.timeout_s is None else time.monotonic() + req.timeout_s)))
+        stream.handle, stream.owner, stream.prompt_tokens = handle, self, len(req.prompt_ids)
+        now = time.monotonic()
+        deadline = None if req.timeout_s is None else now + req.timeout_s
+        self._cmds.put(("add", _State(handle, req, stream, now, deadline)))
         return handle
 
-    def abort(self, handle: int) -> None:
-        """Abort the request (its client went away); a finished one is left alone. Thread-safe."""
-        self._cmds.put(("abort", handle))
+    def abort(self, handle: int, finish: str = "abort") -> None:
+        """End the request with ``finish`` (the client went away: "abort"; a stop string: "stop") and free its
+        KV pages before the next step; a finished one is left alone. Thread-safe."""
+        self._cmds.put(("abort", (handle, finish)))
 
     def refuse_new(self) -> None:
         """From now on ``submit`` raises NotAccepting; running requests go on."""
@@ -231,6 +182,7 @@ class EngineLoop:
             self.failed = exc
             for st in list(self._by_handle.values()):
                 self._end(st, "error", error=f"{type(exc).__name__}: {exc}")
+            self._flush()
         finally:
             e.step_observer = e.logits_observer = None
             e.close(abort=self.failed is not None)
@@ -245,9 +197,9 @@ class EngineLoop:
             if kind == "add":
                 self._add(arg)
             elif kind == "abort":
-                st = self._by_handle.get(arg)
+                st = self._by_handle.get(arg[0])
                 if st is not None:
-                    self._end(st, "abort")
+                    self._end(st, arg[1])
                     self._abort_dropped()
             elif kind == "stop":
                 self._stop_at = arg
@@ -271,8 +223,21 @@ class EngineLoop:
             self._end(st, "timeout", error=f"the request did not finish within its timeout of {st.req.timeout_s} s")
         self._abort_dropped()
 
+    def _flush(self) -> None:
+        """Send the collected deltas: one wake-up per event loop per step, not one per request."""
+        if not self._outbox:
+            return
+        by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[tuple[RequestStream, Delta]]]] = {}
+        for item in self._outbox:
+            by_loop.setdefault(id(item[0]._aloop), (item[0]._aloop, []))[1].append(item)
+        self._outbox = []
+        for aloop, items in by_loop.values():
+            deliver(aloop, items)
+
     def _abort_dropped(self) -> None:
-        """Abort in the engine every request that ended here but still runs there (frees its KV pages now)."""
+        """Abort in the engine every request that ended here but still runs there (frees its KV pages now);
+        then send the collected deltas."""
+        self._flush()
         while self._to_abort:
             st = self._to_abort.pop()
             if st.rid >= 0:
@@ -322,27 +287,23 @@ class EngineLoop:
         if st.req.logprobs is not None:
             rows = [st.pending_lp.pop(i) for i in sorted(st.pending_lp)]
             lps = [TokenLogprob(t, float(lp[t]), top[:st.req.logprobs]) for t, (lp, top) in zip(new, rows)]
-        text = st.detok.add(new if stop_at is None else new[:stop_at])
-        if st.detok.stopped:
-            finish = "stop"
-        elif finish is None and engine_finish is not None:
+        if finish is None and engine_finish is not None:
             finish = FINISH_REASONS.get(engine_finish, engine_finish)
         st.completion += len(new)
         if finish is None:
-            st.stream.put(Delta(text, new, lps))
+            self._outbox.append((st.stream, Delta("", new, lps)))
             return
-        text += st.detok.finish()
-        self._end(st, finish, last=Delta(text, new, lps))
+        self._end(st, finish, last=Delta("", new, lps, stop_token=stop_at is not None))
 
     def _end(self, st: _State, finish: str, *, error: str | None = None, last: Delta | None = None) -> None:
         """End ``st``'s stream with ``finish``; a request still running in the engine is aborted after the step."""
         if st.done:
             return
         st.done = True
-        d = last or Delta(st.detok.finish() if finish != "error" else "", [])
+        d = last or Delta("", [])
         d.finish_reason, d.error = finish, error
         d.prompt_tokens, d.completion_tokens = len(st.req.prompt_ids), st.completion
-        st.stream.put(d)
+        self._outbox.append((st.stream, d))
         self._by_handle.pop(st.handle, None)
         self._by_rid.pop(st.rid, None)
         with self._lock:

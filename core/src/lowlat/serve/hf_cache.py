@@ -45,8 +45,8 @@ def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
         raise ConfigError(
             f"model {model!r} is not a directory, a preset, or a repo in the local HF cache "
-            f"({cache_dir or constants.HF_HUB_CACHE}); fetch it with `hf download {repo}` (or `huggingface-cli download "
-            f"{repo}`), or pass a checkpoint directory") from None
+            f"({cache_dir or constants.HF_HUB_CACHE}); fetch it with `hf download {repo}` (or "
+            f"`huggingface-cli download {repo}`), or pass a checkpoint directory") from None
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"the cached snapshot of {model!r} at {path} has no config.json; is it a model repo? "
                           f"Re-fetch it with `hf download {repo}`")

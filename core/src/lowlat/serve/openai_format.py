@@ -12,14 +12,15 @@ import time
 import uuid
 from typing import Any
 
-from lowlat.serve.engine_loop import Delta, TokenLogprob
+from lowlat.serve.streams import Delta, TokenLogprob
 
 
 class Formatter:
     """Builds one request's bodies. ``chat`` picks the chat shapes; ``tokenizer`` names tokens in logprobs."""
 
-    def __init__(self, *, chat: bool, model: str, tokenizer: Any) -> None:
+    def __init__(self, *, chat: bool, model: str, tokenizer: Any, token_ids: bool = False) -> None:
         self.chat = chat
+        self.token_ids = token_ids
         self.model = model
         self.tokenizer = tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -78,6 +79,8 @@ class Formatter:
         else:
             choice = {"index": 0, "text": d.text, "logprobs": self.logprobs(d.logprobs),
                       "finish_reason": d.finish_reason}
+        if self.token_ids and not first:
+            choice["token_ids"] = d.token_ids
         body["choices"] = [choice]
         return body
 
@@ -94,6 +97,8 @@ class Formatter:
                       "finish_reason": last.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
+        if self.token_ids:
+            choice["token_ids"] = [t for d in deltas for t in d.token_ids]
         body["choices"] = [choice]
         body["usage"] = self.usage(last.prompt_tokens, last.completion_tokens)
         return body

@@ -27,7 +27,6 @@ class InvalidParam(ValueError):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _Sampling(BaseModel):
@@ -52,6 +51,7 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     timeout: float | None = Field(default=None, gt=0.0)  # lowlat extra: seconds for this request
+    return_token_ids: bool = False  # lowlat/vLLM extra: each choice also carries its "token_ids"
 
     @model_validator(mode="after")
     def _supported(self) -> _Sampling:

@@ -1,0 +1,309 @@
+"""``lowlat bench serve``: per-user decode speed of a server under 1, 2, 4, 8 concurrent streaming users.
+
+Either against a running server (``url``), or per path (``general``, a plugin name) against a ``lowlat serve``
+subprocess it starts, waits for (``/health``) and stops (SIGTERM) itself, one path after another on the same
+device. Per path and concurrency: warm-up requests first (excluded), then ``requests`` measured requests with
+``concurrency`` in flight (``serve_client.run_level``). Reports TTFT, TPOT, ITL and end-to-end latency (mean,
+p50, p90, p99), per-user decode tokens/s (a request's tokens after the first over the time after its first
+token), output and total throughput, and the ratio of each plugin path to the general path for the same
+workload in the same run. Writes results.json, results.md and results.png (``serve_report``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowlat.bench.serve_client import RequestRecord, random_prompts, run_level
+
+SCHEMA = "lowlat-bench-serve/1"
+GENERAL = "general"
+GPU_DEFAULTS = dict(model="llama-3.2-1b", input_len=8192, output_len=1024, concurrency=(1, 2, 4, 8))
+CPU_DEFAULTS = dict(model="tiny-llama", input_len=32, output_len=16, concurrency=(1, 2))
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """What one ``lowlat bench serve`` run measures.
+
+    Attributes:
+        paths: "general" or plugin names, each served by its own ``lowlat serve`` (ignored with ``url``).
+        url: a running server to measure instead (its path is labelled ``label``).
+        requests: measured requests per concurrency level; None: 4 x concurrency (at least 8).
+        warmup: warm-up requests per level (run at that concurrency, excluded).
+        serve_args: extra flags for each ``lowlat serve`` (for example ``--no-cuda-graph``).
+    """
+
+    model: str
+    device: str
+    input_len: int
+    output_len: int
+    concurrency: tuple[int, ...]
+    paths: tuple[str, ...] = (GENERAL,)
+    url: str | None = None
+    label: str = "server"
+    requests: int | None = None
+    warmup: int | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    start_timeout_s: float = 1200.0
+    serve_args: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"--concurrency needs levels >= 1, got {self.concurrency}")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {self.requests}")
+        if self.warmup is not None and self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not self.url and not self.paths:
+            raise ValueError("--paths is empty; give general and/or plugin names, or --url")
+
+    def measured(self, c: int) -> int:
+        return self.requests if self.requests is not None else max(4 * c, 8)
+
+    def warmups(self, c: int) -> int:
+        return self.warmup if self.warmup is not None else c
+
+
+def percentiles(xs: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (linear interpolation; None for no samples)."""
+    if not xs:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        k = (len(s) - 1) * p
+        lo = int(k)
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"mean": sum(s) / len(s), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+def summarize(records: list[RequestRecord], wall_s: float, concurrency: int) -> dict[str, Any]:
+    """One level's figures (latencies in ms, rates in tokens/s)."""
+    ok = [r for r in records if r.error is None]
+    ms = 1e3
+    per_user = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok if r.output_tokens > 1 and r.e2e > r.ttft]
+    out_tok = sum(r.output_tokens for r in ok)
+    return {
+        "concurrency": concurrency, "requests": len(records), "errors": len(records) - len(ok),
+        "error_examples": [r.error for r in records if r.error][:3], "wall_s": wall_s,
+        "ttft_ms": percentiles([ms * r.ttft for r in ok]),
+        "tpot_ms": percentiles([ms * r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": percentiles([ms * x for r in ok for x in r.itl]),
+        "e2e_ms": percentiles([ms * r.e2e for r in ok]),
+        "per_user_decode_tok_s": percentiles(per_user),
+        "output_throughput_tok_s": out_tok / wall_s if wall_s > 0 else 0.0,
+        "total_throughput_tok_s": (out_tok + sum(r.prompt_tokens for r in ok)) / wall_s if wall_s > 0 else 0.0,
+    }
+
+
+def ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each non-general path against general at the same concurrency: per-user tok/s, throughput, TPOT."""
+    base = {lv["concurrency"]: lv for lv in levels if lv["path"] == GENERAL}
+    out = []
+    for lv in levels:
+        g = base.get(lv["concurrency"])
+        if lv["path"] == GENERAL or g is None:
+            continue
+
+        def div(a: float | None, b: float | None) -> float | None:
+            return a / b if a and b else None
+
+        out.append({"path": lv["path"], "concurrency": lv["concurrency"],
+                    "per_user_tok_s_x_general": div(lv["per_user_decode_tok_s"]["mean"],
+                                                    g["per_user_decode_tok_s"]["mean"]),
+                    "output_throughput_x_general": div(lv["output_throughput_tok_s"], g["output_throughput_tok_s"]),
+                    "tpot_speedup_x_general": div(g["tpot_ms"]["mean"], lv["tpot_ms"]["mean"])})
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``lowlat serve`` for one path as a subprocess (its output goes to ``log_path``)."""
+
+    def __init__(self, cfg: ServeBenchConfig, path: str, log_path: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        plugin = "none" if path == GENERAL else path
+        self.argv = [sys.executable, "-m", "lowlat.cli", "serve", "--model", cfg.model, "--plugin", plugin,
+                     "--device", cfg.device, "--dtype", cfg.dtype, "--seed", str(cfg.seed), "--port", str(self.port),
+                     "--max-context-len", str(cfg.input_len + cfg.output_len + 8),
+                     "--max-batch-size", str(max(cfg.concurrency)), "--max-queued-requests", "4096",
+                     "--request-timeout", "3600", "--shutdown-grace", "10", *cfg.serve_args]
+        self.log_path = log_path
+        self.timeout_s = cfg.start_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServerProcess:
+        import httpx
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                self.__exit__()
+                tail = self.log_path.read_text()[-2000:]
+                raise RuntimeError(f"lowlat serve exited with {self.proc.returncode} before it was ready "
+                                   f"(log {self.log_path}):\n{tail}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"lowlat serve was not ready within {self.timeout_s:.0f} s (log {self.log_path})")
+            time.sleep(0.25)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def _vocab(cfg: ServeBenchConfig) -> int:
+    """Random ids stay below this: the model's vocabulary, or the byte range when only a URL is known."""
+    if cfg.url:
+        return 256
+    from lowlat.loader import resolve_model
+    from lowlat.serve.hf_cache import resolve_model_path
+
+    return resolve_model(resolve_model_path(cfg.model)).vocab_size
+
+
+def _served_name(url: str) -> str:
+    import httpx
+
+    data = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+    return data[0]["id"]
+
+
+def step_counts(url: str) -> dict[str, float]:
+    """``{"DECODE/plugin": steps, ...}`` from the server's ``lowlat_steps_total`` (which path served what)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("lowlat_steps_total{"):
+            labels, value = line[len("lowlat_steps_total{"):].rsplit("} ", 1)
+            kv = dict(part.split("=", 1) for part in labels.split(","))
+            out[f"{kv['mode'].strip(chr(34))}/{kv['path'].strip(chr(34))}"] = float(value)
+    return out
+
+
+def measure_path(cfg: ServeBenchConfig, path: str, url: str, model_name: str, vocab: int,
+                 progress: Any = None) -> list[dict[str, Any]]:
+    """Every concurrency level against one server; one summary per level."""
+    levels = []
+    for c in cfg.concurrency:
+        n, w = cfg.measured(c), cfg.warmups(c)
+        prompts = random_prompts(n + w, cfg.input_len, vocab, cfg.seed + 1000 * c)
+        task = progress.add_task(f"{path} c={c}", total=n + w) if progress is not None else None
+
+        def done(_: RequestRecord, task: Any = task) -> None:
+            if progress is not None:
+                progress.advance(task)
+
+        if w:
+            asyncio.run(run_level(url, model_name, prompts[:w], cfg.output_len, c, done))
+        records, wall = asyncio.run(run_level(url, model_name, prompts[w:], cfg.output_len, c, done))
+        levels.append({"path": path, **summarize(records, wall, c)})
+    return levels
+
+
+def run_serve_bench(cfg: ServeBenchConfig, *, out_dir: Path, command: list[str] | None = None, plot: bool = True,
+                    log: Log = print) -> dict[str, Any]:
+    """Run it; write results.json / results.md / results.png to ``out_dir``; return the results dict.
+
+    A path whose server does not start is recorded under ``skipped`` (with the log's tail) and the run goes on;
+    results.json and results.md are rewritten after every path, so a run cut short keeps what it measured.
+    """
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lowlat.bench.env import environment
+
+    device = torch.device("cuda", 0) if cfg.device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
+    vocab = _vocab(cfg)
+    paths = [cfg.label] if cfg.url else list(cfg.paths)
+    results: dict[str, Any] = {
+        "schema": SCHEMA, "meta": environment(device, command),
+        "settings": {"model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "input_len": cfg.input_len,
+                     "output_len": cfg.output_len, "concurrency": list(cfg.concurrency),
+                     "requests": {str(c): cfg.measured(c) for c in cfg.concurrency},
+                     "warmup": {str(c): cfg.warmups(c) for c in cfg.concurrency}, "url": cfg.url,
+                     "serve_args": list(cfg.serve_args), "seed": cfg.seed},
+        "paths": [], "levels": [], "ratios": [], "server_steps": {}, "skipped": [],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
+        for path in paths:
+            if cfg.url:
+                results["levels"] += measure_path(cfg, path, cfg.url, _served_name(cfg.url), vocab, progress)
+                results["server_steps"][path] = step_counts(cfg.url)
+            else:
+                log(f"bench serve: starting lowlat serve for path {path} ({cfg.model} on {cfg.device})")
+                try:
+                    with ServerProcess(cfg, path, out_dir / f"server-{path}.log") as server:
+                        results["levels"] += measure_path(cfg, path, server.url, cfg.model, vocab, progress)
+                        results["server_steps"][path] = step_counts(server.url)
+                except RuntimeError as e:  # the server did not start: say why, measure the other paths
+                    log(f"bench serve: path {path} skipped: {e}")
+                    results["skipped"].append({"path": path, "reason": str(e)})
+                    continue
+            results["paths"].append(path)
+            results["ratios"] = ratios(results["levels"])
+            _write(results, out_dir, plot=False, log=log)
+    _write(results, out_dir, plot=plot, log=log)
+    log(f"bench serve: wrote {out_dir}/results.json, results.md" + (", results.png" if plot else ""))
+    return results
+
+
+def _write(results: dict[str, Any], out_dir: Path, *, plot: bool, log: Log) -> None:
+    import json
+
+    from lowlat.bench.serve_report import plot_serve, render_serve_markdown
+
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.md").write_text(render_serve_markdown(results))
+    if plot and results["levels"]:
+        try:
+            plot_serve(results, out_dir / "results.png")
+        except ImportError:
+            log("bench serve: matplotlib is missing; no PNG (pip install 'lowlat[bench]')")
