@@ -119,6 +119,22 @@ def amd_layers(o: Options) -> list[Step]:
                                           "--no-skips", *extra], f"amd_layers_{m}.txt", r"\|") for m in o.models]
 
 
+def serve(o: Options) -> list[Step]:
+    """``lowlat bench serve`` per model: one server per path (general and each plugin), streaming users at
+    concurrency 1-8; ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` / ``SPECULATIVE`` (e.g. simulated:3.51) tune it."""
+    out = os.environ.get("OUT", "/tmp/out")
+    spec = os.environ.get("SPECULATIVE", "")
+    extra = ["--serve-arg", f"--speculative={spec}", "--serve-arg",
+             f"--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
+    tag = f"_{_slug(spec)}" if spec else ""
+    return [Step(f"bench serve {m}{' ' + spec if spec else ''}", 560,
+                 [*LOWLAT, "bench", "serve", "--paths", ",".join(["general", *o.plugins]), "--model", m, "--device",
+                  "cuda", "--input-len", os.environ.get("INPUT_LEN", "8192"), "--output-len",
+                  os.environ.get("OUTPUT_LEN", "1024"), "--concurrency", os.environ.get("CONCURRENCY", "1,2,4,8"),
+                  "--requests", os.environ.get("REQUESTS", "8"), *extra, "--out", f"{out}/serve_{m}{tag}"],
+                 f"bench_serve_{m}{tag}.txt", r"\||ratio|skipped|error") for m in o.models]
+
+
 def diag_alternating(o: Options) -> list[Step]:
     """Per-step logit differences and router gaps of each plugin on tiny-qwen3-moe (router near-tie diagnosis)."""
     return [Step(f"diag alternating {p}", 150, [PY, "bench/scripts/diag_alternating.py", "--plugin", p, "--device",
@@ -129,7 +145,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating,
+    "diag-alternating": diag_alternating, "serve": serve,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
