@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from lowlat.cli.errors import one_line_errors
+from lowlat.cli.spec_args import add_speculative_args, speculative_config
 from lowlat.config import DTYPES, EngineConfig
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -48,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="run the prompts greedily on the general path and with the plugin, and compare tokens, "
                         "logits and decode speed")
+    add_speculative_args(p)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Any, list[str]]:
@@ -57,7 +59,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Any, list
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp, page_size=args.page_size,
         max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin,
+        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin, **speculative_config(args),
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)
@@ -109,6 +111,9 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any]) -> N
                        if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))
     for line in runner.plugin_host.rejections:
         console.print(Text(f"  auto skipped {line}", style="dim"))
+    spec = engine.speculator
+    if spec is not None:
+        console.print(Text(spec.header(), style="bold yellow" if spec.stats.simulated else ""))
     for prompt, c in zip(prompts, completions):
         console.print(Text(f"\n[{c.request_id}] ", style="bold") + Text(_printable(prompt), style="cyan")
                       + Text(_printable(c.text)))
@@ -125,3 +130,6 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any]) -> N
     for (path, mode), row in sorted(engine.stats.by_path.items(), key=lambda kv: (kv[0][1].name, kv[0][0])):
         steps.add_row(mode.name, path, str(row.steps), str(row.graph_steps), str(row.tokens), f"{row.ms_per_step:.3f}")
     console.print(steps)
+    if spec is not None:
+        for line in spec.summary(engine):
+            console.print(Text(line, style="bold yellow" if "SIMULATED" in line else ""))

@@ -117,6 +117,14 @@ class Speculator:
         for c in done:
             self.drafter.release(c.request_id)
 
+    def header(self) -> str:
+        """One line naming the method (and, for simulated acceptance, that the text is not the model's)."""
+        from lowlat.runtime.speculative.simulated import LABEL
+
+        adaptive = "adaptive off-switch" if self.controller.adaptive else "always on"
+        line = f"speculative: {self.drafter.name}, k={self.k} draft tokens per VERIFY step, {adaptive}"
+        return f"{line}; {LABEL}" if self.drafter.simulated else line
+
     def summary(self, engine: Any = None) -> list[str]:
         """Lines for ``lowlat run`` (acceptance length, VERIFY steps per path, the off-switch)."""
         return self.stats.lines(engine.stats if engine is not None else None, self.controller)

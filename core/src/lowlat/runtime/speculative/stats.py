@@ -80,7 +80,9 @@ class SpecStats:
             "draft_s": self.draft_s, "verify_s": self.verify_s, "decode_s": self.decode_s,
         }
         if self.simulated:
-            d["label"] = "SIMULATED acceptance (benchmark only: the text is not the model's)"
+            from lowlat.runtime.speculative.simulated import LABEL
+
+            d["label"] = LABEL
         if steps is not None:
             verify = [(p, r.steps) for (p, m), r in steps.by_path.items() if m is ForwardMode.VERIFY]
             d["verify_steps_by_path"] = dict(sorted(verify))
