@@ -4,6 +4,8 @@ at batch 1 and 4, on the general path and with the contract suite's reference pl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from lowlat.config import ConfigError, EngineConfig
 from lowlat.runtime import Engine, ForwardMode, SamplingParams
@@ -101,7 +103,9 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="longest possible"):
         EngineConfig(speculative_method="simulated:7", num_draft_tokens=4)
     c = EngineConfig(speculative=True, max_verify_tokens=3)
-    assert c.speculative_method == "ngram" and c.draft_tokens == 2
+    assert c.speculative_spec.kind == "ngram" and c.draft_tokens == 2
+    off = dataclasses.replace(c, speculative=False)  # the contract suite turns the feature off like this
+    assert not off.speculative and off.speculative_spec is None
     assert EngineConfig(speculative_method="draft:/x").speculative and EngineConfig().draft_tokens == 5
 
 
@@ -113,3 +117,19 @@ def test_step_api_and_verify_api_still_work_with_speculation():
             done += e.step()
         assert [c.request_id for c in done] == [rid]
         assert e.stats.by_mode[ForwardMode.VERIFY].steps == e.speculator.stats.verify_steps > 0
+
+
+def test_a_failing_drafter_fails_the_engine_cleanly():
+    with Engine(EngineConfig(plugin="none", speculative_method="ngram", speculative_adaptive=False, **KW)) as e:
+        pool = e.runner.kv_pool
+        free = pool.free_pages
+
+        def boom(requests, k):
+            raise RuntimeError("drafter exploded")
+
+        e.speculator.drafter.propose = boom
+        with pytest.raises(RuntimeError, match="drafter exploded"):
+            e.generate(PROMPTS[:2], params(2))
+        assert pool.free_pages == free and not e.has_unfinished()
+        with pytest.raises(RuntimeError, match="failed in an earlier step"):
+            e.generate(PROMPTS[:1], params(1))

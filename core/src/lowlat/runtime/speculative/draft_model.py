@@ -133,7 +133,7 @@ class DraftModelDrafter(Drafter):
             if st.fed[p] != _token_at(req, p):
                 keep = p
                 break
-        if keep < len(st.fed):
+        if keep < len(st.fed) or self.pool.num_allocated(st.row) != keep:  # != after a failed forward
             del st.fed[keep:]
             self.pool.truncate(st.row, keep)
         st.real = keep

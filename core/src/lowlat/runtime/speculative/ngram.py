@@ -82,6 +82,10 @@ class NgramDrafter(Drafter):
         self._tokens: dict[int, _Tokens] = {}
 
     def propose(self, requests: Sequence[Request], k: int) -> Drafts:
+        if len(self._tokens) > len(requests):  # requests that left without a release (aborted)
+            live = {r.rid for r in requests}
+            for rid in [rid for rid in self._tokens if rid not in live]:
+                del self._tokens[rid]
         out = []
         for r in requests:
             st = self._tokens.get(r.rid)

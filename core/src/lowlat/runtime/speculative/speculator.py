@@ -80,7 +80,10 @@ class Speculator:
         if k < 1 or not self.controller.speculate(len(reqs), k + 1):
             return self._decode(engine)
         t0 = time.perf_counter()
-        drafts = self.drafter.propose(reqs, k)
+        try:
+            drafts = self.drafter.propose(reqs, k)
+        except BaseException as e:
+            self._fail(engine, e)
         lens = [min(len(d), k) for d in drafts.tokens]
         if not any(lens):
             self.stats.no_draft_steps += 1
@@ -112,6 +115,15 @@ class Speculator:
             self.controller.record(len(step.requests), 1, dt)
         self._release(done)
         return done
+
+    def _fail(self, engine: Any, e: BaseException) -> None:
+        """A drafter failure fails the engine like a failed step (``Engine._run``): requests dropped, raised."""
+        engine._failed = e
+        engine.scheduler.abort_all()
+        err = engine._worker_error()
+        if err is not None:
+            raise err from e
+        raise e
 
     def _release(self, done: list[Any]) -> None:
         for c in done:
@@ -168,7 +180,7 @@ class _Acceptance:
             q = self.probs[:, :k].to(logits.device) if self.probs is not None else None
             n, token = rejection_sample(p.view(b, k1, -1), drafts, q, [r.generator for r in reqs])
         self.engine._sync()
-        kept, toks = n.tolist(), token.tolist()
+        kept, toks = torch.stack((n, token.to(n.dtype))).tolist()  # one device-to-host read
         self.kept = kept
         picks: list[int] = []
         for d, m, t in zip(draft_lists, kept, toks):
