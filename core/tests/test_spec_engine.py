@@ -48,9 +48,16 @@ def run_spec(method: str, batch: int, plugin: str = "none", **kw):
     with Engine(EngineConfig(plugin=plugin, speculative_method=method, speculative_adaptive=False, **KW, **kw)) as e:
         pool = e.runner.kv_pool
         free = pool.free_pages, pool.free_rows
-        got = [c.token_ids for c in e.generate(PROMPTS[:batch], params(batch))]
-        assert (pool.free_pages, pool.free_rows) == free  # rolled-back and finished requests leak no page
+        modes = []
         drafter = e.speculator.drafter
+        if hasattr(drafter, "runner"):  # record the draft model's step modes
+            forward = drafter.runner.forward
+            drafter.runner.forward = lambda b: (modes.append(b.forward_mode), forward(b))[1]
+        got = [c.token_ids for c in e.generate(PROMPTS[:batch], params(batch))]
+        if modes:  # prompts by PREFILL, the steady state by 2-row VERIFY steps and k - 1 DECODE steps each
+            assert {ForwardMode.PREFILL, ForwardMode.VERIFY, ForwardMode.DECODE} == set(modes)
+            assert modes.count(ForwardMode.DECODE) >= modes.count(ForwardMode.VERIFY)
+        assert (pool.free_pages, pool.free_rows) == free  # rolled-back and finished requests leak no page
         if hasattr(drafter, "runner"):  # the draft model's own pool too
             dpool = drafter.runner.kv_pool
             assert dpool.free_pages == drafter.initial_free_pages and not drafter.states
