@@ -140,3 +140,16 @@ def test_a_failing_drafter_fails_the_engine_cleanly():
         assert pool.free_pages == free and not e.has_unfinished()
         with pytest.raises(RuntimeError, match="failed in an earlier step"):
             e.generate(PROMPTS[:1], params(1))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft:tiny-qwen3"])
+def test_greedy_requests_in_a_sampled_batch_stay_exact(plain, method):
+    """A batch mixing greedy and sampled requests takes rejection sampling; its greedy rows are point masses."""
+    mixed = [SamplingParams(max_new_tokens=LENGTHS[i], stop_at_eos=False,
+                            temperature=0.0 if i % 2 == 0 else 0.9, seed=i) for i in range(4)]
+    with Engine(EngineConfig(plugin="none", speculative_method=method, speculative_adaptive=False, **KW)) as e:
+        free = e.runner.kv_pool.free_pages
+        got = [c.token_ids for c in e.generate(PROMPTS, mixed)]
+        assert e.runner.kv_pool.free_pages == free and e.speculator.stats.verify_steps > 0
+    assert got[0] == plain[4][0] and got[2] == plain[4][2]
+    assert [len(t) for t in got] == LENGTHS

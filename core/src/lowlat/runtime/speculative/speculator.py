@@ -135,6 +135,10 @@ class Speculator:
 
         adaptive = "adaptive off-switch" if self.controller.adaptive else "always on"
         line = f"speculative: {self.drafter.name}, k={self.k} draft tokens per VERIFY step, {adaptive}"
+        runner = getattr(self.drafter, "runner", None)
+        if runner is not None:
+            sel = runner.plugin_host.selection
+            line += f"; draft model on {f'plugin {sel.plugin.name}' if sel else 'the general path'}"
         return f"{line}; {LABEL}" if self.drafter.simulated else line
 
     def summary(self, engine: Any = None) -> list[str]:
@@ -165,7 +169,7 @@ class _Acceptance:
         k = k1 - 1
         rows = logits[:b * k1].view(b, k1, logits.shape[-1])
         draft_lists = [step.drafts[r.rid] for r in reqs]
-        drafts = torch.tensor(draft_lists, dtype=torch.int64, device=logits.device)
+        drafts = step.batch.input_ids[:b * k1].view(b, k1)[:, 1:]  # on the device already: pending, then drafts
         if self.drafter.simulated:
             n = torch.tensor(self.drafter.accept_counts(b, k), dtype=torch.int64, device=logits.device)
             at_n = rows[torch.arange(b, device=logits.device), n]
