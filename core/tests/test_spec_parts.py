@@ -191,3 +191,17 @@ def test_run_rejects_a_bad_method(capsys, monkeypatch):
     monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
     assert run_cli.run(_parse(["--device", "cpu", "--speculative", "eagle"])) == 2
     assert "not one of" in capsys.readouterr().err
+
+
+def test_scheduler_prefill_pending_and_decoding():
+    kw = dict(model="tiny-llama", device="cpu", max_context_len=64, max_batch_size=2, page_size=4, plugin="none")
+    with Engine(EngineConfig(**kw)) as e:
+        s = e.scheduler
+        assert not s.prefill_pending() and s.decoding() == []
+        rids = [e.add_request([1, 2, 3], SamplingParams(max_new_tokens=4)) for _ in range(3)]
+        assert s.prefill_pending()
+        e.step()  # prefills two (max_batch_size), the third waits for a row
+        assert [r.rid for r in s.decoding()] == rids[:2] and not s.prefill_pending()
+        while e.has_unfinished():
+            e.step()
+        assert not s.prefill_pending() and s.decoding() == []

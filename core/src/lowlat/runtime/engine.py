@@ -2,7 +2,8 @@
 
 ``Engine.step()`` is the whole flow: schedule -> ModelRunner.forward(batch) -> postprocess (sample, append,
 finish). ``generate`` adds requests and steps until they finish; ``verify`` runs one VERIFY step (the step a
-speculative-decoding verifier runs) for given draft tokens.
+speculative-decoding verifier runs) for given draft tokens. With ``EngineConfig.speculative`` the engine's
+``Speculator`` (``lowlat.runtime.speculative``) takes each step after prompt work: drafts, VERIFY, acceptance.
 
 With ``tp_size > 1`` the engine is one rank of an SPMD group (``lowlat.runtime.tp_launch``): under torchrun
 every rank runs the caller's program; otherwise rank 0 spawns the other ranks and mirrors each public call to

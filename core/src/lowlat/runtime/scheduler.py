@@ -195,7 +195,7 @@ class Scheduler:
 
     def prefill_pending(self) -> bool:
         """Whether ``schedule()`` would return a PREFILL step now (a prompt in progress, or one admissible)."""
-        if any(r.state is RequestState.PREFILLING for r in self.running):
+        if (self._view or self._make_view()).prefilling:
             return True
         return bool(self.waiting) and self._can_admit(self.waiting[0])
 
