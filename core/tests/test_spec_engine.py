@@ -153,3 +153,22 @@ def test_greedy_requests_in_a_sampled_batch_stay_exact(plain, method):
         assert e.runner.kv_pool.free_pages == free and e.speculator.stats.verify_steps > 0
     assert got[0] == plain[4][0] and got[2] == plain[4][2]
     assert [len(t) for t in got] == LENGTHS
+
+
+def test_draft_rows_of_requests_that_left_unannounced_are_reused():
+    """A request that leaves without a completion (an abort) must not keep its draft row from a newcomer."""
+    kw = {**KW, "max_batch_size": 1}
+    with Engine(EngineConfig(plugin="none", speculative_method="draft:tiny-qwen3", speculative_adaptive=False,
+                             **kw)) as e:
+        drafter = e.speculator.drafter
+        a = e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=20, stop_at_eos=False))
+        for _ in range(3):
+            e.step()
+        assert a in drafter.states
+        (req,) = e.scheduler.running
+        e.scheduler._finish(req, 0.0)  # what an abort does: the request leaves, no Completion
+        b = e.add_request(PROMPTS[1], SamplingParams(max_new_tokens=12, stop_at_eos=False))
+        while e.has_unfinished():
+            e.step()
+        assert a not in drafter.states and b not in drafter.states
+        assert drafter.pool.free_pages == drafter.initial_free_pages

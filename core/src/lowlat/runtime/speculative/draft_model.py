@@ -122,8 +122,9 @@ class DraftModelDrafter(Drafter):
     # -- internals -------------------------------------------------------------------------------------------
 
     def _sweep(self, requests: Sequence[Request]) -> None:
-        """Free the rows of requests that left without a ``release`` (aborted, or finished elsewhere)."""
-        if len(self.states) > len(requests):
+        """Free the rows of requests that left without a ``release`` (aborted, or finished elsewhere), before a
+        new request takes a row: the pool has a row per batch slot only."""
+        if len(self.states) > len(requests) or any(r.rid not in self.states for r in requests):
             live = {r.rid for r in requests}
             for rid in [rid for rid in self.states if rid not in live]:
                 self.release(rid)
