@@ -10,8 +10,8 @@ the engine schedules PREFILL as usual; otherwise it takes the step:
    point-mass guess like any other, so exactness is untouched); when no request has a draft it runs DECODE;
 3. one VERIFY step (``Scheduler.schedule_verify``: k + 1 rows per request, built into the CUDA-graph buffers, so a
    captured (batch, k + 1) graph replays, plugin or general path) runs through ``Engine._run`` with this module's
-   acceptance (``verify.greedy_accept`` when every request is greedy, else ``verify.rejection_sample``;
-   simulated: ``SimulatedDrafter.accept_counts``);
+   acceptance (greedy: the argmax walk of ``verify.greedy_accept``, done on the host after one read; else
+   ``verify.rejection_sample``; simulated: ``SimulatedDrafter.accept_counts``);
 4. ``Scheduler.update`` appends the kept drafts plus the token after them and truncates each request's KV to
    the tokens kept (``KVPool.truncate``: pages past the kept length go back to the pool).
 
@@ -32,7 +32,7 @@ from lowlat.runtime.scheduler import ScheduledStep
 from lowlat.runtime.speculative.controller import Controller
 from lowlat.runtime.speculative.drafter import Drafter, Drafts, make_drafter
 from lowlat.runtime.speculative.stats import SpecStats
-from lowlat.runtime.speculative.verify import greedy_accept, rejection_sample, target_probs
+from lowlat.runtime.speculative.verify import rejection_sample, target_probs
 
 
 def _agree_fn(ctx: Any) -> Any:
@@ -167,28 +167,46 @@ class _Acceptance:
         reqs = step.requests
         b, k1 = len(reqs), step.batch.tokens_per_req
         k = k1 - 1
-        rows = logits[:b * k1].view(b, k1, logits.shape[-1])
+        rows = logits[:b * k1]
         draft_lists = [step.drafts[r.rid] for r in reqs]
-        drafts = step.batch.input_ids[:b * k1].view(b, k1)[:, 1:]  # on the device already: pending, then drafts
-        if self.drafter.simulated:
-            n = torch.tensor(self.drafter.accept_counts(b, k), dtype=torch.int64, device=logits.device)
-            at_n = rows[torch.arange(b, device=logits.device), n]
-            token = torch.argmax(at_n, dim=-1) if step.greedy else sample(
-                at_n, [r.params for r in reqs], [r.generator for r in reqs])
-            clash = (n < k) & (token == drafts.gather(1, n.clamp(max=k - 1)[:, None]).squeeze(1))
-            token = torch.where(clash, (token + 1) % logits.shape[-1], token)
-        elif step.greedy and self.probs is None:
-            n, token = greedy_accept(rows, drafts)
+        simulated = self.drafter.simulated
+        if step.greedy and (simulated or self.probs is None):
+            # Greedy: one argmax over the rows and one read; the walk is k + 1 host compares per request (the
+            # device form is verify.greedy_accept; on the host it costs fewer launches at these sizes).
+            picks = torch.argmax(rows, dim=-1)
+            self.engine._sync()
+            flat = picks.tolist()
+            mine = [flat[i * k1:(i + 1) * k1] for i in range(b)]
+            kept = self.drafter.accept_counts(b, k) if simulated else [_kept(d, m) for d, m in zip(draft_lists, mine)]
+            toks = [m[n] for m, n in zip(mine, kept)]
         else:
-            p = target_probs(rows.reshape(b * k1, -1), [r.params for r in reqs for _ in range(k1)])
-            q = self.probs[:, :k].to(logits.device) if self.probs is not None else None
-            n, token = rejection_sample(p.view(b, k1, -1), drafts, q, [r.generator for r in reqs])
-        self.engine._sync()
-        kept, toks = torch.stack((n, token.to(n.dtype))).tolist()  # one device-to-host read
+            view = rows.view(b, k1, logits.shape[-1])
+            drafts = step.batch.input_ids[:b * k1].view(b, k1)[:, 1:]  # on the device already: pending, then drafts
+            if simulated:
+                n = torch.tensor(self.drafter.accept_counts(b, k), dtype=torch.int64, device=logits.device)
+                token = sample(view[torch.arange(b, device=logits.device), n], [r.params for r in reqs],
+                               [r.generator for r in reqs])
+            else:
+                p = target_probs(rows, [r.params for r in reqs for _ in range(k1)])
+                q = self.probs[:, :k].to(logits.device) if self.probs is not None else None
+                n, token = rejection_sample(p.view(b, k1, -1), drafts, q, [r.generator for r in reqs])
+            self.engine._sync()
+            kept, toks = torch.stack((n, token.to(n.dtype))).tolist()  # one device-to-host read
         self.kept = kept
-        picks: list[int] = []
+        vocab = logits.shape[-1]
+        out: list[int] = []
         for d, m, t in zip(draft_lists, kept, toks):
-            picks += d[:m]
-            picks.append(t)
-            picks += [-1] * (k - m)
-        return picks
+            if simulated and m < k and t == d[m]:  # the model happened to pick the draft it "rejected"
+                t = (t + 1) % vocab
+            out += d[:m]
+            out.append(t)
+            out += [-1] * (k - m)
+        return out
+
+
+def _kept(draft: list[int], mine: list[int]) -> int:
+    """Drafts kept by greedy verification: the leading drafts equal to the row's argmax."""
+    n = 0
+    while n < len(draft) and draft[n] == mine[n]:
+        n += 1
+    return n
