@@ -61,17 +61,15 @@ def lookup(tokens: np.ndarray, n: int, k: int, window: int) -> list[int]:
     ends = np.flatnonzero(t[:size - 1] == t[size - 1])  # a match of the suffix ends at each of these
     if not ends.size:
         return []
-    length = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for m in range(1, n):  # grow the matches one suffix token at a time (n is small): a loop over n, not positions
-        before = ends - m
-        alive &= before >= 0
-        alive[alive] = t[before[alive]] == t[size - 1 - m]
-        if not alive.any():
-            break
-        length += alive
-    end = int(ends[np.flatnonzero(length == length.max())[-1]])
-    return np.resize(t[end + 1:], k).tolist()  # cyclic: the overlapping copy of period size - 1 - end
+    for m in range(1, min(n, size - 1)):  # grow the matches one suffix token at a time: a loop over n, not positions
+        cand = ends[ends >= m] if ends[0] < m else ends
+        longer = cand[t[cand - m] == t[size - 1 - m]]
+        if not longer.size:
+            break  # ``ends`` all match m tokens and none m + 1
+        ends = longer
+    end = int(ends[-1]) + 1  # the most recent of the longest matches; the drafts start after it
+    src = t[end:end + k].tolist()
+    return (src * -(-k // len(src)))[:k]  # cyclic: the overlapping copy of period size - end
 
 
 class NgramDrafter(Drafter):
