@@ -20,8 +20,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                    help=f"speculate with a drafter: {SPECULATIVE_FORMS}; simulated is for benchmarks only (its "
                         "text is not the model's); default off")
     g.add_argument("--num-draft-tokens", metavar="K", type=int, default=None,
-                   help="draft tokens per request and VERIFY step (K + 1 <= max verify tokens; default "
-                        "min(5, max_verify_tokens - 1))")
+                   help=f"draft tokens per request and VERIFY step, 1..{d.max_verify_tokens - 1} (K + 1 rows per "
+                        f"request must fit max_verify_tokens={d.max_verify_tokens}); default {d.draft_tokens}")
     g.add_argument("--ngram-n", type=int, default=d.ngram_n,
                    help=f"n-gram drafter: longest suffix matched (default {d.ngram_n})")
     g.add_argument("--ngram-window", type=int, default=d.ngram_window,
