@@ -131,6 +131,18 @@ def test_controller_within_hysteresis_keeps_its_state_and_agrees_in_lockstep():
     assert 9 <= len(calls) <= 11 and calls[-1] == 2  # every 8 measurements, both shapes at once
 
 
+def test_controller_retries_a_probe_whose_time_did_not_count():
+    c = Controller(probe_every=10)
+    drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)
+    assert not c.on
+    while not c.speculate(2, 6):  # the next VERIFY probe while off
+        c.record(2, 1, 1.0)
+    c.retry(1.3)  # its drafter caught up on the steps it sat out: time not measured
+    assert c.speculate(2, 6)  # so the very next step probes again
+    c.record(2, 6, 2.0, tau=1.3)
+    assert not c.speculate(2, 6)  # measured: still off, back to the backed-off interval
+
+
 def test_not_adaptive_always_speculates():
     c = Controller(adaptive=False)
     assert all(drive(c, 20, t_decode=1.0, t_verify=9.0, tau=1.0)) and c.on

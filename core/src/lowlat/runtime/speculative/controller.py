@@ -105,6 +105,17 @@ class Controller:
             return
         self._since_agree = 0
 
+    def retry(self, tau: float | None = None) -> None:
+        """A VERIFY step whose time does not count (the drafter caught up): fold in its acceptance ``tau``, and
+        if speculation is off, probe again on the next step (same decision on every rank: no clock involved)."""
+        if not self.adaptive:
+            return
+        if tau is not None:
+            self.tau = tau if self.tau is None else self.tau + self.ewma * (tau - self.tau)
+        if not self.on:
+            self._since_probe = max(self._since_probe, self._interval)
+            self._interval = max(self._interval // 2, self.probe_every)
+
     def ratio(self, batch_size: int, tokens_per_req: int) -> float | None:
         """Agreed ``t_spec / t_decode`` at this shape, or None until both are measured and agreed."""
         d = self._agreed.get((batch_size, 1))

@@ -84,6 +84,7 @@ class DraftModelDrafter(Drafter):
             for st, t in zip(states, totals):  # steady state: refeed the last two tokens, one (B, 2) shape
                 self._cut(st, t - 2)
         feeds = [[_token_at(r, p) for p in range(len(st.fed), t)] for r, st, t in zip(requests, states, totals)]
+        warm = all(len(f) <= 2 for f in feeds)
         logits = self._forward(states, feeds)
         for st, f in zip(states, feeds):
             st.fed += f
@@ -104,7 +105,7 @@ class DraftModelDrafter(Drafter):
         tokens = torch.stack(picks, dim=1).tolist()  # the one device-to-host read of the k draft steps
         for st, t in zip(states, tokens):
             st.fed += t[:k - 1]
-        return Drafts(tokens, torch.stack(probs, dim=1) if sampled else None)
+        return Drafts(tokens, torch.stack(probs, dim=1) if sampled else None, warm=warm)
 
     def release(self, rid: int) -> None:
         st = self.states.pop(rid, None)

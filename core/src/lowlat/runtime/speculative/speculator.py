@@ -96,7 +96,11 @@ class Speculator:
         done = engine._run(step, pick=accept)
         t2 = time.perf_counter()
         self.stats.add_verify(accept.kept, sum(lens), k, t1 - t0, t2 - t1)
-        self.controller.record(len(reqs), k + 1, t2 - t0, tau=1 + sum(accept.kept) / len(accept.kept))
+        tau = 1 + sum(accept.kept) / len(accept.kept)
+        if drafts.warm:
+            self.controller.record(len(reqs), k + 1, t2 - t0, tau=tau)
+        else:  # the drafter caught up (a prompt, or steps it sat out): keep the acceptance, measure time again
+            self.controller.retry(tau)
         self._release(done)
         return done
 
