@@ -144,6 +144,8 @@ class Engine:
         self.eos_ids = frozenset(eos_ids | set(self.tokenizer.eos_token_ids))
         self.scheduler = Scheduler(self.runner.kv_pool, max_batch_size=config.max_batch_size,
                                    chunked_prefill_size=config.chunked_prefill_size, inputs=self.runner.step_inputs)
+        if self.speculator is not None:  # VERIFY rows may run past max_new_tokens: promise their KV too
+            self.scheduler.slack = self.speculator.k
         self.stats = StepStats()
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
         self._next_rid = 0

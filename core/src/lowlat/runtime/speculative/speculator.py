@@ -3,9 +3,10 @@
 ``Engine._step`` hands each step to ``Speculator.step`` first. When prompt work is pending it returns None and
 the engine schedules PREFILL as usual; otherwise it takes the step:
 
-1. k = ``EngineConfig.draft_tokens``, lowered so that no request can pass ``max_new_tokens`` (a request's KV
-   promise at admission covers exactly its ``max_new_tokens``); at k < 1, or when the controller
-   (``controller.Controller``) says plain decoding is faster, it runs a DECODE step instead;
+1. k = ``EngineConfig.draft_tokens`` (lowered only where a request would pass ``max_context_len``): a request
+   near its ``max_new_tokens`` still verifies k + 1 rows, whose tokens past the limit ``Scheduler.update``
+   cuts, since the engine sets ``Scheduler.slack = k`` and every request's KV promise covers those rows; when
+   the controller (``controller.Controller``) says plain decoding is faster, it runs a DECODE step instead;
 2. the drafter proposes up to k ids per decoding request; shorter proposals are padded to k (a padded draft is a
    point-mass guess like any other, so exactness is untouched); when no request has a draft it runs DECODE;
 3. one VERIFY step (``Scheduler.schedule_verify``: k + 1 rows per request, built into the CUDA-graph buffers, so a
@@ -76,7 +77,8 @@ class Speculator:
         reqs = sched.decoding()
         if not reqs:
             return None
-        k = min(self.k, min(r.params.max_new_tokens - len(r.output_ids) for r in reqs) - 1)
+        ctx = self.config.max_context_len  # the KV promise covers k rows past max_new_tokens (Scheduler.slack)
+        k = min(self.k, ctx - max(len(r.prompt_ids) + len(r.output_ids) for r in reqs))
         if k < 1 or not self.controller.speculate(len(reqs), k + 1):
             return self._decode(engine)
         t0 = time.perf_counter()

@@ -73,6 +73,7 @@ class SpecStats:
         """JSON-ready totals; with the engine's StepStats, VERIFY steps per path; with the Controller, its state."""
         d: dict[str, Any] = {
             "method": self.method, "simulated": self.simulated, "k": self.k, "verify_steps": self.verify_steps,
+            "request_steps": self.request_steps,
             "decode_steps": self.decode_steps, "no_draft_steps": self.no_draft_steps,
             "decode_tokens": self.decode_tokens, "drafted": self.drafted,
             "accepted": self.accepted, "emitted": self.emitted, "acceptance_length": self.acceptance_length,
