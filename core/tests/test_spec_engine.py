@@ -174,3 +174,20 @@ def test_draft_rows_of_requests_that_left_unannounced_are_reused():
             e.step()
         assert a not in drafter.states and b not in drafter.states
         assert drafter.pool.free_pages == drafter.initial_free_pages
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft:tiny-qwen3", "draft:tiny-llama"])
+def test_continuous_batching_and_chunked_prefill_stay_exact(method):
+    """More requests than rows, prompts prefilled in chunks: requests join a speculating batch mid-way."""
+    prompts = [PROMPTS[i % 4] * (1 + i % 3) for i in range(6)]
+    ps = [SamplingParams(max_new_tokens=9 + 3 * i, stop_at_eos=False) for i in range(6)]
+    kw = {**KW, "max_batch_size": 2, "chunked_prefill_size": 5}
+    with Engine(EngineConfig(plugin="none", **kw)) as e:
+        want = [c.token_ids for c in e.generate(prompts, ps)]
+    with Engine(EngineConfig(plugin="none", speculative_method=method, speculative_adaptive=False, **kw)) as e:
+        free = e.runner.kv_pool.free_pages
+        assert [c.token_ids for c in e.generate(prompts, ps)] == want
+        assert e.runner.kv_pool.free_pages == free and e.speculator.stats.verify_steps > 0
+        drafter = e.speculator.drafter
+        if hasattr(drafter, "runner"):
+            assert not drafter.states and drafter.pool.free_pages == drafter.initial_free_pages
