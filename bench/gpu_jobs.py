@@ -135,6 +135,25 @@ def serve(o: Options) -> list[Step]:
                  f"bench_serve_{m}{tag}.txt", r"\||ratio|skipped|error") for m in o.models]
 
 
+def spec(o: Options) -> list[Step]:
+    """Speculative decoding per model: greedy identity (ngram and a self-draft, batch 1 and 4, general path and
+    each plugin), then plain decoding against simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
+    paths = ",".join(["none", *o.plugins])
+    steps = []
+    for m in o.models:
+        steps.append(Step(f"spec identity {m}", 420, [PY, "bench/scripts/spec_identity.py", "--model", m, "--device",
+                                                      "cuda", "--paths", paths], f"spec_identity_{m}.txt", r"path="))
+        run = [*LOWLAT, "run", "--model", m, "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "256",
+               "--max-context-len", "2048", "--prompt", "a"]
+        for p in ["none", *o.plugins]:
+            steps.append(Step(f"plain {p} {m}", 240, [*run, "--plugin", p], f"spec_plain_{p}_{m}.txt",
+                              r"tok/s|decode|VERIFY|DECODE"))
+            steps.append(Step(f"simulated {p} {m}", 240, [*run, "--plugin", p, "--speculative", "simulated:3.51",
+                                                          "--num-draft-tokens", "5", "--no-spec-adaptive"],
+                              f"spec_simulated_{p}_{m}.txt", r"tok/s|decode|VERIFY|DECODE|SIMULATED|acceptance"))
+    return steps
+
+
 def diag_alternating(o: Options) -> list[Step]:
     """Per-step logit differences and router gaps of each plugin on tiny-qwen3-moe (router near-tie diagnosis)."""
     return [Step(f"diag alternating {p}", 150, [PY, "bench/scripts/diag_alternating.py", "--plugin", p, "--device",
@@ -145,7 +164,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating, "serve": serve,
+    "diag-alternating": diag_alternating, "serve": serve, "spec": spec,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"

@@ -224,7 +224,8 @@ class EngineConfig:
         plugin: "none", "auto" or a plugin name.
         seed: seed for presets' random weights and for sampling.
         speculative: the engine runs a speculative verifier (a feature plugins may require or refuse); True
-            with no ``speculative_method`` means "ngram".
+            with no ``speculative_method`` means "ngram". A ``speculative_method`` sets it (so turning
+            speculation off takes ``speculative=False, speculative_method=None``).
         speculative_method: the drafter, as ``lowlat run --speculative`` takes it: "ngram", "draft:PATH" (a
             smaller checkpoint or preset with the same vocabulary) or "simulated:MEAN" (benchmarks only: a
             random acceptance of mean acceptance length MEAN, not the model's text); None: no speculation.
@@ -284,8 +285,7 @@ class EngineConfig:
 
     def _check_speculative(self) -> None:
         method = self.speculative_method or "ngram"
-        object.__setattr__(self, "speculative_method", method)
-        object.__setattr__(self, "speculative", True)
+        object.__setattr__(self, "speculative", True)  # a method turns the feature on (plugins see it)
         for name in ("num_draft_tokens", "ngram_n", "ngram_window"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -309,8 +309,8 @@ class EngineConfig:
 
     @property
     def speculative_spec(self) -> SpeculativeMethod | None:
-        """The parsed ``speculative_method`` (None when speculation is off)."""
-        return parse_method(self.speculative_method) if self.speculative_method else None
+        """The parsed ``speculative_method`` ("ngram" when only ``speculative`` is set; None when off)."""
+        return parse_method(self.speculative_method or "ngram") if self.speculative else None
 
     def check_model(self, model: ModelConfig) -> None:
         """Check this engine config against the model's: ``max_context_len`` <= ``max_position_embeddings``.

@@ -123,6 +123,9 @@ def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareRep
     if config.plugin == "none":
         raise ValueError("--compare needs a plugin: pass --plugin auto or --plugin NAME")
     params = replace(params, temperature=0.0)
+    # With --speculative both runs must take the same steps, so their logits rows (every VERIFY row) line up:
+    # no timing-driven off-switch.
+    config = replace(config, speculative_adaptive=False)
     general = run_once(replace(config, plugin="none"), params, prompts, "general")
     plugin = run_once(config, params, prompts, f"plugin {config.plugin}")
     if plugin.plugin is None:

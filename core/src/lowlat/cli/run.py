@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from lowlat.cli.errors import one_line_errors
+from lowlat.cli.spec_args import add_speculative_args, speculative_config
 from lowlat.config import DTYPES, EngineConfig
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -67,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="run the prompts greedily on the general path and with the plugin, and compare tokens, "
                         "logits and decode speed")
+    add_speculative_args(p)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -76,7 +78,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=resolve_model_path(args.model), device=args.device, dtype=args.dtype, tp_size=args.tp,
         page_size=args.page_size, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin,
+        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin, **speculative_config(args),
     )
 
 
@@ -206,6 +208,9 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
                        if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))
     for line in runner.plugin_host.rejections:
         console.print(Text(f"  auto skipped {line}", style="dim"))
+    spec = engine.speculator
+    if spec is not None:
+        console.print(Text(spec.header(), style="bold yellow" if spec.stats.simulated else ""))
     if texts:
         for prompt, c in zip(prompts, completions):
             console.print(Text(f"\n[{c.request_id}] ", style="bold") + Text(_printable(prompt), style="cyan")
@@ -223,3 +228,6 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
     for (path, mode), row in sorted(engine.stats.by_path.items(), key=lambda kv: (kv[0][1].name, kv[0][0])):
         steps.add_row(mode.name, path, str(row.steps), str(row.graph_steps), str(row.tokens), f"{row.ms_per_step:.3f}")
     console.print(steps)
+    if spec is not None:
+        for line in spec.summary(engine):
+            console.print(Text(line, style="bold yellow" if "SIMULATED" in line else ""))

@@ -2,7 +2,8 @@
 
 ``Engine.step()`` is the whole flow: schedule -> ModelRunner.forward(batch) -> postprocess (sample, append,
 finish). ``generate`` adds requests and steps until they finish; ``verify`` runs one VERIFY step (the step a
-speculative-decoding verifier runs) for given draft tokens.
+speculative-decoding verifier runs) for given draft tokens. With ``EngineConfig.speculative`` the engine's
+``Speculator`` (``lowlat.runtime.speculative``) takes each step after prompt work: drafts, VERIFY, acceptance.
 
 With ``tp_size > 1`` the engine is one rank of an SPMD group (``lowlat.runtime.tp_launch``): under torchrun
 every rank runs the caller's program; otherwise rank 0 spawns the other ranks and mirrors each public call to
@@ -146,6 +147,8 @@ class Engine:
         self.eos_ids = frozenset(eos_ids | set(self.tokenizer.eos_token_ids))
         self.scheduler = Scheduler(self.runner.kv_pool, max_batch_size=config.max_batch_size,
                                    chunked_prefill_size=config.chunked_prefill_size, inputs=self.runner.step_inputs)
+        if self.speculator is not None:  # VERIFY rows may run past max_new_tokens: promise their KV too
+            self.scheduler.slack = self.speculator.k
         self.stats = StepStats()
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
         self.step_observer: Callable[[ScheduledStep], None] | None = None

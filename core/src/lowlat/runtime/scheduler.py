@@ -143,6 +143,11 @@ class Scheduler:
         chunked_prefill_size: prompt tokens per PREFILL step at most.
         inputs: the StepInputs DECODE and VERIFY batches are built into (the ModelRunner's, shared with its CUDA
             graphs); None allocates DECODE-only buffers for ``max_batch_size`` requests here.
+
+    Attributes:
+        slack: extra cached tokens promised to every request on top of ``max_cached_tokens`` (0; a speculative
+            engine sets k, so a VERIFY step of k + 1 rows may run past a request's ``max_new_tokens``: the tokens
+            past it are cut by ``update``, and their KV slots are inside the request's promise).
     """
 
     def __init__(self, pool: KVPool, *, max_batch_size: int, chunked_prefill_size: int,
@@ -156,6 +161,7 @@ class Scheduler:
             inputs = StepInputs(device=pool.device, max_batch_size=max_batch_size, max_tokens_per_req=1, dummy_row=0)
         self.builder = BatchBuilder(pool, inputs)
         self._view: _DecodeView | None = None
+        self.slack = 0  # cached tokens a request may hold past max_cached_tokens (speculative VERIFY rows)
 
     @property
     def usable_pages(self) -> int:
@@ -167,6 +173,7 @@ class Scheduler:
 
     def check_fits(self, rid: int, max_cached_tokens: int) -> None:
         """Raise ValueError when a request caching up to ``max_cached_tokens`` could never fit in the pool."""
+        max_cached_tokens += self.slack
         need = self._pages(max_cached_tokens)
         if need > self.usable_pages:
             raise ValueError(
@@ -195,7 +202,7 @@ class Scheduler:
 
     def prefill_pending(self) -> bool:
         """Whether ``schedule()`` would return a PREFILL step now (a prompt in progress, or one admissible)."""
-        if any(r.state is RequestState.PREFILLING for r in self.running):
+        if (self._view or self._make_view()).prefilling:
             return True
         return bool(self.waiting) and self._can_admit(self.waiting[0])
 
@@ -225,7 +232,7 @@ class Scheduler:
             r = by_id.get(rid)
             if r is None:
                 raise ValueError(f"request {rid} is not decoding; VERIFY runs on requests whose prompt is done")
-            if len(r.output_ids) + k + 1 > r.params.max_new_tokens:
+            if len(r.output_ids) + k + 1 > r.params.max_new_tokens + self.slack:
                 raise ValueError(
                     f"request {rid} has {len(r.output_ids)} of max_new_tokens={r.params.max_new_tokens} tokens; "
                     f"{k} draft tokens could pass that limit"
@@ -362,13 +369,13 @@ class Scheduler:
 
     def _promised_pages(self) -> int:
         """Pages the running requests may still allocate."""
-        return sum(self._pages(r.max_cached_tokens) - self._pages(self.pool.num_allocated(r.row))
+        return sum(self._pages(r.max_cached_tokens + self.slack) - self._pages(self.pool.num_allocated(r.row))
                    for r in self.running)
 
     def _can_admit(self, req: Request) -> bool:
         if len(self.running) >= self.max_batch_size or self.pool.free_rows == 0:
             return False
-        return self._pages(req.max_cached_tokens) <= self.pool.free_pages - self._promised_pages()
+        return self._pages(req.max_cached_tokens + self.slack) <= self.pool.free_pages - self._promised_pages()
 
     def _schedule_prefill(self) -> ScheduledStep | None:
         budget = self.chunked_prefill_size

@@ -7,9 +7,11 @@ exactly when ``tau > t_spec / t_decode``. ``tau`` is an exponential moving avera
 times are moving averages per batch size (and k + 1), measured at run time.
 
 Hysteresis and probes. Speculation turns off when ``tau < ratio * (1 - hysteresis)`` and back on when
-``tau > ratio * (1 + hysteresis)``. While it is on, every ``probe_every``-th step (and the first step at a new
-batch size) is a plain DECODE step, so ``t_decode`` stays measured; while it is off, every ``probe_every``-th
-step is a VERIFY step, so ``tau`` and ``t_spec`` follow the text.
+``tau > ratio * (1 + hysteresis)``. While it is on, a probe step (and the first step at a new batch size) is a
+plain DECODE step, so ``t_decode`` stays measured; while it is off, a probe is a VERIFY step, so ``tau`` and
+``t_spec`` follow the text. Probes come every ``probe_every`` steps; each probe that finds the state unchanged
+doubles the interval (up to ``max_probe_every``), a switch resets it, so a stable run pays for few probes (a
+DECODE probe at tau 3.5 costs 2.5 tokens of one step).
 
 Tensor parallelism. Ranks must take the same decision every step, but their clocks differ. Decisions therefore
 read only the acceptance (identical on every rank: the same tokens) and an *agreed* copy of the times, which
@@ -34,7 +36,7 @@ class Controller:
 
     Args:
         adaptive: False: always speculate (no probes).
-        probe_every: steps between probes (see above).
+        probe_every / max_probe_every: steps between probes, first and at most (see above).
         hysteresis: relative band around the break-even ratio.
         ewma: weight of a new measurement in the moving averages.
         agree_every: measurements between agreements of the times over TP ranks.
@@ -48,6 +50,7 @@ class Controller:
 
     adaptive: bool = True
     probe_every: int = 32
+    max_probe_every: int = 512
     hysteresis: float = 0.1
     ewma: float = 0.25
     agree_every: int = 8
@@ -61,6 +64,8 @@ class Controller:
     _agreed: dict[Key, float] = field(default_factory=dict)
     _since_probe: int = 0
     _since_agree: int = 0
+    _interval: int = 0
+    _switches_seen: int = 0
 
     def speculate(self, batch_size: int, tokens_per_req: int) -> bool:
         """Whether the next step of ``batch_size`` requests runs VERIFY with ``tokens_per_req`` rows each."""
@@ -71,9 +76,13 @@ class Controller:
             self.probes += 1
             return False
         self._decide(batch_size, tokens_per_req)
-        if self._since_probe >= self.probe_every:
+        if self.switches != self._switches_seen or not self._interval:
+            self._switches_seen = self.switches
+            self._interval = self.probe_every
+        if self._since_probe >= self._interval:
             self._since_probe = 0
             self.probes += 1
+            self._interval = min(2 * self._interval, max(self.max_probe_every, self.probe_every))
             return not self.on
         return self.on
 
@@ -95,6 +104,17 @@ class Controller:
         else:
             return
         self._since_agree = 0
+
+    def retry(self, tau: float | None = None) -> None:
+        """A VERIFY step whose time does not count (the drafter caught up): fold in its acceptance ``tau``, and
+        if speculation is off, probe again on the next step (same decision on every rank: no clock involved)."""
+        if not self.adaptive:
+            return
+        if tau is not None:
+            self.tau = tau if self.tau is None else self.tau + self.ewma * (tau - self.tau)
+        if not self.on:
+            self._since_probe = max(self._since_probe, self._interval)
+            self._interval = max(self._interval // 2, self.probe_every)
 
     def ratio(self, batch_size: int, tokens_per_req: int) -> float | None:
         """Agreed ``t_spec / t_decode`` at this shape, or None until both are measured and agreed."""

@@ -33,10 +33,13 @@ class Drafts:
         probs: [B, k, V] float32 draft distributions the tokens were drawn from (rows of a greedy request, and
             rows past a request's drafts, are one-hot), or None when every draft is a point mass (deterministic
             drafters). Used by rejection sampling; on the drafter's device.
+        warm: False when proposing cost more than its steady state (a draft model catching up on a prompt or
+            on the tokens of steps it sat out): the step's time is then not a measurement of speculation.
     """
 
     tokens: list[list[int]]
     probs: torch.Tensor | None = None
+    warm: bool = True
 
 
 class Drafter:

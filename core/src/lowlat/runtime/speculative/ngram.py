@@ -2,14 +2,15 @@
 
 Prompt lookup decoding (Saxena 2023, github.com/apoorvumang/prompt-lookup-decoding; vLLM's ``ngram`` proposer):
 find an earlier occurrence of the request's last ``n`` tokens (prompt and output together) and propose the
-tokens that followed it. Lookup tries suffixes of ``n``, then ``n - 1`` ... 1 tokens, within the last ``window``
-tokens, and takes the most recent match. The continuation is copied LZ77-style: when it runs into the suffix
-itself, it repeats with the match's period, so a request stuck in a loop of period ``p < k`` still gets k
-drafts.
+tokens that followed it. Within the last ``window`` tokens, the longest match of the suffix (``n`` tokens, else
+``n - 1`` ... 1) wins, the most recent on a tie. The continuation is copied LZ77-style: when it runs into the
+suffix itself, it repeats with the match's period, so a request stuck in a loop of period ``p < k`` still gets
+k drafts.
 
 Per request the drafter keeps a numpy copy of its tokens (appending only what is new since the last call); the
-search is one vectorised compare of all windows (``sliding_window_view``), no Python loop over positions: a few
-microseconds for the default window of 1024 tokens.
+search is one vectorised compare of the window against the last token, then ``n - 1`` compares over the
+candidate positions only, no Python loop over positions: about 10 microseconds per request at the default
+window of 1024 tokens.
 """
 
 from __future__ import annotations
@@ -49,20 +50,26 @@ class _Tokens:
 def lookup(tokens: np.ndarray, n: int, k: int, window: int) -> list[int]:
     """Draft ``k`` tokens for the sequence ``tokens`` ([L] int64) by n-gram lookup; [] when nothing matches.
 
-    Suffixes of n, n-1, ... 1 tokens are matched against every earlier position of the last ``window`` tokens
-    (the suffix itself excluded); the most recent match wins and its continuation, repeated with the match's
-    period where it overlaps the suffix, gives the k drafts.
+    Among the earlier positions of the last ``window`` tokens holding the last token (one vectorised compare),
+    the one whose preceding tokens match the sequence's longest (up to ``n`` tokens) wins, the most recent on a
+    tie; the tokens after it, repeated with the match's period where they overlap the suffix, are the drafts.
     """
     t = tokens[-window:]
     size = len(t)
-    for m in range(min(n, size - 1), 0, -1):
-        suffix = t[size - m:]
-        windows = np.lib.stride_tricks.sliding_window_view(t[:size - 1], m)  # starts 0 .. size-1-m
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + m  # first token after the match; start <= size - 1
-            return np.resize(t[start:], k).tolist()  # cyclic: the overlapping copy of a period size - start
-    return []
+    if size < 2:
+        return []
+    ends = np.flatnonzero(t[:size - 1] == t[size - 1])  # a match of the suffix ends at each of these
+    if not ends.size:
+        return []
+    for m in range(1, min(n, size - 1)):  # grow the matches one suffix token at a time: a loop over n, not positions
+        cand = ends[ends >= m] if ends[0] < m else ends
+        longer = cand[t[cand - m] == t[size - 1 - m]]
+        if not longer.size:
+            break  # ``ends`` all match m tokens and none m + 1
+        ends = longer
+    end = int(ends[-1]) + 1  # the most recent of the longest matches; the drafts start after it
+    src = t[end:end + k].tolist()
+    return (src * -(-k // len(src)))[:k]  # cyclic: the overlapping copy of period size - end
 
 
 class NgramDrafter(Drafter):
@@ -82,6 +89,10 @@ class NgramDrafter(Drafter):
         self._tokens: dict[int, _Tokens] = {}
 
     def propose(self, requests: Sequence[Request], k: int) -> Drafts:
+        if len(self._tokens) > len(requests):  # requests that left without a release (aborted)
+            live = {r.rid for r in requests}
+            for rid in [rid for rid in self._tokens if rid not in live]:
+                del self._tokens[rid]
         out = []
         for r in requests:
             st = self._tokens.get(r.rid)

@@ -73,6 +73,7 @@ class SpecStats:
         """JSON-ready totals; with the engine's StepStats, VERIFY steps per path; with the Controller, its state."""
         d: dict[str, Any] = {
             "method": self.method, "simulated": self.simulated, "k": self.k, "verify_steps": self.verify_steps,
+            "request_steps": self.request_steps,
             "decode_steps": self.decode_steps, "no_draft_steps": self.no_draft_steps,
             "decode_tokens": self.decode_tokens, "drafted": self.drafted,
             "accepted": self.accepted, "emitted": self.emitted, "acceptance_length": self.acceptance_length,
@@ -80,7 +81,9 @@ class SpecStats:
             "draft_s": self.draft_s, "verify_s": self.verify_s, "decode_s": self.decode_s,
         }
         if self.simulated:
-            d["label"] = "SIMULATED acceptance (benchmark only: the text is not the model's)"
+            from lowlat.runtime.speculative.simulated import LABEL
+
+            d["label"] = LABEL
         if steps is not None:
             verify = [(p, r.steps) for (p, m), r in steps.by_path.items() if m is ForwardMode.VERIFY]
             d["verify_steps_by_path"] = dict(sorted(verify))

@@ -123,7 +123,8 @@ def rejection_sample(
         resid = p_n.clone()
     # At a rejection p(d_n) < q(d_n), so the residual at d_n is 0: enforce it exactly (a point mass gives 1 - 1).
     d_n = drafts.gather(1, n.clamp(max=max(k - 1, 0))[:, None]).squeeze(1)
-    resid[rows[rejected], d_n[rejected]] = 0.0
+    at = resid.gather(1, d_n[:, None])
+    resid.scatter_(1, d_n[:, None], torch.where(rejected[:, None], torch.zeros_like(at), at))  # no host sync
     empty = resid.sum(dim=-1) <= 0  # p == q on the support: fall back to p (measure zero, kept for safety)
     resid = torch.where(empty[:, None], p_n, resid)
     gumbel = -torch.log(-torch.log(noise.clamp_(min=_TINY, max=1.0 - 1e-7)))

@@ -1,0 +1,221 @@
+"""The speculative parts on their own: n-gram lookup, simulated acceptance, the adaptive controller, the CLI flags
+(CPU; the engine runs are tiny presets of a few dozen steps)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import pytest
+from lowlat.cli import run as run_cli
+from lowlat.cli.spec_args import add_speculative_args, speculative_config
+from lowlat.config import ConfigError, EngineConfig
+from lowlat.runtime import Engine, SamplingParams
+from lowlat.runtime.speculative.controller import Controller
+from lowlat.runtime.speculative.ngram import lookup
+from lowlat.runtime.speculative.simulated import SimulatedDrafter, acceptance_rate
+
+# -- n-gram ----------------------------------------------------------------------------------------------------
+
+
+def test_ngram_lookup_prefers_long_recent_matches_and_repeats_periods():
+    t = np.array([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3], dtype=np.int64)
+    assert lookup(t, 3, 3, 1024) == [7, 8, 5]  # suffix "2 3": latest earlier "2 3" is followed by 7 8 5
+    assert lookup(t, 3, 3, 4) == []  # the window [8, 5, 2, 3] holds no earlier "3", "2 3"
+    loop = np.array([4, 5, 6, 4, 5, 6, 4], dtype=np.int64)
+    assert lookup(loop, 3, 7, 1024) == [5, 6, 4, 5, 6, 4, 5]  # period 3 continued past the end
+    assert lookup(np.array([1, 1], dtype=np.int64), 3, 4, 1024) == [1, 1, 1, 1]
+    assert lookup(np.array([1, 2, 3], dtype=np.int64), 3, 4, 1024) == []
+    assert lookup(np.array([7], dtype=np.int64), 3, 4, 1024) == []
+
+
+def naive_lookup(t: list[int], n: int, k: int, window: int) -> list[int]:
+    """The definition, by brute force: longest suffix (n..1) matched earlier, most recent, cyclic continuation."""
+    t = t[-window:]
+    for m in range(min(n, len(t) - 1), 0, -1):
+        starts = [j for j in range(len(t) - m) if t[j:j + m] == t[len(t) - m:]]
+        if starts:
+            ext = list(t)
+            start = starts[-1] + m
+            for j in range(k):
+                ext.append(ext[start + j])
+            return ext[len(t):]
+    return []
+
+
+def test_ngram_lookup_equals_the_brute_force_definition():
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        size, vocab = int(rng.integers(1, 40)), int(rng.integers(2, 6))
+        t = rng.integers(0, vocab, size).tolist()
+        n, k, window = int(rng.integers(1, 5)), int(rng.integers(1, 8)), int(rng.integers(2, 50))
+        assert lookup(np.array(t, dtype=np.int64), n, k, window) == naive_lookup(t, n, k, window), (t, n, k, window)
+
+
+def test_ngram_lookup_cost_is_microseconds_at_the_default_window():
+    t = np.random.default_rng(0).integers(0, 50_000, 4096).astype(np.int64)
+    lookup(t, 3, 5, 1024)
+    start = time.perf_counter()
+    for _ in range(200):
+        lookup(t, 3, 5, 1024)
+    per_call = (time.perf_counter() - start) / 200
+    assert per_call < 5e-4  # ~5 us here (random 50k-vocab text); a decode step is milliseconds
+
+
+# -- simulated -------------------------------------------------------------------------------------------------
+
+
+def test_simulated_acceptance_has_the_configured_mean():
+    assert acceptance_rate(1.0, 5) == pytest.approx(0.0, abs=1e-9)
+    assert acceptance_rate(6.0, 5) == pytest.approx(1.0, abs=1e-9)
+    d = SimulatedDrafter(3.51, k=5, vocab_size=100, seed=1)
+    n = np.array([d.accept_counts(64, 5) for _ in range(300)]).ravel()
+    assert abs((n + 1).mean() - 3.51) < 0.05 and n.min() >= 0 and n.max() <= 5
+    with pytest.raises(ValueError, match="lies in"):
+        acceptance_rate(7.0, 5)
+
+
+def test_simulated_run_is_labelled_and_has_its_mean():
+    kw = dict(model="tiny-llama", device="cpu", max_context_len=160, max_batch_size=4, page_size=4, plugin="none")
+    with Engine(EngineConfig(speculative_method="simulated:4", speculative_adaptive=False, **kw)) as e:
+        e.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=120, stop_at_eos=False))
+        d = e.speculator.as_dict(e)
+        assert d["simulated"] and "SIMULATED" in d["label"] and "SIMULATED" in e.speculator.header()
+        assert "SIMULATED" in e.speculator.summary(e)[0]
+        assert abs(d["acceptance_length"] - 4.0) < 0.4  # ~100 request-steps; the last few have k < 5
+
+
+# -- controller ------------------------------------------------------------------------------------------------
+
+
+def drive(c: Controller, steps: int, t_decode: float, t_verify: float, tau: float, bs: int = 2, k1: int = 6) -> list:
+    """Run the controller's decisions against a fake step cost; returns the decisions."""
+    out = []
+    for _ in range(steps):
+        spec = c.speculate(bs, k1)
+        out.append(spec)
+        c.record(bs, k1, t_verify, tau=tau) if spec else c.record(bs, 1, t_decode)
+    return out
+
+
+def test_controller_turns_off_when_speculation_is_slower_and_probes():
+    c = Controller(probe_every=10)
+    d = drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)  # 1.3 tokens per step at twice the cost: off
+    assert d[0] is False and not c.on and c.switches == 1 and "off" in c.reason
+    probes = [i for i, spec in enumerate(d) if spec][1:]  # VERIFY probes after switching off keep tau measured
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backing off: 20, 40, ... steps
+
+
+def test_controller_stays_on_when_speculation_pays_and_turns_back_on():
+    c = Controller(probe_every=10)
+    d = drive(c, 60, t_decode=1.0, t_verify=1.5, tau=3.5)
+    assert c.on and c.switches == 0 and sum(d) >= 50  # DECODE probes only (first step, then 1 in 10)
+    drive(c, 60, t_decode=1.0, t_verify=1.5, tau=1.0)
+    assert not c.on
+    drive(c, 200, t_decode=1.0, t_verify=1.5, tau=3.0)  # the text became predictable: probes see it
+    assert c.on and c.switches == 2
+
+
+def test_controller_within_hysteresis_keeps_its_state_and_agrees_in_lockstep():
+    calls = []
+
+    def agree(values):
+        calls.append(len(values))
+        return values
+
+    c = Controller(probe_every=1000, agree=agree, agree_every=8)
+    drive(c, 80, t_decode=1.0, t_verify=2.0, tau=1.95)  # inside the 10% band around break-even: stays on
+    assert c.on and c.switches == 0
+    assert 9 <= len(calls) <= 11 and calls[-1] == 2  # every 8 measurements, both shapes at once
+
+
+def test_controller_retries_a_probe_whose_time_did_not_count():
+    c = Controller(probe_every=10)
+    drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)
+    assert not c.on
+    while not c.speculate(2, 6):  # the next VERIFY probe while off
+        c.record(2, 1, 1.0)
+    c.retry(1.3)  # its drafter caught up on the steps it sat out: time not measured
+    assert c.speculate(2, 6)  # so the very next step probes again
+    c.record(2, 6, 2.0, tau=1.3)
+    assert not c.speculate(2, 6)  # measured: still off, back to the backed-off interval
+
+
+def test_not_adaptive_always_speculates():
+    c = Controller(adaptive=False)
+    assert all(drive(c, 20, t_decode=1.0, t_verify=9.0, tau=1.0)) and c.on
+
+
+def test_engine_falls_back_to_decode_when_nothing_is_ever_accepted():
+    kw = dict(model="tiny-llama", device="cpu", max_context_len=200, max_batch_size=2, page_size=4, plugin="none",
+              dtype="float32")
+    with Engine(EngineConfig(**kw)) as e:
+        want = [c.token_ids for c in e.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=150,
+                                                                                   stop_at_eos=False))]
+    with Engine(EngineConfig(speculative_method="ngram", **kw)) as e:
+        c = e.speculator.controller
+        c.probe_every = 16
+        c.tau = 1.0  # measured acceptance: nothing kept
+        c.record(2, 1, 1e-3)  # plain DECODE: 1 ms; VERIFY (draft + verify) pretended at 3 ms below
+        c.record(2, 6, 3e-3)
+        c._local[(2, 6)] = 3e-3
+        c.record = lambda bs, k1, s, tau=None: None  # freeze the model: the real CPU timings are noise here
+        got = [x.token_ids for x in e.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=150,
+                                                                                   stop_at_eos=False))]
+        st = e.speculator.stats
+        assert got == want and not c.on and "off" in c.reason
+        assert st.decode_steps > 5 * st.verify_steps and st.verify_steps >= 1  # probes only
+        assert "off-switch: off" in "\n".join(e.speculator.summary(e))
+
+
+# -- CLI -------------------------------------------------------------------------------------------------------
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="lowlat")
+    run_cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["run", *argv])
+
+
+def test_spec_args_on_any_parser():
+    p = argparse.ArgumentParser()
+    add_speculative_args(p)
+    assert speculative_config(p.parse_args([])) == {}
+    kw = speculative_config(p.parse_args(["--speculative", "draft:/ckpt", "--num-draft-tokens", "3",
+                                          "--no-spec-adaptive"]))
+    cfg = EngineConfig(**kw)
+    assert cfg.speculative and cfg.speculative_spec.path == "/ckpt" and cfg.draft_tokens == 3
+    assert not cfg.speculative_adaptive
+    with pytest.raises(ConfigError, match="needs --speculative"):
+        speculative_config(p.parse_args(["--num-draft-tokens", "3"]))
+
+
+def test_run_with_speculation_prints_acceptance(capsys):
+    args = _parse(["--device", "cpu", "--max-context-len", "64", "--max-new-tokens", "20", "--prompt", "abcabcabc",
+                   "--speculative", "ngram", "--num-draft-tokens", "3", "--plugin", "none"])
+    assert run_cli.run(args) == 0
+    out = capsys.readouterr().out
+    for word in ("speculative: ngram, k=3", "VERIFY steps", "mean acceptance length", "VERIFY", "tok/s"):
+        assert word in out, word
+
+
+def test_run_rejects_a_bad_method(capsys, monkeypatch):
+    monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
+    assert run_cli.run(_parse(["--device", "cpu", "--speculative", "eagle"])) == 2
+    assert "not one of" in capsys.readouterr().err
+
+
+def test_scheduler_prefill_pending_and_decoding():
+    kw = dict(model="tiny-llama", device="cpu", max_context_len=64, max_batch_size=2, page_size=4, plugin="none")
+    with Engine(EngineConfig(**kw)) as e:
+        s = e.scheduler
+        assert not s.prefill_pending() and s.decoding() == []
+        rids = [e.add_request([1, 2, 3], SamplingParams(max_new_tokens=4)) for _ in range(3)]
+        assert s.prefill_pending()
+        e.step()  # prefills two (max_batch_size), the third waits for a row
+        assert [r.rid for r in s.decoding()] == rids[:2] and not s.prefill_pending()
+        while e.has_unfinished():
+            e.step()
+        assert not s.prefill_pending() and s.decoding() == []
