@@ -17,17 +17,23 @@ from lowlat.plugin.errors import (
 )
 from lowlat.plugin.guard import GuardTrace, RequirementResult, evaluate
 from lowlat.plugin.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl, hookspec
+from lowlat.plugin.params import LayerParams, ModelParams, bind_params
+from lowlat.plugin.reference_step import STAGES, LayerWeights, ReferenceStep
 from lowlat.plugin.selection import Selection, select_plugin
 from lowlat.plugin.spec import Coverage, ModelSpec, PlatformRequirement, Requirements, spec_from_mapping
 
 __all__ = [
+    "STAGES",
     "ENTRY_POINT_GROUP",
     "PLUGIN_API_VERSION",
     "Coverage",
     "GuardTrace",
     "IncompatibleCoreVersion",
     "KVPoolNotReady",
+    "LayerParams",
+    "LayerWeights",
     "LowlatPluginError",
+    "ModelParams",
     "ModelSpec",
     "PlatformRequirement",
     "PluginBinding",
@@ -38,11 +44,13 @@ __all__ = [
     "PluginNotFound",
     "PluginRegistry",
     "PluginStepError",
+    "ReferenceStep",
     "Requirements",
     "RequirementResult",
     "Selection",
     "SpecError",
     "UnsupportedConfiguration",
+    "bind_params",
     "discover",
     "evaluate",
     "hookimpl",
