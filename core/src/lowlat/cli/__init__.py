@@ -1,4 +1,4 @@
-"""The ``lowlat`` command: ``plugins | run | serve | make-checkpoint | bench``.
+"""The ``lowlat`` command: ``plugins | run | serve | make-checkpoint | bench | new-plugin``.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)``; this module only wires them
 and turns expected errors into one clear line and exit code 2 (set LOWLAT_DEBUG=1 for the traceback).
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("plugins", "run", "serve", "make_checkpoint", "bench")
+SUBCOMMANDS = ("plugins", "run", "serve", "make_checkpoint", "bench", "new_plugin")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,6 +3,7 @@
 Public names are re-exported here once; the modules beside this file are the implementation.
 """
 
+from lowlat.config import EngineConfig, ModelConfig
 from lowlat.plugin.binding import KVPoolNotReady, PluginBinding, PluginForward, rope_tables
 from lowlat.plugin.discovery import PluginInfo, PluginRegistry, discover
 from lowlat.plugin.errors import (
@@ -21,32 +22,39 @@ from lowlat.plugin.params import LayerParams, ModelParams, bind_params
 from lowlat.plugin.reference_step import STAGES, LayerWeights, ReferenceStep
 from lowlat.plugin.selection import Selection, select_plugin
 from lowlat.plugin.spec import Coverage, ModelSpec, PlatformRequirement, Requirements, spec_from_mapping
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.runtime.kv_cache import KVPool
 
 __all__ = [
-    "STAGES",
-    "ENTRY_POINT_GROUP",
-    "PLUGIN_API_VERSION",
     "Coverage",
+    "ENTRY_POINT_GROUP",
+    "EngineConfig",
+    "ForwardBatch",
+    "ForwardMode",
     "GuardTrace",
     "IncompatibleCoreVersion",
+    "KVPool",
     "KVPoolNotReady",
     "LayerParams",
     "LayerWeights",
     "LowlatPluginError",
+    "ModelConfig",
     "ModelParams",
     "ModelSpec",
+    "PLUGIN_API_VERSION",
     "PlatformRequirement",
     "PluginBinding",
-    "PluginForward",
     "PluginBuildError",
+    "PluginForward",
     "PluginInfo",
     "PluginLoadError",
     "PluginNotFound",
     "PluginRegistry",
     "PluginStepError",
     "ReferenceStep",
-    "Requirements",
     "RequirementResult",
+    "Requirements",
+    "STAGES",
     "Selection",
     "SpecError",
     "UnsupportedConfiguration",
