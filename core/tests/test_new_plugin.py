@@ -2,7 +2,8 @@
 
 The generated directory is made importable the way ``pip install`` would: a dist-info written from its
 ``pyproject.toml`` (its entry point and its ``Requires-Dist: lowlat...`` line, so core's range check is the
-real one) in a site dir, with that dir and its ``src`` on PYTHONPATH. The checks run in subprocesses, as a vendor runs them.
+real one) in a site dir, with that dir and its ``src`` on PYTHONPATH. The checks run in subprocesses, as a
+vendor runs them.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from lowlat.cli import main
 from lowlat.kit import FILES, plugin_names, write_plugin
 

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 import triton.language as tl
-from lowlat.config import ModelConfig
+from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 from lowlat.plugin import rope_tables as core_rope_tables
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lowlat.plugin.errors import PluginBuildError
+from lowlat.plugin import PluginBuildError
 
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
@@ -29,7 +29,7 @@ def build(binding: Any) -> MegaForward:
     """Build the nvidia_mega forward for the model the binding carries.
 
     Args:
-        binding: a ``lowlat.plugin.binding.PluginBinding`` (model_config, engine_config, device, dtype, params,
+        binding: a ``lowlat.plugin.PluginBinding`` (model_config, engine_config, device, dtype, params,
             tp_size, alloc_workspace, on_kv_pool_ready).
     Returns:
         a MegaForward; it serves steps once the KV pool is attached.

@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lowlat.config import ModelConfig
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, plan_splits
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.plugin import Coverage, ForwardMode, ModelSpec, PlatformRequirement, Requirements
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile

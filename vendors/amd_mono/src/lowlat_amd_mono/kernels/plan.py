@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowlat.config import ModelConfig
+from lowlat.plugin import ModelConfig
 
 MAX_ROWS = 8  # rows (tokens) per step the buffers are sized for
 BM = 16  # rows of every tl.dot (rows >= T are masked)
