@@ -1,0 +1,75 @@
+"""Kind 3, state across calls: something computed on one call is reused on a later one where it no longer holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lowlat.runtime.forward_batch import ForwardBatch
+
+from lowlat_contract.plugins.mutants._base import HookedReference
+
+
+class RopeCachedPerShape(HookedReference):
+    """rope_cached_per_shape: the RoPE rows are gathered once per token count T (a "static buffer" meant for
+    graph capture) and reused by every later eager step of the same T, with the first step's positions.
+    Trigger: two steps of the same T at different positions (any decode loop)."""
+
+    def _cos_sin(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        cache: dict[int, Any] = self.__dict__.setdefault("_rope_rows", {})
+        t = batch.input_ids.shape[0]
+        if t not in cache:
+            cache[t] = super()._cos_sin(batch)
+        return cache[t]
+
+
+class WorkspaceSizedAtFirstCall(HookedReference):
+    """workspace_sized_at_first_call: the split-KV partials workspace is sized on the first step from its longest
+    context (rounded up to 64 tokens) and never grown; keys past its capacity are silently dropped.
+    Trigger: a first step with short contexts, then a context longer than 64 (e.g. 65) on the same plugin."""
+
+    def _visible(self, batch: ForwardBatch, length: int) -> torch.Tensor:
+        if getattr(self, "_capacity", None) is None:
+            self._capacity = -(-int(batch.seq_lens.max()) // 64) * 64
+        return super()._visible(batch, length) & (torch.arange(length, device=self.device)[None, :] < self._capacity)
+
+
+class HostLenFrozenAtCapture(HookedReference):
+    """host_len_frozen_at_capture: attention runs over ``max(seq_lens)`` keys, read from ``seq_lens_cpu`` when
+    the batch has it (eager) and else from the device once (``.item()``: during CUDA-graph capture, so the
+    value is frozen into the graph). Replays with longer contexts than at capture miss their newest keys.
+    Trigger: a graph replay (seq_lens_cpu None) whose context exceeds the captured step's; eager is exact."""
+
+    def prepare_for_capture(self, batch: ForwardBatch) -> None:
+        self._frozen = None
+
+    def _visible(self, batch: ForwardBatch, length: int) -> torch.Tensor:
+        if batch.seq_lens_cpu is not None:
+            limit = max(batch.seq_lens_cpu)
+        else:
+            if getattr(self, "_frozen", None) is None:
+                self._frozen = int(batch.seq_lens.max())
+            limit = self._frozen
+        return super()._visible(batch, length) & (torch.arange(length, device=self.device)[None, :] < limit)
+
+
+class PageTableCache(HookedReference):
+    """page_table_cache: each request row's page table (``req_to_token[row, ::page_size]``) is cached and
+    refreshed only when that row's page count changes. Rows are recycled: a new request in a freed row with
+    the same page count reads the previous request's pages.
+    Trigger: free a request, give its row to a request whose pages differ (e.g. allocated in another order),
+    same number of pages."""
+
+    def _slots(self, batch: ForwardBatch) -> torch.Tensor:
+        cache: dict[int, Any] = self.__dict__.setdefault("_tables", {})
+        ps, r2t = self.pool.page_size, self.pool.req_to_token
+        j = torch.arange(r2t.shape[1], device=self.device)
+        out = []
+        for row, n in zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist()):
+            pages = -(-n // ps)
+            if row not in cache or cache[row][0] != pages:
+                cache[row] = (pages, r2t[row, ::ps].long().clone())
+            out.append(cache[row][1][j // ps] + j % ps)
+        return torch.stack(out)
+
