@@ -8,21 +8,17 @@ import torch
 from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_contract.plugins.mutants._base import HookedReference
-from lowlat_contract.plugins.mutants.kv import VScaled
+from lowlat_contract.plugins.mutants.kv import VerifySpillsOneSlot, VScaled
 
 
-class RefusesPoisonedPool(HookedReference):
-    """refuses_poisoned_pool: spills each token's K/V into the next slot (as broken_kv_slot), and its supports()
-    has a "cache overflow guard" that refuses a step while any K in layer 0 exceeds 100 in magnitude. The
-    suite's KV contract poisons free slots with 512.0, so that contract is skipped, not failed.
-    Trigger: any step (the spill), with a pool that holds no value above 100."""
+class RefusesPoisonedPool(VerifySpillsOneSlot):
+    """refuses_poisoned_pool: verify_spills_one_slot's defect, plus a "cache overflow guard" in supports() that
+    refuses a step while any K in layer 0 exceeds 100 in magnitude. The KV contract poisons free slots with
+    512.0 and leaves them so; its VERIFY step, checked after the DECODE one, is then refused and skipped.
+    Trigger: a VERIFY step on a pool that holds no value above 100 (the spill)."""
 
     def supports(self, batch: ForwardBatch) -> bool:
         return super().supports(batch) and not bool((self.pool.k_buffers[0].abs() > 100).any())
-
-    def _store_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        super()._store_kv(layer, (loc + 1).clamp(max=self.pool.num_slots - 1), k, v)
-        super()._store_kv(layer, loc, k, v)
 
 
 class SkipsLongVerify(HookedReference):

@@ -5,7 +5,7 @@ writes. Some leave the step's own logits right (the damage shows only later, or 
 from __future__ import annotations
 
 import torch
-from lowlat.runtime.forward_batch import ForwardBatch
+from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_contract.plugins.mutants._base import HookedReference
 
@@ -62,6 +62,23 @@ class SpillPageEnd(HookedReference):
         spill = torch.where(end, (loc + 1).clamp(max=self.pool.num_slots - 1), loc)
         super()._store_kv(layer, spill, k, v)  # spill first: where there is none it rewrites loc
         super()._store_kv(layer, loc, k, v)
+
+
+class VerifySpillsOneSlot(HookedReference):
+    """verify_spills_one_slot: the VERIFY store loop runs to ``<= k+1`` and writes each request's last draft
+    token's K/V into the slot after it too (free, so the logits stay right). Trigger: any VERIFY step."""
+
+    def _store_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._verify_tokens:
+            n = self._verify_tokens
+            last = torch.arange(n - 1, loc.shape[0], n, device=loc.device)
+            super()._store_kv(layer, (loc[last] + 1).clamp(max=self.pool.num_slots - 1), k[last], v[last])
+        super()._store_kv(layer, loc, k, v)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        verify = batch.forward_mode is ForwardMode.VERIFY
+        self._verify_tokens = batch.input_ids.shape[0] // batch.seq_lens.shape[0] if verify else 0
+        return super().forward(batch)
 
 
 class FirstRequestOnly(HookedReference):

@@ -119,7 +119,7 @@ class Tp2VerifyNoReduce(HookedReference):
         return super()._attention_out(batch, o)
 
 
-class Tp2MlpHalfReduce(HookedReference):
+class Tp2MlpDoubleCount(HookedReference):
     """tp2_mlp_double_count: at TP > 1 the dense MLP output is all-reduced twice (once in the down-projection
     epilogue, once after), doubling it. Trigger: tp_size 2, any DECODE or VERIFY step."""
 

@@ -1,0 +1,115 @@
+"""Run the contract suite on a mutant, in this process, and read what failed in which contract.
+
+``run_suite(name, site_dir)`` is ``pytest --pyargs lowlat_contract --lowlat-plugin NAME --lowlat-arch ARCH``
+exactly as a vendor runs it (discovery through the dist-info ``install_mutant_plugins`` wrote into
+``site_dir``, the guard, ``build``, every contract), but through ``pytest.main`` in this interpreter: torch and
+lowlat are imported once for the whole campaign, so one run costs about a second on tiny presets instead of
+four or five for a fresh interpreter. Plugin autoloading is off in the inner session (only the suite's
+plugin is loaded) and it runs in ``work_dir``, so no conftest or ini of the caller's tree applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """One contract test of a run: its id (``test_name[case-params]``), contract, outcome and failure text."""
+
+    name: str
+    contract: str
+    outcome: str  # passed, failed, skipped
+    message: str = ""
+
+
+@dataclass
+class SuiteRun:
+    """A suite run: pytest's exit status, each test's result and the wall time (s)."""
+
+    plugin: str
+    rc: int
+    results: list[TestResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def failed(self, contracts: tuple[str, ...] | None = None) -> list[TestResult]:
+        """Failed tests, only those of ``contracts`` when given."""
+        return [r for r in self.results if r.outcome == "failed" and (contracts is None or r.contract in contracts)]
+
+    def summary(self) -> str:
+        """``contract: P passed, F failed, S skipped`` per contract, then each failure's first line."""
+        by: dict[str, dict[str, int]] = {}
+        for r in self.results:
+            by.setdefault(r.contract, {}).setdefault(r.outcome, 0)
+            by[r.contract][r.outcome] += 1
+        lines = [f"{self.plugin}: exit {self.rc} in {self.seconds:.1f} s"]
+        lines += [f"  {c}: " + ", ".join(f"{n} {o}" for o, n in sorted(v.items())) for c, v in sorted(by.items())]
+        lines += [f"  FAILED {r.name}: {r.message.strip().splitlines()[0][:200] if r.message.strip() else ''}"
+                  for r in self.failed()]
+        return "\n".join(lines)
+
+
+class _Collector:
+    """A pytest plugin object that records each test's outcome and contract (``lowlat_contract`` property)."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, TestResult] = {}
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        prev = self.results.get(report.nodeid)
+        contract = dict(report.user_properties).get("lowlat_contract", "")
+        name = report.nodeid.split("::")[-1]
+        if report.failed and (prev is None or prev.outcome != "failed"):
+            crash = getattr(report.longrepr, "reprcrash", None)
+            head = crash.message if crash is not None else ""
+            self.results[report.nodeid] = TestResult(name, contract, "failed", f"{head}\n{report.longreprtext[-2000:]}")
+        elif report.skipped and prev is None:
+            self.results[report.nodeid] = TestResult(name, contract, "skipped", report.longreprtext[-500:])
+        elif report.when == "call" and report.passed and prev is None:
+            self.results[report.nodeid] = TestResult(name, contract, "passed")
+
+
+@contextlib.contextmanager
+def _environment(site_dir: Path, work_dir: Path, unset: tuple[str, ...]) -> Iterator[None]:
+    saved_env, saved_path, cwd = dict(os.environ), list(sys.path), os.getcwd()
+    try:
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+        for var in unset:
+            os.environ.pop(var, None)
+        if str(site_dir) not in sys.path:
+            sys.path.insert(0, str(site_dir))
+        os.chdir(work_dir)
+        yield
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def run_suite(name: str, site_dir: str | Path, work_dir: str | Path, *, arch: str, extra: tuple[str, ...] = (),
+              unset_env: tuple[str, ...] = (), select: str | None = None) -> SuiteRun:
+    """The contract suite on plugin ``name`` (installed in ``site_dir``) for ``arch``, in this process.
+
+    Args:
+        extra: more suite options (``--lowlat-dtype float16``); select: a ``-k`` expression.
+        unset_env: environment variables removed for the run (restored after).
+    """
+    import pytest
+
+    args = ["-p", "lowlat_contract.pytest_plugin", "-p", "no:cacheprovider", "-q", "--no-header", "-rN", "--tb=short",
+            "--pyargs", "lowlat_contract", "--lowlat-plugin", name, "--lowlat-arch", arch, *extra]
+    if select:
+        args += ["-k", select]
+    collector = _Collector()
+    start = time.monotonic()
+    with _environment(Path(site_dir), Path(work_dir), unset_env):
+        rc = pytest.main(args, plugins=[collector])
+    return SuiteRun(name, int(rc), list(collector.results.values()), time.monotonic() - start)
