@@ -3,12 +3,15 @@ a contract expected to catch it; and every mutant must be real (its defect shows
 
 - ``test_mutant_is_real[mutant-NAME]``: ``lowlat_contract.mutation_probe.probe`` runs the mutant at its trigger
   beside the reference and the general path; the mutant shows its defect there, the reference does not.
-- ``test_mutant_fails_the_suite[mutant-NAME]``: the whole suite runs on the mutant (tiny preset of its
-  architecture, in this process: ``lowlat_contract.mutation_run``); pytest must exit 1 with a failure in one of
-  the mutant's expected contracts (``"exit"``: any non-zero exit). A mutant that suite 0.2 misses carries
-  ``escapes`` in the registry and is ``xfail(strict=True)`` here: once a suite catches it the XPASS fails this
-  test, and the entry must be cleared. ``tests/mutants/ESCAPES.md`` lists them with the condition that catches
-  each; ``test_escapes_file_matches_the_registry`` keeps the two in step.
+- ``test_mutant_fails_the_suite[mutant-NAME]``: the suite runs on the mutant (tiny preset of its architecture,
+  in this process: ``lowlat_contract.mutation_run``), only the mutant's expected contracts (selected by their
+  ``lowlat_contract`` marker), up to the first failure; pytest must exit 1 with a failure in one of them
+  (``"exit"``: the whole suite, any non-zero exit). ``python -m lowlat_contract.mutation_run`` runs every
+  contract on every mutant and prints which catch each (the table behind ESCAPES.md).
+  A mutant that suite 0.2 misses carries ``escapes`` in the registry and is ``xfail(strict=True)`` here: once
+  a suite catches it the XPASS fails this test, and the entry must be cleared. ``tests/mutants/ESCAPES.md``
+  lists them with the condition that catches each; ``test_escapes_file_matches_the_registry`` keeps the two
+  in step.
 - ``control`` (HookedReference, no defect) passes the suite and matches the reference bit for bit.
 
 The plugins are exposed through one dist-info in a temporary site dir (``install_mutant_plugins``). Each suite
@@ -47,7 +50,9 @@ def suite_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteRun]:
     class Runs(dict):
         def __missing__(self, name: str) -> SuiteRun:
             m = MUTANTS[name]
-            runs[name] = run_suite(name, site, work, arch=m.arch, extra=m.suite_args, unset_env=m.unset_env)
+            only = None if not m.expect or m.expect == (EXIT,) else m.expect
+            runs[name] = run_suite(name, site, work, arch=m.arch, extra=m.suite_args, unset_env=m.unset_env,
+                                   contracts=only, first_failure=only is not None)
             self[name] = runs[name]
             return runs[name]
 
@@ -132,7 +137,7 @@ def test_campaign_covers_every_kind() -> None:
     assert not thin, f"kinds with fewer than 3 mutants: {thin}"
     for n in DEFECTIVE:
         doc = MUTANTS[n].cls.__doc__ or ""
-        assert re.search(rf"\b{n}\b", doc.split(":")[0]), f"{n}: its class docstring must open with its name: {doc[:80]}"
+        assert re.search(rf"\b{n}\b", doc.split(":")[0]), f"{n}: its docstring must open with its name: {doc[:80]}"
 
 
 def test_escapes_file_matches_the_registry() -> None:

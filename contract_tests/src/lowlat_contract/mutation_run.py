@@ -6,6 +6,10 @@ exactly as a vendor runs it (discovery through the dist-info ``install_mutant_pl
 lowlat are imported once for the whole campaign, so one run costs about a second on tiny presets instead of
 four or five for a fresh interpreter. Plugin autoloading is off in the inner session (only the suite's
 plugin is loaded) and it runs in ``work_dir``, so no conftest or ini of the caller's tree applies.
+
+``python -m lowlat_contract.mutation_run [NAME ...]`` runs every contract on each mutant (default all) and
+prints per mutant the contracts that failed it, whether one of its expected contracts is among them, and
+the registry's state: ``CLEAR`` (caught now: set its ``escapes`` to None), ``MISSED`` (no longer caught).
 """
 
 from __future__ import annotations
@@ -57,10 +61,23 @@ class SuiteRun:
 
 
 class _Collector:
-    """A pytest plugin object that records each test's outcome and contract (``lowlat_contract`` property)."""
+    """A pytest plugin object that keeps only the tests of ``contracts`` (all when None; by their
+    ``lowlat_contract`` marker, whatever module they live in) and records each test's outcome and contract."""
 
-    def __init__(self) -> None:
+    def __init__(self, contracts: tuple[str, ...] | None = None) -> None:
+        self.contracts = contracts
         self.results: dict[str, TestResult] = {}
+
+    def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
+        if self.contracts is None:
+            return
+        keep, drop = [], []
+        for item in items:
+            mark = item.get_closest_marker("lowlat_contract")
+            (keep if mark is not None and mark.args[0] in self.contracts else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         prev = self.results.get(report.nodeid)
@@ -95,21 +112,65 @@ def _environment(site_dir: Path, work_dir: Path, unset: tuple[str, ...]) -> Iter
 
 
 def run_suite(name: str, site_dir: str | Path, work_dir: str | Path, *, arch: str, extra: tuple[str, ...] = (),
-              unset_env: tuple[str, ...] = (), select: str | None = None) -> SuiteRun:
+              unset_env: tuple[str, ...] = (), contracts: tuple[str, ...] | None = None,
+              first_failure: bool = False) -> SuiteRun:
     """The contract suite on plugin ``name`` (installed in ``site_dir``) for ``arch``, in this process.
 
     Args:
-        extra: more suite options (``--lowlat-dtype float16``); select: a ``-k`` expression.
+        extra: more suite options (``--lowlat-dtype float16``).
         unset_env: environment variables removed for the run (restored after).
+        contracts: run only these contracts' tests (None: all). A run that keeps no test exits 5.
+        first_failure: stop at the first failing test (``-x``).
     """
     import pytest
 
     args = ["-p", "lowlat_contract.pytest_plugin", "-p", "no:cacheprovider", "-q", "--no-header", "-rN", "--tb=short",
             "--pyargs", "lowlat_contract", "--lowlat-plugin", name, "--lowlat-arch", arch, *extra]
-    if select:
-        args += ["-k", select]
-    collector = _Collector()
+    if first_failure:
+        args.append("-x")
+    collector = _Collector(contracts)
     start = time.monotonic()
     with _environment(Path(site_dir), Path(work_dir), unset_env):
         rc = pytest.main(args, plugins=[collector])
     return SuiteRun(name, int(rc), list(collector.results.values()), time.monotonic() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The campaign report (module docstring). Returns 1 when the registry disagrees with a run."""
+    import argparse
+    import tempfile
+
+    import torch
+
+    from lowlat_contract.plugins.mutants import MUTANTS, install_mutant_plugins
+    from lowlat_contract.plugins.mutants.registry import EXIT
+
+    parser = argparse.ArgumentParser(prog="python -m lowlat_contract.mutation_run", description=main.__doc__)
+    parser.add_argument("names", nargs="*", help="mutants (default: all)")
+    parser.add_argument("--verbose", action="store_true", help="print each run's summary too")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    names = args.names or list(MUTANTS)
+    site, work = Path(tempfile.mkdtemp(prefix="mutant-site-")), Path(tempfile.mkdtemp(prefix="mutant-runs-"))
+    install_mutant_plugins(site)
+    stale = 0
+    print(f"{'mutant':32} {'kind':4} {'caught':6} {'registry':8} failed contracts")
+    for name in names:
+        m = MUTANTS[name]
+        with contextlib.redirect_stdout(sys.stderr):
+            run = run_suite(name, site, work, arch=m.arch, extra=m.suite_args, unset_env=m.unset_env)
+        failed = sorted({r.contract for r in run.failed()})
+        if not m.expect:  # the control: must pass
+            caught, state = run.rc != 0, "ok" if run.rc == 0 else "FAILS"
+        else:
+            caught = run.rc != 0 if m.expect == (EXIT,) else (run.rc == 1 and bool(run.failed(m.expect)))
+            state = "ok" if caught == (m.escapes is None) else ("CLEAR" if caught else "MISSED")
+        stale += state != "ok"
+        print(f"{name:32} {m.kind:<4} {'yes' if caught else 'no':6} {state:8} {', '.join(failed) or '-'}")
+        if args.verbose:
+            print(run.summary())
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
