@@ -134,6 +134,8 @@ MUTANTS: dict[str, Mutant] = {
     "rope_cached_per_shape": Mutant(state.RopeCachedPerShape, 3, T(steps=2), (FO, FB)),
     "workspace_sized_at_first_call": Mutant(state.WorkspaceSizedAtFirstCall, 3, T(prefix=(70,), warmup=(3,)),
                                             (FO, FB), esc(3, "no context above 64 after a short first step")),
+    "tuned_after_16_calls": Mutant(state.TunedAfter16Calls, 3, T(prefix=(40,), steps=17), (FO, FB),
+                                   esc(3, "no token count runs more than 16 steps on one plugin instance")),
     "host_len_frozen_at_capture": Mutant(state.HostLenFrozenAtCapture, 3, T(check="replay", prefix=(40,),
                                                                             warmup=(3,)), (GE,),
                                          esc(3, "graph_execution runs on CUDA only; nothing emulates a replay")),
@@ -142,6 +144,8 @@ MUTANTS: dict[str, Mutant] = {
     "layer1_o_proj_from_layer0": Mutant(weights.Layer1OProjFromLayer0, 4, T(), (WB, FO)),
     "q_norm_layers_swapped": Mutant(weights.QNormLayersSwapped, 4, T(model="tiny-qwen3"), (FO,), arch=QWEN3),
     "ignores_k_norm": Mutant(weights.IgnoresKNorm, 4, T(model="tiny-qwen3"), (WB, FO, KV), arch=QWEN3),
+    "ignores_o_proj_bias": Mutant(weights.IgnoresOProjBias, 4, T(model="llama-attention-bias"), (VARIANTS, FO),
+                                  esc(4, "runs the tiny preset only (no bias)")),
     # -- kind 5: masks / RoPE --------------------------------------------------------------------------------
     "verify_mask_at_3": Mutant(masks.VerifyMaskAt3, 5, T(mode="VERIFY", tokens=3), (FO,),
                                esc(5, "VERIFY runs k+1 = 2 and 16 only")),

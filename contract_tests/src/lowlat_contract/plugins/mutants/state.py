@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from lowlat.runtime.forward_batch import ForwardBatch
 
-from lowlat_contract.plugins.mutants._base import HookedReference
+from lowlat_contract.plugins.mutants._base import HookedReference, context_lens
 
 
 class RopeCachedPerShape(HookedReference):
@@ -33,6 +33,23 @@ class WorkspaceSizedAtFirstCall(HookedReference):
         if getattr(self, "_capacity", None) is None:
             self._capacity = -(-int(batch.seq_lens.max()) // 64) * 64
         return super()._visible(batch, length) & (torch.arange(length, device=self.device)[None, :] < self._capacity)
+
+
+class TunedAfter16Calls(HookedReference):
+    """tuned_after_16_calls: an autotuner times the default split-KV config (exact) for the first 16 calls of
+    each token count T, then switches to the winner, whose 32-token chunks use floor(ctx / 32) splits and drop
+    the keys of the last partial chunk. Trigger: a 17th step of one T with a context > 32 not a multiple of 32."""
+
+    def _visible(self, batch: ForwardBatch, length: int) -> torch.Tensor:
+        vis = super()._visible(batch, length)
+        calls: dict[int, int] = self.__dict__.setdefault("_calls", {})
+        t = batch.input_ids.shape[0]
+        if calls.get(t, 0) < 16 * len(self.layers):  # one _visible per layer and call
+            calls[t] = calls.get(t, 0) + 1
+            return vis
+        ctx = context_lens(batch)
+        limit = torch.where(ctx > 32, ctx // 32 * 32, ctx)
+        return vis & (torch.arange(length, device=self.device)[None, :] < limit[:, None])
 
 
 class HostLenFrozenAtCapture(HookedReference):

@@ -53,6 +53,16 @@ class IgnoresQkvBias(HookedReference):
             w.qkv_bias = None
 
 
+class IgnoresOProjBias(HookedReference):
+    """ignores_o_proj_bias: the o_proj GEMM (fused with the residual add) drops the bias; the QKV bias is kept.
+    The tiny presets have no bias. Trigger: variant llama-attention-bias."""
+
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        for w in self.layers:
+            w.o_bias = None
+
+
 class LlamaTiedSeparateHead(HookedReference):
     """llama_tied_separate_head (variant): the Llama path packs its own LM-head buffer, filled only from an
     untied ``lm_head``; with ``tie_word_embeddings`` it stays the zero-filled workspace.
