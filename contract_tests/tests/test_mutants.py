@@ -21,6 +21,7 @@ run takes about a second (tiny presets, float32, CPU, plain torch, no Triton); t
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,11 @@ def suite_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteRun]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> None:
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}") for n in DEFECTIVE])

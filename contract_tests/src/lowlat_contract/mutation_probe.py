@@ -29,15 +29,15 @@ class Evidence:
     """What one probe saw. ``errors[path]``: the tolerance check's message at the compared step (None = within);
     ``outside[path]``: slots written outside out_cache_loc; ``inputs[path]``: batch fields the call changed;
     ``held[path]``: (tensors, bytes) held by the plugin after the first and the last step; ``unaccounted``:
-    plugin-held bytes that are neither parameters, the KV pool nor accounted workspaces; ``raised``: the
-    BaseException type names the mutant's forward raised."""
+    plugin-held bytes that are neither parameters, the KV pool nor accounted workspaces; ``raised[path]``:
+    the BaseException type names its forward raised."""
 
     errors: dict[str, str | None] = field(default_factory=dict)
     outside: dict[str, int] = field(default_factory=dict)
     inputs: dict[str, list[str]] = field(default_factory=dict)
     held: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     unaccounted: dict[str, int] = field(default_factory=dict)
-    raised: list[str] = field(default_factory=list)
+    raised: dict[str, list[str]] = field(default_factory=dict)
 
     def defect(self, check: str, path: str) -> bool:
         """Whether ``path`` ("mutant" or "reference") shows the defect ``check`` looks for."""
@@ -53,7 +53,7 @@ class Evidence:
         if check == "unaccounted":  # against the reference's own (its RoPE tables are unaccounted too)
             return path == "mutant" and self.unaccounted[path] - self.unaccounted["reference"] > 64 * 1024
         if check == "raises":
-            return path == "mutant" and bool(self.raised)
+            return bool(self.raised.get(path))
         raise ValueError(f"unknown check {check!r}")
 
 
@@ -156,7 +156,7 @@ def _run_paths(runner: Any, plugins: dict[str, Any], batch: Any, ev: Evidence, *
         except Exception:
             raise
         except BaseException as e:  # noqa: B036 - a skip/exit raised from a forward: the defect "raises"
-            ev.raised.append(type(e).__name__)
+            ev.raised.setdefault(path, []).append(type(e).__name__)
             kv_restore(pool, before)
             continue
         out[path] = (logits.float(), _kv_rows(pool, batch))

@@ -113,7 +113,7 @@ def _environment(site_dir: Path, work_dir: Path, unset: tuple[str, ...]) -> Iter
 
 def run_suite(name: str, site_dir: str | Path, work_dir: str | Path, *, arch: str, extra: tuple[str, ...] = (),
               unset_env: tuple[str, ...] = (), contracts: tuple[str, ...] | None = None,
-              first_failure: bool = False) -> SuiteRun:
+              first_failure: bool = False, device: str = "cpu") -> SuiteRun:
     """The contract suite on plugin ``name`` (installed in ``site_dir``) for ``arch``, in this process.
 
     Args:
@@ -121,11 +121,13 @@ def run_suite(name: str, site_dir: str | Path, work_dir: str | Path, *, arch: st
         unset_env: environment variables removed for the run (restored after).
         contracts: run only these contracts' tests (None: all). A run that keeps no test exits 5.
         first_failure: stop at the first failing test (``-x``).
+        device: ``--lowlat-device`` (the registry's ``escapes`` describe CPU runs: float32 by default there).
     """
     import pytest
 
     args = ["-p", "lowlat_contract.pytest_plugin", "-p", "no:cacheprovider", "-q", "--no-header", "-rN", "--tb=short",
-            "--pyargs", "lowlat_contract", "--lowlat-plugin", name, "--lowlat-arch", arch, *extra]
+            "--pyargs", "lowlat_contract", "--lowlat-plugin", name, "--lowlat-arch", arch, "--lowlat-device", device,
+            *extra]
     if first_failure:
         args.append("-x")
     collector = _Collector(contracts)
