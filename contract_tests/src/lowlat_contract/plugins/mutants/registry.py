@@ -144,6 +144,8 @@ MUTANTS: dict[str, Mutant] = {
     "layer1_o_proj_from_layer0": Mutant(weights.Layer1OProjFromLayer0, 4, T(), (WB, FO)),
     "q_norm_layers_swapped": Mutant(weights.QNormLayersSwapped, 4, T(model="tiny-qwen3"), (FO,), arch=QWEN3),
     "ignores_k_norm": Mutant(weights.IgnoresKNorm, 4, T(model="tiny-qwen3"), (WB, FO, KV), arch=QWEN3),
+    "moe_last_expert_aliased": Mutant(weights.MoeLastExpertAliased, 4, T(model="tiny-qwen3-moe", batch=3),
+                                      (FO, KV), arch=MOE),
     "ignores_o_proj_bias": Mutant(weights.IgnoresOProjBias, 4, T(model="llama-attention-bias"), (VARIANTS, FO),
                                   esc(4, "runs the tiny preset only (no bias)")),
     # -- kind 5: masks / RoPE --------------------------------------------------------------------------------

@@ -42,6 +42,20 @@ class IgnoresKNorm(HookedReference):
         return qn, k
 
 
+class MoeLastExpertAliased(HookedReference):
+    """moe_last_expert_aliased (MoE): the expert pointer table is built with ``E - 1`` entries and the last
+    expert's down projection aliases the one before it. The w2 tensor as a whole is still read, so only
+    outputs of tokens routed to the last expert show it. Trigger: a step with a token routed to expert E-1."""
+
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        for w in self.layers:
+            if w.experts_w2_t is not None:
+                w2 = w.experts_w2_t.clone()
+                w2[-1] = w2[-2]
+                w.experts_w2_t = w2
+
+
 class IgnoresQkvBias(HookedReference):
     """ignores_qkv_bias (variant): the guard accepts ``attention_bias=True`` but the fused QKV GEMM has no bias
     epilogue. The tiny presets have no bias, so it equals the reference there.
