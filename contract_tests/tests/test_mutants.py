@@ -36,7 +36,8 @@ DEFECTIVE = [n for n in MUTANTS if n != "control"]
 
 def _param(name: str) -> object:
     m = MUTANTS[name]
-    marks = [pytest.mark.xfail(strict=True, reason=m.escapes)] if m.escapes else []
+    # raises=AssertionError: a broken run (RuntimeError from _check_run) fails even where an escape is expected
+    marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=m.escapes)] if m.escapes else []
     return pytest.param(name, id=f"mutant-{name}", marks=marks)
 
 
@@ -81,11 +82,22 @@ def test_mutant_is_real(name: str) -> None:
     assert not ev.defect(check, "reference"), f"probe bug: the reference shows the '{check}' defect too: {ev}"
 
 
+def _check_run(run: SuiteRun, expect: tuple[str, ...]) -> None:
+    """Raise RuntimeError (not an expected failure) when the run itself broke: a usage or internal error, or a
+    selection that kept no test although the suite has one of the expected contracts."""
+    if run.rc not in (0, 1, 5):
+        raise RuntimeError(f"the suite run broke (pytest exit {run.rc}):\n{run.summary()}")
+    if run.rc == 5 and set(expect) & run.contracts:
+        raise RuntimeError(f"no test of {sorted(set(expect) & run.contracts)} ran, though the suite has them")
+
+
 @pytest.mark.parametrize("name", [_param(n) for n in DEFECTIVE])
 def test_mutant_fails_the_suite(suite_runs: dict[str, SuiteRun], name: str) -> None:
     """The suite fails the mutant (pytest exit 1) in one of its expected contracts."""
     m = MUTANTS[name]
     run = suite_runs[name]
+    if m.expect != (EXIT,):
+        _check_run(run, m.expect)
     if m.expect == (EXIT,):
         assert run.rc != 0, f"{name}: the suite exited 0 (a false green):\n{run.summary()}"
         return
@@ -149,3 +161,12 @@ def test_escapes_file_matches_the_registry() -> None:
     listed = set(re.findall(r"^\| `([a-z0-9_]+)` \|", ESCAPES_MD.read_text(), flags=re.M))
     want = {n for n in DEFECTIVE if MUTANTS[n].escapes}
     assert listed == want, f"ESCAPES.md lists {sorted(listed - want)} too many, misses {sorted(want - listed)}"
+
+
+def test_a_broken_run_is_no_expected_failure(tmp_path: Path) -> None:
+    """A run that cannot start (here: a plugin name nothing registers) is an error, never an expected failure."""
+    (tmp_path / "site").mkdir()
+    run = run_suite("no_such_mutant", tmp_path / "site", tmp_path, arch="LlamaForCausalLM")
+    assert run.rc == 4, run.summary()  # pytest.UsageError from the suite's session start
+    with pytest.raises(RuntimeError, match="broke"):
+        _check_run(run, ("forward_outputs",))

@@ -36,12 +36,14 @@ class TestResult:
 
 @dataclass
 class SuiteRun:
-    """A suite run: pytest's exit status, each test's result and the wall time (s)."""
+    """A suite run: pytest's exit status, each test's result, the wall time (s) and the contracts the suite
+    has (collected before the selection)."""
 
     plugin: str
     rc: int
     results: list[TestResult] = field(default_factory=list)
     seconds: float = 0.0
+    contracts: set[str] = field(default_factory=set)
 
     def failed(self, contracts: tuple[str, ...] | None = None) -> list[TestResult]:
         """Failed tests, only those of ``contracts`` when given."""
@@ -67,8 +69,10 @@ class _Collector:
     def __init__(self, contracts: tuple[str, ...] | None = None) -> None:
         self.contracts = contracts
         self.results: dict[str, TestResult] = {}
+        self.seen: set[str] = set()
 
     def pytest_collection_modifyitems(self, config: Any, items: list[Any]) -> None:
+        self.seen |= {m.args[0] for m in (i.get_closest_marker("lowlat_contract") for i in items) if m is not None}
         if self.contracts is None:
             return
         keep, drop = [], []
@@ -134,7 +138,7 @@ def run_suite(name: str, site_dir: str | Path, work_dir: str | Path, *, arch: st
     start = time.monotonic()
     with _environment(Path(site_dir), Path(work_dir), unset_env):
         rc = pytest.main(args, plugins=[collector])
-    return SuiteRun(name, int(rc), list(collector.results.values()), time.monotonic() - start)
+    return SuiteRun(name, int(rc), list(collector.results.values()), time.monotonic() - start, collector.seen)
 
 
 def main(argv: list[str] | None = None) -> int:
