@@ -6,6 +6,9 @@ core makes one; no guard, so the shape need not be in any suite). Each step runs
 and the general forward from the same KV state (the pool is restored between them and left as the general
 path wrote it), and ``Evidence`` records how far each plugin is from the general path. A mutant is real when
 the evidence for its trigger's ``check`` shows a defect in the mutant and none in the reference.
+
+``python -m lowlat_contract.mutation_probe [NAME ...]`` prints, per mutant, its trigger and whether the mutant
+and the reference show the defect there (with the tolerance message where logits or K/V are compared).
 """
 
 from __future__ import annotations
@@ -271,3 +274,28 @@ def _recycle(runner: Any, plugins: dict[str, Any], trig: Any, ev: Evidence, tol:
     _compare(ev, out, tol, f"row {row_b} recycled (was row {row}), prefix {n}")
     pool.free_req(row_b)
     pool.free_req(filler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Probe mutants (default all) and print the evidence; returns 1 when one is not real."""
+    import sys
+
+    from lowlat_contract.plugins.mutants import MUTANTS
+
+    torch.set_num_threads(1)
+    bad = 0
+    for name in (argv if argv is not None else sys.argv[1:]) or [n for n in MUTANTS if n != "control"]:
+        m = MUTANTS[name]
+        ev = probe(name)
+        check = m.trigger.check
+        real = ev.defect(check, "mutant") and not ev.defect(check, "reference")
+        bad += not real
+        detail = ev.errors.get("mutant") if check in ("outputs", "replay", "recycle", "tp") else {
+            "outside": ev.outside, "inputs": ev.inputs, "growth": ev.held, "unaccounted": ev.unaccounted,
+            "raises": ev.raised}[check]
+        print(f"{name}: {'REAL' if real else 'NOT REAL'} ({check} at {m.trigger.describe()})\n    {detail}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

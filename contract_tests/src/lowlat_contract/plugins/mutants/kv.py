@@ -81,6 +81,25 @@ class VerifySpillsOneSlot(HookedReference):
         return super().forward(batch)
 
 
+class VerifyStoreAssumesContiguous(HookedReference):
+    """verify_store_assumes_contiguous: the VERIFY store writes each request's k+1 tokens at consecutive slots
+    from its first one's, so a step that crosses into a page not adjacent to the previous writes into another
+    page (possibly another request's) and leaves its own slot stale.
+    Trigger: VERIFY whose tokens cross a page boundary while pages interleave (2 requests at 14, 4 tokens)."""
+
+    def _store_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._verify_tokens:
+            n = self._verify_tokens
+            first = loc.reshape(-1, n)[:, :1]
+            loc = (first + torch.arange(n, device=loc.device)).reshape(-1)
+        super()._store_kv(layer, loc, k, v)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        verify = batch.forward_mode is ForwardMode.VERIFY
+        self._verify_tokens = batch.input_ids.shape[0] // batch.seq_lens.shape[0] if verify else 0
+        return super().forward(batch)
+
+
 class FirstRequestOnly(HookedReference):
     """first_request_only: the store grid is sized by tokens per request instead of tokens per step, so only
     the first request's K/V are written. Trigger: any step with B >= 2."""

@@ -54,7 +54,7 @@ class Trigger:
     def describe(self) -> str:
         d = dataclasses.asdict(self)
         base = dataclasses.asdict(Trigger())
-        return ", ".join(f"{k}={v}" for k, v in d.items() if v != base[k] or k in ("mode", "batch"))
+        return ", ".join(f"{k}={v}" for k, v in d.items() if k != "check" and (v != base[k] or k in ("mode", "batch")))
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,9 @@ MUTANTS: dict[str, Mutant] = {
                              esc(2, "kv_writes stores no page-end slot; greedy notices only by luck of layout")),
     "verify_spills_one_slot": Mutant(kv.VerifySpillsOneSlot, 2, T(check="outside", mode="VERIFY", batch=2,
                                                                   tokens=2), (KV,)),
+    "verify_store_assumes_contiguous": Mutant(kv.VerifyStoreAssumesContiguous, 2,
+                                              T(check="outside", mode="VERIFY", batch=2, tokens=4, prefix=(14, 14)),
+                                              (KV,), esc(2, "kv_writes' VERIFY step (8 x 2) crosses no page boundary")),
     "first_request_only": Mutant(kv.FirstRequestOnly, 2, T(batch=3), (KV,)),
     "k_halves_swapped_at_page_end": Mutant(kv.KHalvesSwappedAtPageEnd, 2, T(prefix=(15,)), (KV,),
                                            esc(2, "kv_writes stores no page-end slot (FO sees the downstream effect)")),
