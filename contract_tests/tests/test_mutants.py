@@ -156,6 +156,22 @@ def test_campaign_covers_every_kind() -> None:
         assert re.search(rf"\b{n}\b", doc.split(":")[0]), f"{n}: its docstring must open with its name: {doc[:80]}"
 
 
+def test_expected_contracts_are_known() -> None:
+    """Every ``expect`` names a contract of this suite (its modules' ``lowlat_contract`` markers) or one the
+    rewrite is to add (memory, variants, inputs) or ``exit``: a typo would make a mutant escape for good."""
+    import importlib.util
+
+    from lowlat_contract.plugins.mutants.registry import INPUTS, MEMORY, VARIANTS
+
+    # read, not imported: the inner suite runs must be the first to import (and assertion-rewrite) the contracts
+    spec = importlib.util.find_spec("lowlat_contract.contracts")
+    assert spec is not None and spec.submodule_search_locations
+    sources = "".join(p.read_text() for d in spec.submodule_search_locations for p in Path(d).glob("test_*.py"))
+    known = {EXIT, MEMORY, VARIANTS, INPUTS} | set(re.findall(r'mark\.lowlat_contract\("([a-z_]+)"', sources))
+    unknown = {n: m.expect for n, m in MUTANTS.items() if not set(m.expect) <= known}
+    assert not unknown, f"expected contracts that are no contract: {unknown}; known: {sorted(known)}"
+
+
 def test_escapes_file_matches_the_registry() -> None:
     """ESCAPES.md lists exactly the mutants whose ``escapes`` is set (one ``| `name` |`` table row each)."""
     listed = set(re.findall(r"^\| `([a-z0-9_]+)` \|", ESCAPES_MD.read_text(), flags=re.M))
