@@ -44,7 +44,7 @@ class Evidence:
 
     def defect(self, check: str, path: str) -> bool:
         """Whether ``path`` ("mutant" or "reference") shows the defect ``check`` looks for."""
-        if check in ("outputs", "replay", "recycle", "tp"):
+        if check in ("outputs", "replay", "recycle", "tp", "second_engine"):
             return self.errors.get(path) is not None
         if check == "outside":
             return self.outside.get(path, 0) > 0
@@ -61,8 +61,9 @@ class Evidence:
 
 
 def model_path(model: str) -> str:
-    """A preset name as is; a ``lowlat.models.variants`` name as a checkpoint directory (written once)."""
-    from lowlat.loader.presets import PRESETS
+    """A preset name as is; a ``lowlat.models.variants`` name, or ``PRESET+FIELD=INT`` (one ModelConfig field
+    replaced), as a checkpoint directory of seeded random weights (written once per process)."""
+    from lowlat.loader.presets import PRESETS, get_preset
 
     if model in PRESETS:
         return model
@@ -70,8 +71,14 @@ def model_path(model: str) -> str:
         from lowlat.loader.synthetic import write_checkpoint
         from lowlat.models.variants import variant
 
-        out = Path(tempfile.mkdtemp(prefix=f"lowlat-variant-{model}-"))
-        write_checkpoint(variant(model).config(), out, seed=0, dtype="float32")
+        if "+" in model:
+            preset, _, assign = model.partition("+")
+            key, _, value = assign.partition("=")
+            config = dataclasses.replace(get_preset(preset), **{key: int(value)})
+        else:
+            config = variant(model).config()
+        out = Path(tempfile.mkdtemp(prefix="lowlat-variant-"))
+        write_checkpoint(config, out, seed=0, dtype="float32")
         _CHECKPOINTS[model] = str(out)
     return _CHECKPOINTS[model]
 
@@ -208,7 +215,15 @@ def probe(name: str) -> Evidence:
         from lowlat_contract.mutation_tp import probe_tp
 
         return probe_tp(name)
-    runner = ModelRunner(engine_config(trig), show_progress=False)
+    seed = 0
+    if trig.check == "second_engine":  # a first engine with other weights builds the mutant first; the
+        seed = 2  # compared engine has weights no earlier build in this process can have had
+        first = ModelRunner(engine_config(trig, seed=1), show_progress=False)
+        try:
+            build_plugin(first, name, m.cls)
+        finally:
+            first.close()
+    runner = ModelRunner(engine_config(trig, seed=seed), show_progress=False)
     ev = Evidence()
     try:
         built = {"mutant": build_plugin(runner, name, m.cls), "reference": build_plugin(runner, "reference",
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         check = m.trigger.check
         real = ev.defect(check, "mutant") and not ev.defect(check, "reference")
         bad += not real
-        detail = ev.errors.get("mutant") if check in ("outputs", "replay", "recycle", "tp") else {
+        detail = ev.errors.get("mutant") if check in ("outputs", "replay", "recycle", "tp", "second_engine") else {
             "outside": ev.outside, "inputs": ev.inputs, "growth": ev.held, "unaccounted": ev.unaccounted,
             "raises": ev.raised}[check]
         print(f"{name}: {'REAL' if real else 'NOT REAL'} ({check} at {m.trigger.describe()})\n    {detail}")

@@ -39,3 +39,10 @@ class InterpreterOnlyVScaled(VScaled):
     TRITON_INTERPRET=1 (copied from a Triton vendor's spec though it runs plain torch). Run where that variable
     is unset, every contract that needs a model skips, and the suite exits 0.
     Trigger: the suite on a CPU without TRITON_INTERPRET (the defect itself shows at any step)."""
+
+
+class HeadDim64OnlyVScaled(VScaled):
+    """head_dim_64_only_v_scaled: v_scaled's defect, under a spec that (as docs/contract.md advises for kernels
+    with a head_dim floor) accepts only head_dim 64 or 128. The guard refuses every tiny preset (head_dim 32),
+    so without --lowlat-model every contract that needs a model skips, and the suite exits 0.
+    Trigger: the suite without --lowlat-model (the defect itself shows at any step of a head_dim-64 model)."""

@@ -32,10 +32,12 @@ class Trigger:
         written outside out_cache_loc), "inputs" (a ForwardBatch tensor changed by the call), "growth"
         (tensors held by the plugin grow with steps), "unaccounted" (plugin-held bytes beyond
         binding.workspace_bytes), "raises" (the forward raises a BaseException that is no Exception),
+        "second_engine" (outputs after the mutant was built on an engine with other weights),
         "replay" (after prepare_for_capture, steps with seq_lens_cpu None as in graph replays),
         "recycle" (a request row reused by a request with other pages), "tp" (2 gloo ranks at tp_size 2).
-    model: a preset or a ``lowlat.models.variants`` name; prefix: cached tokens per request before the
-        steps (default ``harness.prefix_lens(batch)``); steps: consecutive steps, compared at the last;
+    model: a preset, a ``lowlat.models.variants`` name or ``PRESET+FIELD=INT``; prefix: cached tokens per
+        request before the steps (default ``harness.prefix_lens(batch)``); steps: consecutive steps, compared
+        at the last;
         warmup: prefixes of one plugin step on other requests before the trigger (state mutants).
     """
 
@@ -135,6 +137,7 @@ MUTANTS: dict[str, Mutant] = {
                                            esc(2, "kv_writes stores no page-end slot (FO sees the downstream effect)")),
     # -- kind 3: state across calls --------------------------------------------------------------------------
     "rope_cached_per_shape": Mutant(state.RopeCachedPerShape, 3, T(steps=2), (FO, FB)),
+    "packed_weights_cached_by_name": Mutant(state.PackedWeightsCachedByName, 3, T(check="second_engine"), (WB, FO)),
     "workspace_sized_at_first_call": Mutant(state.WorkspaceSizedAtFirstCall, 3, T(prefix=(70,), warmup=(3,)),
                                             (FO, FB), esc(3, "no context above 64 after a short first step")),
     "tuned_after_16_calls": Mutant(state.TunedAfter16Calls, 3, T(prefix=(40,), steps=17), (FO, FB),
@@ -180,6 +183,10 @@ MUTANTS: dict[str, Mutant] = {
                                     esc(8, "a supports() refusal after poisoning skips the VERIFY KV check")),
     "skips_long_verify": Mutant(false_green.SkipsLongVerify, 8, T(check="raises", mode="VERIFY", tokens=4),
                                 (FO,), esc(8, "a skip raised by the plugin's forward passes as a skip")),
+    "head_dim_64_only_v_scaled": Mutant(false_green.HeadDim64OnlyVScaled, 8, T(model="tiny-llama+head_dim=64"),
+                                        (EXIT,), esc(8, "the guard refuses every tiny preset; all model contracts "
+                                                        "skip and pytest exits 0"),
+                                        requirements={"model": (("head_dim", (64, 128)),)}),
     "interpreter_only_v_scaled": Mutant(false_green.InterpreterOnlyVScaled, 8, T(), (EXIT,),
                                         esc(8, "every model contract skips and pytest exits 0"),
                                         requirements=_cpu_interpreter_only(), unset_env=("TRITON_INTERPRET",)),

@@ -24,6 +24,21 @@ class RopeCachedPerShape(HookedReference):
         return cache[t]
 
 
+_PACKED: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+
+class PackedWeightsCachedByName(HookedReference):
+    """packed_weights_cached_by_name: packed (contiguous, transposed) o_proj weights are kept in a module-level
+    cache keyed by parameter name and shape, so every later build in the process, another engine or a reload
+    with other weights, gets the first build's. Trigger: a second engine with other weights in one process."""
+
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        for i, w in enumerate(self.layers):
+            key = (f"model.layers.{i}.self_attn.o_proj.weight", tuple(w.o_t.shape))
+            w.o_t = _PACKED.setdefault(key, w.o_t.contiguous())
+
+
 class WorkspaceSizedAtFirstCall(HookedReference):
     """workspace_sized_at_first_call: the split-KV partials workspace is sized on the first step from its longest
     context (rounded up to 64 tokens) and never grown; keys past its capacity are silently dropped.
