@@ -9,8 +9,8 @@ from lowlat_contract.plugins.mutants._base import HookedReference, context_lens
 
 
 class VerifyMaskAt3(HookedReference):
-    """verify_mask_at_3: the k+1 == 3 VERIFY specialisation masks with ``j < pos + 1`` shifted by one row, so
-    each new token also sees the next draft token. Trigger: VERIFY with 3 tokens per request."""
+    """verify_mask_at_3: the k+1 == 3 VERIFY specialisation masks with ``j <= pos + 1`` (its row offset is one
+    off), so each draft token also sees the next one. Trigger: VERIFY with 3 tokens per request."""
 
     def _visible(self, batch: ForwardBatch, length: int) -> torch.Tensor:
         if batch.forward_mode is not ForwardMode.VERIFY or batch.input_ids.shape[0] != 3 * batch.seq_lens.shape[0]:
