@@ -251,7 +251,7 @@ def probe(name: str) -> Evidence:
             return ev
         lens = list(trig.prefix) if trig.prefix else prefix_lens(trig.batch)
         with Requests.with_prefixes(runner, lens, seed=7) as reqs:
-            for s in range(trig.steps):
+            for _ in range(trig.steps):
                 out = _run_paths(runner, plugins, reqs.step(mode, tpr), ev, replay=replay)
                 for path, fwd in plugins.items():
                     ev.held.setdefault(path, []).append(held(fwd, exclude))
