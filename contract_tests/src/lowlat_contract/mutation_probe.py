@@ -239,13 +239,14 @@ def probe(name: str) -> Evidence:
         mode, tpr = _step_args(trig)
         tol = TOLERANCES[trig.dtype]
         replay = trig.check == "replay"
-        if replay:
-            for fwd in plugins.values():
-                if hasattr(fwd, "prepare_for_capture"):
-                    fwd.prepare_for_capture(None)
-        if trig.warmup:  # one plugin step on other requests first (what the plugin remembers from it)
-            with Requests.with_prefixes(runner, list(trig.warmup), seed=99) as w:
-                _run_paths(runner, plugins, w.step(mode, tpr), ev, replay=replay)
+        if trig.warmup:  # one plugin step on other requests first (what the plugin remembers from it); for
+            with Requests.with_prefixes(runner, list(trig.warmup), seed=99) as w:  # "replay": the captured step
+                batch = w.step(mode, tpr)
+                if replay:
+                    for fwd in plugins.values():
+                        if hasattr(fwd, "prepare_for_capture"):
+                            fwd.prepare_for_capture(_copy(batch, replay=True))
+                _run_paths(runner, plugins, batch, ev, replay=replay)
         if trig.check == "recycle":
             _recycle(runner, plugins, trig, ev, tol)
             return ev

@@ -69,20 +69,16 @@ class TunedAfter16Calls(HookedReference):
 
 class HostLenFrozenAtCapture(HookedReference):
     """host_len_frozen_at_capture: attention runs over ``max(seq_lens)`` keys, read from ``seq_lens_cpu`` when
-    the batch has it (eager) and else from the device once (``.item()``: during CUDA-graph capture, so the
-    value is frozen into the graph). Replays with longer contexts than at capture miss their newest keys.
-    Trigger: a graph replay (seq_lens_cpu None) whose context exceeds the captured step's; eager is exact."""
+    the batch has it (eager) and else taken from ``prepare_for_capture`` (host side, where a sync is legal:
+    the capture batch's lengths), which freezes it into the graph. Replays with longer contexts than at
+    capture miss their newest keys. Trigger: a graph replay (seq_lens_cpu None) whose context exceeds the
+    captured step's; eager is exact."""
 
     def prepare_for_capture(self, batch: ForwardBatch) -> None:
-        self._frozen = None
+        self._frozen = int(batch.seq_lens.max())
 
     def _visible(self, batch: ForwardBatch, length: int) -> torch.Tensor:
-        if batch.seq_lens_cpu is not None:
-            limit = max(batch.seq_lens_cpu)
-        else:
-            if getattr(self, "_frozen", None) is None:
-                self._frozen = int(batch.seq_lens.max())
-            limit = self._frozen
+        limit = max(batch.seq_lens_cpu) if batch.seq_lens_cpu is not None else getattr(self, "_frozen", length)
         return super()._visible(batch, length) & (torch.arange(length, device=self.device)[None, :] < limit)
 
 
