@@ -154,6 +154,20 @@ def spec(o: Options) -> list[Step]:
     return steps
 
 
+def mutants(o: Options) -> list[Step]:
+    """Mutants of the reference plugin held to the contract suite on CUDA (``MUTANTS`` names them; each must fail
+    except ``control``): installed as plugins into /tmp/mutant-site first."""
+    site = "/tmp/mutant-site"
+    path = os.pathsep.join([site, "/tmp/site", os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    names = os.environ.get("MUTANTS", "control,host_len_frozen_at_capture,bf16_gate_up_swapped,splitkv64_drops_tail")
+    steps = [Step("install mutants", 60, [PY, "-c", "from lowlat_contract.plugins.mutants import "
+                                          f"install_mutant_plugins as i; i({site!r})"], "mutants_install.txt", r".")]
+    steps += [Step(f"contract {m}", 150, [*CONTRACT, "--lowlat-plugin", m, "--lowlat-arch", "LlamaForCausalLM",
+                                          "--lowlat-device", "cuda"], f"contract_mutant_{m}.txt",
+                   PASS_FAIL + r"|^(PASS|FAIL|SKIP) ", env={"PYTHONPATH": path}) for m in names.split(",")]
+    return steps
+
+
 def diag_alternating(o: Options) -> list[Step]:
     """Per-step logit differences and router gaps of each plugin on tiny-qwen3-moe (router near-tie diagnosis)."""
     return [Step(f"diag alternating {p}", 150, [PY, "bench/scripts/diag_alternating.py", "--plugin", p, "--device",
@@ -164,7 +178,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating, "serve": serve, "spec": spec,
+    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"

@@ -233,3 +233,19 @@ def test_non_streaming_client_that_gives_up_frees_kv(server):
         assert aborts._value.get() == before + 1  # aborted, not run to its end
     finally:
         slow.s = 0.0
+
+
+def test_speculative_server_streams_what_plain_decoding_makes():
+    """--speculative on lowlat serve: greedy text over SSE equals the plain server's, and VERIFY steps ran."""
+    prompt = "abcabcabcabcabcabc"  # repetitive: the n-gram drafter proposes, some drafts are kept
+    texts = {}
+    for method in (None, "ngram"):
+        kw = {"speculative_method": method, "num_draft_tokens": 3, "speculative_adaptive": False} if method else {}
+        with running_server(**kw) as (url, _loop, engine, _slow):
+            c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+            chunks = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True})
+            texts[method] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+            if method:
+                assert engine.speculator.as_dict(engine)["verify_steps"] > 0
+    assert texts["ngram"] == texts[None] and texts[None]

@@ -46,6 +46,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
     p.add_argument("--plugin", default="auto",
                    help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
+    add_speculative_args(p)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +69,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="run the prompts greedily on the general path and with the plugin, and compare tokens, "
                         "logits and decode speed")
-    add_speculative_args(p)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,0 +1,188 @@
+"""The mutation campaign (issue 14): the suite must fail every single-defect mutant of the reference plugin, in
+a contract expected to catch it; and every mutant must be real (its defect shows at its trigger).
+
+- ``test_mutant_is_real[mutant-NAME]``: ``lowlat_contract.mutation_probe.probe`` runs the mutant at its trigger
+  beside the reference and the general path; the mutant shows its defect there, the reference does not.
+- ``test_mutant_fails_the_suite[mutant-NAME]``: the suite runs on the mutant (tiny preset of its architecture,
+  in this process: ``lowlat_contract.mutation_run``), only the mutant's expected contracts (selected by their
+  ``lowlat_contract`` marker), up to the first failure; pytest must exit 1 with a failure in one of them
+  (``"exit"``: the whole suite, any non-zero exit). ``python -m lowlat_contract.mutation_run`` runs every
+  contract on every mutant and prints which catch each (the table behind ESCAPES.md).
+  A mutant that suite 0.2 misses carries ``escapes`` in the registry and is ``xfail(strict=True)`` here: once
+  a suite catches it the XPASS fails this test, and the entry must be cleared. ``tests/mutants/ESCAPES.md``
+  lists them with the condition that catches each; ``test_escapes_file_matches_the_registry`` keeps the two
+  in step.
+- ``control`` (HookedReference, no defect) passes the suite and matches the reference bit for bit.
+
+The plugins are exposed through one dist-info in a temporary site dir (``install_mutant_plugins``). Each suite
+run takes about a second (tiny presets, float32, CPU, plain torch, no Triton); the campaign about a minute.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from lowlat_contract.mutation_run import SuiteRun, run_suite
+from lowlat_contract.plugins.mutants import MUTANTS, install_mutant_plugins
+from lowlat_contract.plugins.mutants.registry import EXIT
+
+ESCAPES_MD = Path(__file__).parent / "mutants" / "ESCAPES.md"
+DEFECTIVE = [n for n in MUTANTS if n != "control"]
+
+
+def _param(name: str) -> object:
+    m = MUTANTS[name]
+    # raises=AssertionError: a broken run (RuntimeError from _check_run) fails even where an escape is expected
+    marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=m.escapes)] if m.escapes else []
+    return pytest.param(name, id=f"mutant-{name}", marks=marks)
+
+
+@pytest.fixture(scope="module")
+def suite_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteRun]:
+    """Runs of the suite per mutant, made on first use (so ``-k mutant-NAME`` runs one)."""
+    site = tmp_path_factory.mktemp("mutant-site")
+    install_mutant_plugins(site)
+    work = tmp_path_factory.mktemp("mutant-runs")
+    runs: dict[str, SuiteRun] = {}
+
+    class Runs(dict):
+        def __missing__(self, name: str) -> SuiteRun:
+            m = MUTANTS[name]
+            only = None if not m.expect or m.expect == (EXIT,) else m.expect
+            runs[name] = run_suite(name, site, work, arch=m.arch, extra=m.suite_args, unset_env=m.unset_env,
+                                   contracts=only, first_failure=only is not None)
+            self[name] = runs[name]
+            return runs[name]
+
+    return Runs()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}") for n in DEFECTIVE])
+def test_mutant_is_real(name: str) -> None:
+    """At its trigger the mutant's logits, K/V or state differ from the general path's; the reference's do not."""
+    from lowlat_contract.mutation_probe import probe
+
+    m = MUTANTS[name]
+    ev = probe(name)
+    check = m.trigger.check
+    assert ev.defect(check, "mutant"), (f"{name} is not real: at {m.trigger.describe()} its '{check}' evidence "
+                                        f"shows no defect: {ev}")
+    assert not ev.defect(check, "reference"), f"probe bug: the reference shows the '{check}' defect too: {ev}"
+
+
+def _check_run(run: SuiteRun, expect: tuple[str, ...]) -> None:
+    """Raise RuntimeError (not an expected failure) when the run itself broke: a usage or internal error, or a
+    selection that kept no test although the suite has one of the expected contracts."""
+    if run.rc not in (0, 1, 5):
+        raise RuntimeError(f"the suite run broke (pytest exit {run.rc}):\n{run.summary()}")
+    if run.rc == 5 and set(expect) & run.contracts:
+        raise RuntimeError(f"no test of {sorted(set(expect) & run.contracts)} ran, though the suite has them")
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in DEFECTIVE])
+def test_mutant_fails_the_suite(suite_runs: dict[str, SuiteRun], name: str) -> None:
+    """The suite fails the mutant (pytest exit 1) in one of its expected contracts."""
+    m = MUTANTS[name]
+    run = suite_runs[name]
+    if m.expect != (EXIT,):
+        _check_run(run, m.expect)
+    if m.expect == (EXIT,):
+        assert run.rc != 0, f"{name}: the suite exited 0 (a false green):\n{run.summary()}"
+        return
+    assert run.rc == 1, f"{name}: pytest exit code {run.rc}, expected 1 (tests failed):\n{run.summary()}"
+    hits = run.failed(m.expect)
+    assert hits, (f"{name} ({m.defect}) fails no test of {', '.join(m.expect)}; it fails only "
+                  f"{sorted({r.contract for r in run.failed()})}:\n{run.summary()}")
+
+
+def test_control_passes_the_suite(suite_runs: dict[str, SuiteRun]) -> None:
+    """HookedReference (every mutant's base, no defect) passes every contract: a failure of a mutant is its own."""
+    run = suite_runs["control"]
+    assert run.rc == 0 and not run.failed(), run.summary()
+    ran = {r.contract for r in run.results if r.outcome == "passed"}
+    assert {"compatibility", "weight_binding", "forward_outputs", "kv_writes", "fallback"} <= ran, run.summary()
+
+
+def test_control_is_the_reference_bit_for_bit() -> None:
+    """HookedReference's logits and K/V writes equal ReferenceForward's exactly (DECODE 3 and VERIFY 2 x 4)."""
+    from lowlat.runtime import ModelRunner
+    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat_contract.harness import Requests, kv_at, kv_restore, kv_state, prefix_lens
+    from lowlat_contract.mutation_probe import build_plugin, engine_config
+    from lowlat_contract.plugins.mutants import Trigger
+    from lowlat_contract.plugins.mutants._base import HookedReference
+    from lowlat_contract.plugins.reference import ReferenceForward
+
+    for model in ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"):
+        runner = ModelRunner(engine_config(Trigger(model=model)), show_progress=False)
+        try:
+            hooked = build_plugin(runner, "control", HookedReference)[0]
+            ref = build_plugin(runner, "reference", ReferenceForward)[0]
+            for mode, b, n in ((ForwardMode.DECODE, 3, 1), (ForwardMode.VERIFY, 2, 4)):
+                with Requests.with_prefixes(runner, prefix_lens(b)) as reqs:
+                    batch = reqs.step(mode, n)
+                    before = kv_state(runner.kv_pool)
+                    outs = []
+                    for fwd in (hooked, ref):
+                        kv_restore(runner.kv_pool, before)
+                        with torch.inference_mode():
+                            outs.append((fwd.forward(batch), kv_at(runner.kv_pool, batch.out_cache_loc)))
+                    assert torch.equal(outs[0][0], outs[1][0]), f"{model} {mode.name}: logits differ"
+                    assert torch.equal(outs[0][1], outs[1][1]), f"{model} {mode.name}: K/V writes differ"
+        finally:
+            runner.close()
+
+
+def test_campaign_covers_every_kind() -> None:
+    """At least 30 defective mutants; every kind 1-8 has several; each class's docstring starts with its name."""
+    kinds = [MUTANTS[n].kind for n in DEFECTIVE]
+    assert len(DEFECTIVE) >= 30, len(DEFECTIVE)
+    thin = {k: kinds.count(k) for k in range(1, 9) if kinds.count(k) < 3}
+    assert not thin, f"kinds with fewer than 3 mutants: {thin}"
+    for n in DEFECTIVE:
+        doc = MUTANTS[n].cls.__doc__ or ""
+        assert re.search(rf"\b{n}\b", doc.split(":")[0]), f"{n}: its docstring must open with its name: {doc[:80]}"
+
+
+def test_expected_contracts_are_known() -> None:
+    """Every ``expect`` names a contract of this suite (its modules' ``lowlat_contract`` markers) or one the
+    rewrite is to add (memory, variants, inputs) or ``exit``: a typo would make a mutant escape for good."""
+    import importlib.util
+
+    from lowlat_contract.plugins.mutants.registry import INPUTS, MEMORY, VARIANTS
+
+    # read, not imported: the inner suite runs must be the first to import (and assertion-rewrite) the contracts
+    spec = importlib.util.find_spec("lowlat_contract.contracts")
+    assert spec is not None and spec.submodule_search_locations
+    sources = "".join(p.read_text() for d in spec.submodule_search_locations for p in Path(d).glob("test_*.py"))
+    known = {EXIT, MEMORY, VARIANTS, INPUTS} | set(re.findall(r'mark\.lowlat_contract\("([a-z_]+)"', sources))
+    unknown = {n: m.expect for n, m in MUTANTS.items() if not set(m.expect) <= known}
+    assert not unknown, f"expected contracts that are no contract: {unknown}; known: {sorted(known)}"
+
+
+def test_escapes_file_matches_the_registry() -> None:
+    """ESCAPES.md lists exactly the mutants whose ``escapes`` is set (one ``| `name` |`` table row each)."""
+    listed = set(re.findall(r"^\| `([a-z0-9_]+)` \|", ESCAPES_MD.read_text(), flags=re.M))
+    want = {n for n in DEFECTIVE if MUTANTS[n].escapes}
+    assert listed == want, f"ESCAPES.md lists {sorted(listed - want)} too many, misses {sorted(want - listed)}"
+
+
+def test_a_broken_run_is_no_expected_failure(tmp_path: Path) -> None:
+    """A run that cannot start (here: a plugin name nothing registers) is an error, never an expected failure."""
+    (tmp_path / "site").mkdir()
+    run = run_suite("no_such_mutant", tmp_path / "site", tmp_path, arch="LlamaForCausalLM")
+    assert run.rc == 4, run.summary()  # pytest.UsageError from the suite's session start
+    with pytest.raises(RuntimeError, match="broke"):
+        _check_run(run, ("forward_outputs",))
