@@ -22,11 +22,13 @@ import torch
 from lowlat.config import ConfigError, EngineConfig, ModelConfig
 from lowlat.plugin.errors import LowlatPluginError
 from lowlat.runtime import tp_launch
+from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.stats import StepStats
+from lowlat.runtime.step_guard import describe_step, laggards, picks_if_finite
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
 INPUT_ERRORS = (ConfigError, LowlatPluginError)
@@ -139,6 +141,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner.kv_pool, max_batch_size=config.max_batch_size,
                                    chunked_prefill_size=config.chunked_prefill_size, inputs=self.runner.step_inputs)
         self.stats = StepStats()
+        self._watchdog = StepWatchdog(config.resolved_step_timeout_s, self.runner.device)
+        self._steps_run = 0
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
         self._next_rid = 0
 
@@ -202,7 +206,9 @@ class Engine:
 
     def close(self, *, abort: bool = False) -> None:
         """Stop TP workers, free the model and KV pool, and tear down the process group (idempotent)."""
-        abort = abort or isinstance(self._failed, tp_launch.WorkerError)
+        abort = abort or isinstance(self._failed, (tp_launch.WorkerError, StepDeadlineExceeded))
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.close()
         if self._workers is not None:
             self._workers.close()
             self._workers = None
@@ -237,10 +243,7 @@ class Engine:
                 for r in step.requests:
                     if r.t_prefill_start is None:
                         r.t_prefill_start = t0
-            logits = self.runner.forward(step.batch)
-            if self.logits_observer is not None:
-                self.logits_observer(step, logits)
-            toks = self._pick(step, logits)
+            toks = self._watchdog.run(lambda: self._forward_pick(step), lambda: self._describe_stuck(step))
             now = time.perf_counter()
             if step.mode is ForwardMode.DECODE:
                 finished = self.scheduler.update_decode(step, toks, now)
@@ -249,13 +252,31 @@ class Engine:
         except BaseException as e:
             self._failed = e
             self.scheduler.abort_all()
+            if isinstance(e, StepDeadlineExceeded) and self._workers is not None:
+                self._workers.close(timeout=1.0)  # stop every rank (frees a thread stuck in a collective)
+                self._workers = None
+                raise
             err = self._worker_error()
             if err is not None:
                 raise err from e
             raise
+        self._steps_run += 1
+        if self._ctx is not None and self._ctx.progress is not None:
+            self._ctx.progress[self.rank] = self._steps_run
         self.stats.record(step.mode, now - t0, step.batch.num_tokens, graphed=self.runner.last_graphed,
                           path=self.runner.last_path)
         return [self._completion(r) for r in finished] if finished else []
+
+    def _forward_pick(self, step: ScheduledStep) -> list[int]:
+        """The step's forward and its picks (what runs under the step deadline)."""
+        logits = self.runner.forward(step.batch)
+        if self.logits_observer is not None:
+            self.logits_observer(step, logits)
+        return self._pick(step, logits)
+
+    def _describe_stuck(self, step: ScheduledStep) -> str:
+        progress = self._ctx.progress if self._ctx is not None else None
+        return describe_step(step, self.runner, self._steps_run + 1) + laggards(progress, self.rank)
 
     def _pick(self, step: ScheduledStep, logits: torch.Tensor) -> list[int]:
         """The token picked for each of the step's sample rows (argmax alone when every request is greedy)."""
@@ -270,7 +291,7 @@ class Engine:
         else:
             picked = sample(rows, [r.params for r in step.sample_reqs], [r.generator for r in step.sample_reqs])
         self._sync()
-        return picked.tolist()
+        return picks_if_finite(rows, picked, lambda: describe_step(step, self.runner, self._steps_run + 1))
 
     def _sync(self) -> None:
         """On CUDA with spawned workers, wait for the step while watching the workers (never hang on NCCL)."""

@@ -61,12 +61,17 @@ def under_torchrun() -> bool:
 
 @dataclass
 class TPContext:
-    """One rank's distributed state: its TPInfo, device, host-side group, and whether it owns the group."""
+    """One rank's distributed state: its TPInfo, device, host-side group, and whether it owns the group.
+
+    ``progress`` (spawned mode): shared per-rank counters of finished steps, so a missed step deadline names
+    the ranks that did not finish (``lowlat.runtime.step_guard.laggards``).
+    """
 
     tp: TPInfo
     device: torch.device
     cpu_group: Any
     owns_group: bool
+    progress: Any = None
 
     def close(self, *, abort: bool = False) -> None:
         """Destroy the process group if this process created it (abort it when a peer has failed)."""
@@ -138,9 +143,10 @@ class WorkerGroup:
         self.world_size = config.tp_size
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(1, config.tp_size)]
+        self.progress = ctx.Array("q", config.tp_size, lock=False)  # finished steps per rank
         self.procs = [
             ctx.Process(target=_worker_main, args=(config, r, config.tp_size, init_method, q, self.results,
-                                                   torch.get_num_threads()),
+                                                   torch.get_num_threads(), self.progress),
                         name=f"lowlat-tp{r}", daemon=True)
             for r, q in zip(range(1, config.tp_size), self.commands)
         ]
@@ -162,7 +168,9 @@ class WorkerGroup:
             self._drain(block_s=POLL_S)
             self.check()
             if time.monotonic() > deadline:
-                raise WorkerError(f"TP workers did not reach '{stage}' within {timeout:.0f} s (LOWLAT_TP_TIMEOUT)")
+                late = [str(r) for r in range(1, self.world_size) if self._stage.get(r) != stage]
+                raise WorkerError(f"TP worker rank(s) {', '.join(late)} did not reach '{stage}' within {timeout:.0f} s "
+                                  f"(the start-up deadline, LOWLAT_TP_TIMEOUT seconds; raise it for slow loads)")
 
     def send(self, method: str, args: tuple, kwargs: dict, *, ack: bool) -> int:
         """Ask every worker to call ``engine.method(*args, **kwargs)``; returns the call's sequence number."""
@@ -179,7 +187,9 @@ class WorkerGroup:
             self._drain(block_s=POLL_S)
             self.check()
             if time.monotonic() > deadline:
-                raise WorkerError(f"TP workers did not finish call {seq} within {timeout:.0f} s (LOWLAT_TP_TIMEOUT)")
+                late = [str(r) for r in range(1, self.world_size) if r not in self._acks.get(seq, ())]
+                raise WorkerError(f"TP worker rank(s) {', '.join(late)} did not finish call {seq} within "
+                                  f"{timeout:.0f} s (LOWLAT_TP_TIMEOUT seconds)")
         self._acks.pop(seq, None)
 
     def check(self) -> None:
@@ -254,6 +264,7 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
         workers.start()
         workers.wait_stage("joining", tp_timeout_s())
         ctx = init_rank(config, 0, config.tp_size, local_rank=0, init_method=init_method)
+        ctx.progress = workers.progress
     except BaseException:
         workers.close(timeout=2.0)
         raise
@@ -261,7 +272,7 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
 
 
 def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str,
-                 commands: Any, results: Any, num_threads: int) -> None:
+                 commands: Any, results: Any, num_threads: int, progress: Any = None) -> None:
     """A spawned worker: join the group, build an Engine, then run rank 0's mirrored calls until told to stop.
 
     It uses as many intra-op CPU threads as rank 0 (``num_threads``).
@@ -277,6 +288,7 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
 
         results.put(("joining", rank))
         ctx = init_rank(config, rank, world_size, local_rank=rank, init_method=init_method)
+        ctx.progress = progress
         engine = Engine(config, _tp_context=ctx)
         results.put(("ready", rank))
         parent = multiprocessing.parent_process()
