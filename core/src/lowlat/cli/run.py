@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", default="auto",
                    help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="S",
+                   help="deadline of one step in seconds; a step that misses it stops the engine with an error "
+                        "naming the step and the plugin or rank (default: LOWLAT_STEP_TIMEOUT, else 60)")
     p.add_argument("--compare", action="store_true",
                    help="run the prompts greedily on the general path and with the plugin, and compare tokens, "
                         "logits and decode speed")
@@ -58,6 +61,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, Any, list
         model=args.model, device=args.device, dtype=args.dtype, tp_size=args.tp, page_size=args.page_size,
         max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
         cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin,
+        step_timeout_s=getattr(args, "step_timeout", None),
     )
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k)

@@ -28,7 +28,7 @@ from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.stats import StepStats
-from lowlat.runtime.step_guard import describe_step, laggards, picks_if_finite
+from lowlat.runtime.step_guard import check_text, describe_step, laggards, picks_if_finite
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
 INPUT_ERRORS = (ConfigError, LowlatPluginError)
@@ -370,7 +370,7 @@ class Engine:
             raise TypeError(f"params must be one SamplingParams or one per prompt ({len(prompts)})")
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
-            toks = self.tokenizer.encode(p) if isinstance(p, str) else self._as_ids(p, i)
+            toks = self.tokenizer.encode(check_text(p, i)) if isinstance(p, str) else self._as_ids(p, i)
             self._check_ids(toks, f"prompt {i}")
             if len(toks) + sp.max_new_tokens > self.config.max_context_len:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens; with max_new_tokens={sp.max_new_tokens} that "

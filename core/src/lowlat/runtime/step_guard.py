@@ -66,3 +66,19 @@ def laggards(progress: Any, rank: int) -> str:
     if stuck:
         parts.append(f"rank(s) {', '.join(map(str, stuck))} did not (stuck, stopped or waiting on a peer)")
     return "; " + " and ".join(parts) if parts else ""
+
+
+def check_text(prompt: str, i: int) -> str:
+    """``prompt`` itself when it is valid text (encodable as UTF-8).
+
+    Raises:
+        ValueError: it holds a lone surrogate (e.g. from bytes decoded with errors="surrogateescape"), naming
+            the prompt, the position and the fix.
+    """
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt {i} is not valid text: character {e.start} is the lone surrogate "
+                         f"U+{ord(prompt[e.start]):04X}, which has no UTF-8 form; decode the input as UTF-8 "
+                         "(errors='replace') or pass token ids") from None
+    return prompt

@@ -72,9 +72,18 @@ class TPContext:
     cpu_group: Any
     owns_group: bool
     progress: Any = None
+    keep: Any = None
 
     def close(self, *, abort: bool = False) -> None:
         """Destroy the process group if this process created it (abort it when a peer has failed)."""
+        keep, self.keep = self.keep, None
+        try:
+            self._close(abort)
+        finally:
+            if keep is not None:
+                keep[1].close()
+
+    def _close(self, abort: bool) -> None:
         if not (self.owns_group and dist.is_initialized()):
             return
         aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -98,8 +107,9 @@ def _device_for(config: EngineConfig, local_rank: int, world_size: int) -> torch
     return torch.device("cuda", local_rank)
 
 
-def init_rank(config: EngineConfig, rank: int, world_size: int, *, local_rank: int, init_method: str) -> TPContext:
-    """Join (or reuse) the default process group as ``rank`` of ``world_size``.
+def init_rank(config: EngineConfig, rank: int, world_size: int, *, local_rank: int, init_method: str,
+              store: Any = None) -> TPContext:
+    """Join (or reuse) the default process group as ``rank`` of ``world_size`` (through ``store`` when given).
 
     Raises:
         ValueError: a reused group's size differs from ``config.tp_size``, or too few GPUs.
@@ -112,8 +122,11 @@ def init_rank(config: EngineConfig, rank: int, world_size: int, *, local_rank: i
                              f"but tp_size={world_size}")
         return TPContext(TPInfo(dist.get_rank(), world_size, None), device, None, owns_group=False)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=tp_timeout_s()))
+    timeout = datetime.timedelta(seconds=tp_timeout_s())
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     return TPContext(TPInfo(rank, world_size, None), device, None, owns_group=True)
 
 
@@ -126,10 +139,16 @@ def init_from_torchrun(config: EngineConfig) -> TPContext:
                      init_method="env://")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_listener() -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 (a free port): the rendezvous store of spawned mode.
+
+    TCPStore binds every interface when it opens its own socket; handing it this one keeps the store on
+    loopback (and leaves no window in which another process could take the port).
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
 
 
 class WorkerGroup:
@@ -258,15 +277,21 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
     set_multicast_off()
     if config.resolved_device == "cuda":
         _device_for(config, 0, config.tp_size)  # fail before spawning when GPUs are missing
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    listener = _loopback_listener()
+    port = listener.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
     workers = WorkerGroup(config, init_method)
     try:
+        store = dist.TCPStore("127.0.0.1", port, config.tp_size, True, datetime.timedelta(seconds=tp_timeout_s()),
+                              wait_for_workers=False, master_listen_fd=listener.fileno())
         workers.start()
         workers.wait_stage("joining", tp_timeout_s())
-        ctx = init_rank(config, 0, config.tp_size, local_rank=0, init_method=init_method)
+        ctx = init_rank(config, 0, config.tp_size, local_rank=0, init_method=init_method, store=store)
         ctx.progress = workers.progress
+        ctx.keep = (store, listener)  # the store serves from this socket for the group's lifetime
     except BaseException:
         workers.close(timeout=2.0)
+        listener.close()
         raise
     return ctx, workers
 
@@ -287,7 +312,9 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
         from lowlat.runtime.engine import Engine
 
         results.put(("joining", rank))
-        ctx = init_rank(config, rank, world_size, local_rank=rank, init_method=init_method)
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=tp_timeout_s()))
+        ctx = init_rank(config, rank, world_size, local_rank=rank, init_method=init_method, store=store)
         ctx.progress = progress
         engine = Engine(config, _tp_context=ctx)
         results.put(("ready", rank))

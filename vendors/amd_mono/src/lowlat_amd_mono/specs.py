@@ -19,6 +19,7 @@ REQUIREMENTS = Requirements(
     tp_sizes=frozenset({1}),
     libraries=(("triton", ">=3.6,<3.10"),),
     model=(("head_dim", HEAD_DIMS),),
+    made_for=("rocm",),  # --plugin auto prefers it on rocm
 )
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 
