@@ -192,3 +192,95 @@ def test_negative_rms_norm_eps_never_prints_garbage(ckpt):
     with pytest.raises((ConfigError, NonFiniteLogits), match="rms_norm_eps|non-finite"):
         with Engine(EngineConfig(model=str(ckpt), plugin="none", device="cpu", max_context_len=64)) as e:
             greedy(e)
+
+
+# -- bad configuration and memory --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kw", "field"), [
+    (dict(max_context_len="abc"), "max_context_len"), (dict(tp_size=2.0), "tp_size"),
+    (dict(max_batch_size=True), "max_batch_size"), (dict(kv_cache_fraction="0.5"), "kv_cache_fraction"),
+    (dict(cuda_graph="no"), "cuda_graph"), (dict(model=None), "model"), (dict(step_timeout_s=float("inf")),
+                                                                           "step_timeout_s"),
+])
+def test_bad_engine_config_values_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**kw)
+
+
+def test_huge_layer_count_is_refused_before_allocating():
+    t0 = time.monotonic()
+    with pytest.raises(InsufficientMemory, match=r"10000000 layers.*GiB are free.*nothing was allocated"):
+        Engine(EngineConfig(plugin="none", num_layers=10_000_000, **KW))
+    assert time.monotonic() - t0 < 10
+
+
+def test_huge_max_context_len_on_cpu_is_refused_with_the_numbers():
+    with pytest.raises(InsufficientMemory, match=r"max_context_len=1000000000.*GiB are free"):
+        Engine(EngineConfig(model="tiny-llama", device="cpu", plugin="none", max_context_len=10**9))
+
+
+def test_memory_check_passes_what_fits_and_refuses_one_byte_less():
+    from lowlat.loader.presets import get_preset
+
+    cfg, model = EngineConfig(**KW), get_preset("tiny-llama")
+    est = check_start_memory(cfg, model, torch.float32, device=torch.device("cpu"), available=1 << 40)
+    check_start_memory(cfg, model, torch.float32, device=torch.device("cpu"), available=est.total_bytes)
+    with pytest.raises(InsufficientMemory):
+        check_start_memory(cfg, model, torch.float32, device=torch.device("cpu"), available=est.total_bytes - 1)
+
+
+# -- parameters are read-only to plugins --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("plugin", ["editor", "auto"])
+def test_plugin_editing_parameters_in_place_stops_the_engine_naming_it(install, plugin):
+    install("editor", "edits_params")
+    with pytest.raises(PluginModifiedParameters, match="'editor' changed 1 parameter.*layers.0.mlp.down_proj"):
+        Engine(EngineConfig(plugin=plugin, **KW))
+
+
+# -- audit: checkpoint paths, sockets, plugin names, prompts ------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors"])
+def test_checkpoint_index_cannot_point_outside_its_directory(ckpt, target):
+    from lowlat.loader.checkpoint import INDEX_NAME, CheckpointError, CheckpointReader
+
+    index = ckpt / INDEX_NAME
+    data = json.loads(index.read_text()) if index.is_file() else {"metadata": {}, "weight_map": {}}
+    if not data["weight_map"]:
+        shard = next(ckpt.glob("*.safetensors"))
+        from safetensors import safe_open
+
+        with safe_open(str(shard), "pt") as f:
+            data["weight_map"] = {k: shard.name for k in f.keys()}
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = target
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="outside"):
+        CheckpointReader(ckpt)
+
+
+def test_duplicate_plugin_name_is_an_error_listing_both(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    activate(site, monkeypatch)
+    make_plugin_dist(site, "twin", GOOD_SPEC, dist="lowlat-twin-a")
+    make_plugin_dist(site / "b", "twin", GOOD_SPEC, dist="lowlat-twin-b")
+    monkeypatch.syspath_prepend(str(site / "b"))
+    reg = discover(["twin"])
+    with pytest.raises(PluginLoadError, match="'twin' is declared by 2 distributions: lowlat-twin-(a|b).*; lowlat-twin-(a|b)"):
+        reg.get("twin")
+
+
+@pytest.mark.parametrize("value", ["good,,other", "good;other", "good other", "good,good"])
+def test_malformed_allowlist_is_an_error_listing_entries(tmp_path, monkeypatch, value):
+    site = tmp_path / "site"
+    activate(site, monkeypatch)
+    make_plugin_dist(site, "good", GOOD_SPEC)
+    monkeypatch.setenv("LOWLAT_PLUGINS", value)
+    with pytest.raises(PluginNotFound, match="LOWLAT_PLUGINS=.*is malformed.*found entries"):
+        discover()
+
+
+def test_prompt_that_is_not_valid_text_is_refused():
+    with Engine(EngineConfig(plugin="none", **KW)) as e:
+        with pytest.raises(ValueError, match=r"prompt 1 is not valid text.*U\+DC80"):
+            e.generate(["fine", "bad \udc80 bytes"], SamplingParams(max_new_tokens=2))

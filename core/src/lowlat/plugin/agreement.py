@@ -110,7 +110,7 @@ def agree_build(name: str, err: BaseException | None, fatal: bool, *, tp_size: i
 
 
 def build_failure_text(name: str, reports: list[dict[str, Any]]) -> str:
-    """One line saying which ranks failed to build ``name`` and why."""
+    """The tail of "build failed...": ": <error>" on one rank, " on N of M ranks: rank 0: ...; ..." under TP."""
     if len(reports) == 1:
-        return str(reports[0]["error"])
-    return f"on {sum(bool(r['error']) for r in reports)} of {len(reports)} ranks: {_per_rank(reports, 'error')}"
+        return f": {reports[0]['error']}"
+    return f" on {sum(bool(r['error']) for r in reports)} of {len(reports)} ranks: {_per_rank(reports, 'error')}"

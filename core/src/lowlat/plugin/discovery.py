@@ -177,7 +177,8 @@ def _duplicate_info(name: str, eps: list[metadata.EntryPoint]) -> PluginInfo:
     """Two distributions declaring one plugin name: neither loads (which one would run is an accident)."""
     found = [f"{ep.dist.metadata['Name'] if ep.dist else '?'} {ep.dist.version if ep.dist else '?'} ({ep.value})"
              for ep in eps]
-    return PluginInfo(name=name, distribution=", ".join(f.split(" (")[0] for f in found), version="?",
+    dists = ", ".join(ep.dist.metadata["Name"] if ep.dist else "?" for ep in eps)
+    return PluginInfo(name=name, distribution=dists, version="(several)",
                       core_range="", status=BROKEN,
                       error=f"plugin name {name!r} is declared by {len(eps)} distributions: {'; '.join(found)}; "
                             f"uninstall all but one")

@@ -132,9 +132,9 @@ class PluginHost:
                 if err is not None and tp_size == 1:
                     raise err
                 cls = PluginModifiedParameters if any(r["fatal"] for r in reports) else PluginBuildError
-                raise cls(f"plugin {sel.plugin.name!r} failed to build {text}; every rank stops") from err
+                raise cls(f"plugin {sel.plugin.name!r} failed to build{text}; every rank stops") from err
             tried.append(sel.plugin.name)
-            self.rejections.append(f"{sel.plugin.name}: its guard passed but build failed: {text}")
+            self.rejections.append(f"{sel.plugin.name}: its guard passed but build failed{text}")
             log.warning("auto: plugin %s could not be built (%s); %s", sel.plugin.name, text,
                         "trying the next candidate" if sel is not self.candidates[-1]
                         else "every step takes the general path")

@@ -76,12 +76,10 @@ class TPContext:
 
     def close(self, *, abort: bool = False) -> None:
         """Destroy the process group if this process created it (abort it when a peer has failed)."""
-        keep, self.keep = self.keep, None
         try:
             self._close(abort)
         finally:
-            if keep is not None:
-                keep[1].close()
+            self.keep = None  # the rendezvous store (it closes its listening socket)
 
     def _close(self, abort: bool) -> None:
         if not (self.owns_group and dist.is_initialized()):
@@ -283,15 +281,15 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
     workers = WorkerGroup(config, init_method)
     try:
         store = dist.TCPStore("127.0.0.1", port, config.tp_size, True, datetime.timedelta(seconds=tp_timeout_s()),
-                              wait_for_workers=False, master_listen_fd=listener.fileno())
+                              wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns the fd
         workers.start()
         workers.wait_stage("joining", tp_timeout_s())
         ctx = init_rank(config, 0, config.tp_size, local_rank=0, init_method=init_method, store=store)
         ctx.progress = workers.progress
-        ctx.keep = (store, listener)  # the store serves from this socket for the group's lifetime
+        ctx.keep = store  # it serves the group for its lifetime
     except BaseException:
         workers.close(timeout=2.0)
-        listener.close()
+        listener.close()  # a no-op once detached
         raise
     return ctx, workers
 
