@@ -117,9 +117,10 @@ def test_real_vendors_declare_what_they_are_made_for():
 
 # -- deadlines ---------------------------------------------------------------------------------------------------
 
-def test_stuck_plugin_forward_misses_the_deadline_naming_plugin_and_setting(install):
+def test_stuck_plugin_forward_misses_the_deadline_naming_plugin_and_setting(install, monkeypatch):
     install("stuck", "stuck_forward")
-    e = Engine(EngineConfig(plugin="stuck", step_timeout_s=1.5, **KW))
+    monkeypatch.setenv("LOWLAT_STEP_TIMEOUT", "1.5")
+    e = Engine(EngineConfig(plugin="stuck", **KW))
     try:
         t0 = time.monotonic()
         with pytest.raises(StepDeadlineExceeded, match=r"DECODE.*plugin 'stuck'.*1.5 s.*step_timeout_s"):
@@ -148,6 +149,17 @@ def test_step_deadline_setting_is_validated_and_read_from_env(monkeypatch):
         EngineConfig().resolved_step_timeout_s
     with pytest.raises(ConfigError, match="step_timeout_s"):
         EngineConfig(step_timeout_s=-1)
+
+
+def test_step_timeout_flag_reaches_the_engine_config():
+    import argparse
+
+    from lowlat.cli.run import add_arguments, configs_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    config, _, _ = configs_from_args(p.parse_args(["--step-timeout", "2.5"]))
+    assert config.step_timeout_s == 2.5 and config.resolved_step_timeout_s == 2.5
 
 
 # -- numbers -----------------------------------------------------------------------------------------------------

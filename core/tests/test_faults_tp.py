@@ -79,8 +79,9 @@ def test_auto_at_tp4_with_build_failing_on_rank2_falls_back_together(install):
         assert set(e.stats.paths_as_dict()) == {"general"}
 
 
-def test_stopped_worker_misses_the_step_deadline_naming_the_rank(install):
-    e = Engine(EngineConfig(plugin="none", tp_size=2, step_timeout_s=3.0, **KW))
+def test_stopped_worker_misses_the_step_deadline_naming_the_rank(install, monkeypatch):
+    monkeypatch.setenv("LOWLAT_STEP_TIMEOUT", "3")
+    e = Engine(EngineConfig(plugin="none", tp_size=2, **KW))
     try:
         greedy(e, 2)
         worker = e._workers.procs[0]
