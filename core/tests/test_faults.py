@@ -250,6 +250,16 @@ def test_plugin_editing_parameters_in_place_stops_the_engine_naming_it(install, 
         Engine(EngineConfig(plugin=plugin, **KW))
 
 
+def test_parameter_fingerprint_sees_swapped_elements_and_stays_for_equal_values():
+    from lowlat.plugin.param_guard import changed, fingerprint
+
+    params = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    before = fingerprint(params)
+    assert changed(before, params) == []
+    params["w"][0, 0], params["w"][2, 3] = params["w"][2, 3].item(), params["w"][0, 0].item()  # same sum
+    assert changed(before, params) == ["w"]
+
+
 # -- audit: checkpoint paths, sockets, plugin names, prompts ------------------------------------------------------
 
 @pytest.mark.parametrize("target", ["../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors"])
