@@ -146,7 +146,7 @@ def test_step_deadline_setting_is_validated_and_read_from_env(monkeypatch):
     assert EngineConfig().resolved_step_timeout_s == 2.5
     monkeypatch.setenv("LOWLAT_STEP_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="LOWLAT_STEP_TIMEOUT"):
-        EngineConfig().resolved_step_timeout_s
+        _ = EngineConfig().resolved_step_timeout_s
     with pytest.raises(ConfigError, match="step_timeout_s"):
         EngineConfig(step_timeout_s=-1)
 
@@ -288,7 +288,8 @@ def test_duplicate_plugin_name_is_an_error_listing_both(tmp_path, monkeypatch):
     make_plugin_dist(site / "b", "twin", GOOD_SPEC, dist="lowlat-twin-b")
     monkeypatch.syspath_prepend(str(site / "b"))
     reg = discover(["twin"])
-    with pytest.raises(PluginLoadError, match="'twin' is declared by 2 distributions: lowlat-twin-(a|b).*; lowlat-twin-(a|b)"):
+    twins = "'twin' is declared by 2 distributions: lowlat-twin-(a|b).*; lowlat-twin-"
+    with pytest.raises(PluginLoadError, match=twins):
         reg.get("twin")
 
 

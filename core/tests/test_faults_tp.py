@@ -87,7 +87,8 @@ def test_stopped_worker_misses_the_step_deadline_naming_the_rank(install, monkey
         worker = e._workers.procs[0]
         os.kill(worker.pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        with pytest.raises(StepDeadlineExceeded, match=r"rank 0 of 2: step \d+ .*rank\(s\) 1 did not.*3 s.*step_timeout_s"):
+        stuck = r"rank 0 of 2: step \d+ .*rank\(s\) 1 did not.*3 s.*step_timeout_s"
+        with pytest.raises(StepDeadlineExceeded, match=stuck):
             greedy(e, 2)
         assert time.monotonic() - t0 < 20
         worker.join(10)

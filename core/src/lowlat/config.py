@@ -252,7 +252,8 @@ class EngineConfig:
         if not self.plugin:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
         if self.step_timeout_s is not None and not 0 < self.step_timeout_s < float("inf"):
-            raise ConfigError(f"step_timeout_s must be a finite number of seconds > 0 or None, got {self.step_timeout_s}")
+            raise ConfigError(f"step_timeout_s must be a finite number of seconds > 0 or None, "
+                              f"got {self.step_timeout_s}")
 
     @property
     def resolved_step_timeout_s(self) -> float:

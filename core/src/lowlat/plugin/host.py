@@ -16,10 +16,10 @@ import torch
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.platform import Platform, detect_platform
+from lowlat.plugin.agreement import agree_build, build_failure_text
 from lowlat.plugin.binding import PluginBinding, PluginForward
 from lowlat.plugin.discovery import discover, load_callable
 from lowlat.plugin.dispatch import GENERAL, PLUGIN, Dispatcher
-from lowlat.plugin.agreement import agree_build, build_failure_text
 from lowlat.plugin.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
 from lowlat.plugin.param_guard import changed, fingerprint
 from lowlat.plugin.selection import Selection, auto_candidates, select_plugin

@@ -75,9 +75,9 @@ def auto_candidates(registry: PluginRegistry, platform: Platform, engine: Engine
     one line to ``rejections``.
     """
     passing = []
-    for name, info in sorted(registry.plugins.items()):
+    for info in sorted(registry.plugins.values(), key=lambda i: i.name):
         if info.status != "ok":
-            rejections.append(f"{name}: {info.status}: {info.error}")
+            rejections.append(f"{info.name}: {info.status}: {info.error}")
     for info in registry.usable():
         spec = info.spec_for(model.architecture)
         if spec is None:
@@ -92,7 +92,7 @@ def auto_candidates(registry: PluginRegistry, platform: Platform, engine: Engine
         log.info("auto: skipped %s", line)
     passing.sort(key=lambda p: p[:2])
     out = []
-    for i, (_, name, info, spec, trace) in enumerate(passing):
+    for i, (_, _name, info, spec, trace) in enumerate(passing):
         why = f"auto: made for {platform.kind} and its guard passes on {platform.describe()}" \
             if made_for_here(spec, platform) else f"auto: its guard passes on {platform.describe()}"
         if i == 0 and len(passing) > 1:

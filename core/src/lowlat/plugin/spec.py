@@ -105,10 +105,11 @@ class Requirements:
 
     def __post_init__(self) -> None:
         if isinstance(self.made_for, str):
-            raise SpecError(f"requirements.made_for must be a tuple of platform kinds, got the string {self.made_for!r}")
+            raise SpecError(f"requirements.made_for must be a tuple of platform kinds, got {self.made_for!r}")
         for kind in self.made_for:
             if kind not in PLATFORM_KINDS:
-                raise SpecError(f"requirements.made_for names {kind!r}; use platform kinds {', '.join(PLATFORM_KINDS)}")
+                raise SpecError(f"requirements.made_for names {kind!r}; use platform kinds "
+                                f"{', '.join(PLATFORM_KINDS)}")
         if not self.platforms:
             raise SpecError("requirements.platforms is empty: name at least one platform")
         bad = set(self.dtypes) - set(DTYPES)

@@ -104,3 +104,26 @@ class StepWatchdog:
             job.done.set()
             if self.broken is not None:
                 return
+
+
+def wait_for_device_watching(workers: Any) -> None:
+    """Wait for the current CUDA stream's work while checking the TP workers (spawned mode).
+
+    Raises:
+        WorkerError: a worker failed, or the work did not finish within LOWLAT_TP_TIMEOUT seconds.
+    """
+    import time
+
+    from lowlat.runtime import tp_launch
+
+    event = torch.cuda.Event()
+    event.record()
+    deadline = time.monotonic() + tp_launch.tp_timeout_s()
+    n = 0
+    while not event.query():
+        n += 1
+        if n % 1000 == 0:
+            workers.check()
+            if time.monotonic() > deadline:
+                raise tp_launch.WorkerError(f"a TP step did not finish within {tp_launch.tp_timeout_s():.0f} s "
+                                            "(LOWLAT_TP_TIMEOUT seconds)")

@@ -22,7 +22,7 @@ import torch
 from lowlat.config import ConfigError, EngineConfig, ModelConfig
 from lowlat.plugin.errors import LowlatPluginError
 from lowlat.runtime import tp_launch
-from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog
+from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
@@ -295,18 +295,8 @@ class Engine:
 
     def _sync(self) -> None:
         """On CUDA with spawned workers, wait for the step while watching the workers (never hang on NCCL)."""
-        if self._workers is None or self.runner.device.type != "cuda":
-            return
-        event = torch.cuda.Event()
-        event.record()
-        deadline = time.monotonic() + tp_launch.tp_timeout_s()
-        n = 0
-        while not event.query():
-            n += 1
-            if n % 1000 == 0:
-                self._workers.check()
-                if time.monotonic() > deadline:
-                    raise tp_launch.WorkerError(f"a TP step did not finish within {tp_launch.tp_timeout_s():.0f} s")
+        if self._workers is not None and self.runner.device.type == "cuda":
+            wait_for_device_watching(self._workers)
 
     # -- internals -------------------------------------------------------------------------------------------
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.plugin.dispatch import GENERAL
 from lowlat.plugin.agreement import select_agreed
+from lowlat.plugin.dispatch import GENERAL
 from lowlat.plugin.host import PluginHost
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
 from lowlat.runtime.distributed import SINGLE, TPInfo
