@@ -7,10 +7,10 @@ finishes or blocks on its own, and whatever it returns is dropped). The engine t
 is unusable and says so; with tensor parallelism it also stops every rank (``Engine``), which unblocks a
 thread stuck in a collective.
 
-The handoff costs one queue put and one lock wait per step (~30 µs measured on a busy 2-core CPU), paid on the host while
-the device works; a step's own exceptions (any BaseException, SystemExit included) are re-raised in the
-caller. Thread-local state the step needs is set on the worker thread: the CUDA device, and inference
-mode, which ``ModelRunner.forward`` enters itself.
+The handoff costs one queue put and one lock wait per step (~30 µs measured on a busy 2-core CPU), paid
+on the host while the device works; a step's own exceptions (any BaseException, SystemExit included) are
+re-raised in the caller. Thread-local state the step needs is set on the worker thread: the CUDA device,
+and inference mode, which ``ModelRunner.forward`` enters itself.
 """
 
 from __future__ import annotations
