@@ -44,9 +44,25 @@ def all_gather_strings(value: str, group: Any = None) -> list[str]:
     return [bytes(b[: int(k.item())].tolist()).decode() for b, k in zip(bufs, lens)]
 
 
-def gather_reports(mine: dict[str, Any], group: Any) -> list[dict[str, Any]]:
-    """All ranks' JSON-able reports, in rank order."""
-    return [json.loads(s) for s in all_gather_strings(json.dumps(mine), group)]
+class AgreementTimeout(RuntimeError):
+    """A rank did not report its plugin outcome in time (it is stuck, stopped or dead)."""
+
+
+def gather_reports(mine: dict[str, Any], group: Any, what: str = "plugin outcome") -> list[dict[str, Any]]:
+    """All ranks' JSON-able reports, in rank order.
+
+    Raises:
+        AgreementTimeout: the collective failed or timed out (names the setting; a dead worker's own error is
+            reported by the engine in its place).
+    """
+    import os
+
+    try:
+        return [json.loads(s) for s in all_gather_strings(json.dumps(mine), group)]
+    except RuntimeError as e:
+        limit = os.environ.get("LOWLAT_TP_TIMEOUT", "300")
+        raise AgreementTimeout(f"not every tensor-parallel rank reported its {what} within the start-up deadline "
+                               f"(LOWLAT_TP_TIMEOUT={limit} s) or a rank died: {str(e).splitlines()[0]}") from e
 
 
 def _per_rank(reports: list[dict[str, Any]], key: str) -> str:
@@ -73,7 +89,7 @@ def select_agreed(engine: Any, model: Any, *, tp_size: int, group: Any = None) -
     mine = {"error": f"{type(err).__name__}: {err}" if err is not None else None,
             "candidates": [c.plugin.name for c in host.candidates] if host is not None else [],
             "rejections": list(host.rejections) if host is not None else []}
-    reports = gather_reports(mine, group)
+    reports = gather_reports(mine, group, "plugin selection")
     if any(rep["error"] for rep in reports):
         if err is not None and all(rep["error"] == mine["error"] for rep in reports):
             raise err  # every rank failed the same way: the plain error says it best
@@ -105,7 +121,7 @@ def agree_build(name: str, err: BaseException | None, fatal: bool, *, tp_size: i
     Each report is {"error": str or None, "fatal": bool}. At tp_size 1 no collective runs.
     """
     mine = {"error": f"{type(err).__name__}: {err}" if err is not None else None, "fatal": fatal}
-    reports = [mine] if tp_size == 1 else gather_reports(mine, group)
+    reports = [mine] if tp_size == 1 else gather_reports(mine, group, f"build outcome of plugin {name!r}")
     return None if not any(rep["error"] for rep in reports) else reports
 
 
