@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
 from lowlat.runtime.forward_batch import ForwardMode
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile
 MAX_ROWS = 8  # tokens per step the persistent kernels are built for
+
+# --plugin auto prefers a plugin made for the machine's platform kind; cores before 0.2.1 lack the field.
+_MADE_FOR = {"made_for": ("rocm",)} if "made_for" in {f.name for f in fields(Requirements)} else {}
 
 REQUIREMENTS = Requirements(
     platforms=(
@@ -19,7 +24,7 @@ REQUIREMENTS = Requirements(
     tp_sizes=frozenset({1}),
     libraries=(("triton", ">=3.6,<3.10"),),
     model=(("head_dim", HEAD_DIMS),),
-    made_for=("rocm",),  # --plugin auto prefers it on rocm
+    **_MADE_FOR,
 )
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 
