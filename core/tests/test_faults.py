@@ -307,3 +307,17 @@ def test_prompt_that_is_not_valid_text_is_refused():
     with Engine(EngineConfig(plugin="none", **KW)) as e:
         with pytest.raises(ValueError, match=r"prompt 1 is not valid text.*U\+DC80"):
             e.generate(["fine", "bad \udc80 bytes"], SamplingParams(max_new_tokens=2))
+
+
+def test_the_suite_sees_a_child_process_left_behind():
+    import subprocess
+
+    from conftest import child_processes
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert proc.pid in [pid for pid, _ in child_processes()]
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.pid not in [pid for pid, _ in child_processes()]
