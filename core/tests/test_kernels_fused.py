@@ -1,0 +1,176 @@
+"""The fused core kernels (rms_norm, rope_kv, silu_mul) against the plain torch ops, under the interpreter on CPU.
+
+float32: bit for bit where the order of operations is the torch one; within 2 ulp where a sum's order differs
+(the RMSNorm mean square). bf16: within the dtype's tolerance. Triton 3.9's interpreter casts float32 to bf16 by truncation where the GPU
+rounds to nearest even, so bf16 bits differ here by up to an ulp per rounding; the GPU test checks bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowlat.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from lowlat.kernels.rope_kv import qk_norm_rope_kv_write
+from lowlat.kernels.silu_mul import silu_and_mul
+from lowlat.layers.rotary import RotaryEmbedding
+from lowlat.models.general_impl import torch_add_rms_norm, torch_rope_kv, torch_silu_mul
+
+NORM_ULPS = 4  # the mean square's summation order differs (1 ulp in the scale), then two roundings follow
+EXP_ULPS = 4  # silu: numpy's exp (the interpreter) against torch's vectorised exp
+
+
+def assert_ulp(got: torch.Tensor, want: torch.Tensor, ulps: int = NORM_ULPS) -> None:
+    """float32: at most ``ulps`` units in the last place apart (0 = bit for bit); bf16: the dtype tolerance,
+    widened to 2 bf16 ulps of the largest magnitude (a chain of roundings, each truncating in the interpreter)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        diff = (got.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+        assert int(diff.max()) <= ulps, f"{int(diff.max())} ulps apart (at most {ulps} allowed)"
+    else:
+        atol = max(1e-2, 2 * 2 ** -8 * float(want.abs().max()))
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=atol)
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape, generator=_gen(seed))).to(dtype)
+
+
+# -- rms_norm --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: BLOCK padded past the row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_torch(hidden, dtype):
+    x = _randn(5, hidden, dtype=dtype, scale=3.0)
+    w = _randn(hidden, dtype=dtype, seed=1)
+    want, _ = torch_add_rms_norm(x, None, w, 1e-6)
+    got = rms_norm(x, w, 1e-6)
+    assert_ulp(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_torch_and_the_residual_is_the_rounded_sum(dtype):
+    x = _randn(7, 80, dtype=dtype, scale=2.0)
+    r = _randn(7, 80, dtype=dtype, seed=2, scale=4.0)
+    w = _randn(80, dtype=dtype, seed=3)
+    want, want_res = torch_add_rms_norm(x, r, w, 1e-5)
+    got, got_res = fused_add_rms_norm(x, r, w, 1e-5)
+    if dtype == torch.float32:
+        assert torch.equal(got_res, want_res)  # the add's rounded result, bit for bit
+    else:  # the interpreter's float32 -> bf16 cast truncates (the GPU's rounds to nearest even): within 1 ulp
+        torch.testing.assert_close(got_res, want_res, rtol=2 ** -7, atol=0)
+    assert_ulp(got, want)
+
+
+def test_rms_norm_eps_counts():
+    x = _randn(3, 64, dtype=torch.float32, scale=0.01)  # mean square 1e-4: eps = 1e-3 changes the scale 3x
+    w = _randn(64, dtype=torch.float32, seed=1)
+    assert_ulp(rms_norm(x, w, 1e-3), torch_add_rms_norm(x, None, w, 1e-3)[0])
+
+
+def test_rms_norm_reads_strided_rows():
+    base = _randn(4, 128, dtype=torch.float32)
+    x = base[:, :64]  # row stride 128
+    w = _randn(64, dtype=torch.float32, seed=1)
+    assert_ulp(rms_norm(x, w, 1e-6), torch_add_rms_norm(x, None, w, 1e-6)[0])
+
+
+def test_rms_norm_launcher_rejects_bad_inputs():
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.zeros(4), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        fused_add_rms_norm(x, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(torch.zeros(8, 2).t(), torch.zeros(8), 1e-6)
+
+
+# -- rope_kv ---------------------------------------------------------------------------------------------------
+
+def _rope_case(dtype: torch.dtype, hq: int = 4, hkv: int = 2, d: int = 16, t: int = 5, slots: int = 12):
+    rot = RotaryEmbedding(d, 10000.0, None, 64, device=torch.device("cpu"))
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype, scale=2.0)
+    positions = torch.tensor([0, 3, 17, 63, 9][:t], dtype=torch.int64)
+    loc = torch.tensor([5, 1, 11, 7, 2][:t], dtype=torch.int64)
+    sentinel = _randn(slots, hkv, d, dtype=dtype, seed=9)
+    return rot, qkv, positions, loc, sentinel
+
+
+def _run_both(dtype, qk_norm: bool, **kw):
+    rot, qkv, pos, loc, sentinel = _rope_case(dtype, **kw)
+    hq, hkv, d = kw.get("hq", 4), kw.get("hkv", 2), kw.get("d", 16)
+    qn = _randn(d, dtype=dtype, seed=4) if qk_norm else None
+    kn = _randn(d, dtype=dtype, seed=5) if qk_norm else None
+    out = []
+    for fn in (torch_rope_kv, None):
+        kb, vb = sentinel.clone(), sentinel.clone() + 1
+        if fn is None:
+            q = qk_norm_rope_kv_write(qkv, pos, rot.cos_cache, rot.sin_cache, loc, kb, vb, num_q_heads=hq,
+                                      num_kv_heads=hkv, head_dim=d, q_norm_weight=qn, k_norm_weight=kn, eps=1e-6)
+        else:
+            q = fn(qkv, pos, rot.cos_cache, rot.sin_cache, loc, kb, vb, hq, hkv, d, qn, kn, 1e-6)
+        out.append((q, kb, vb))
+    return out, loc, sentinel
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_kv_float32_is_bitwise_without_norm_and_within_2ulp_with_it(qk_norm):
+    (want, got), loc, _ = _run_both(torch.float32, qk_norm)
+    for w, g in zip(want, got):
+        assert_ulp(g, w, ulps=NORM_ULPS if qk_norm else 0)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_kv_bf16_within_tolerance(qk_norm):
+    (want, got), _, _ = _run_both(torch.bfloat16, qk_norm)
+    for w, g in zip(want, got):
+        assert_ulp(g, w)
+
+
+def test_rope_kv_writes_only_the_slots_of_out_cache_loc():
+    (_, (q, kb, vb)), loc, sentinel = _run_both(torch.float32, True)
+    untouched = torch.ones(sentinel.shape[0], dtype=torch.bool)
+    untouched[loc] = False
+    assert torch.equal(kb[untouched], sentinel[untouched])
+    assert torch.equal(vb[untouched], sentinel[untouched] + 1)
+    assert not torch.equal(kb[loc], sentinel[loc])
+
+
+def test_rope_kv_head_dim_whose_half_is_not_a_power_of_two():
+    (want, got), _, _ = _run_both(torch.float32, True, d=24, hq=2, hkv=1)
+    for w, g in zip(want, got):
+        assert_ulp(g, w)
+
+
+def test_rope_kv_launcher_rejects_bad_inputs():
+    rot, qkv, pos, loc, sentinel = _rope_case(torch.float32)
+    kb = vb = sentinel.clone()
+    args = (qkv, pos, rot.cos_cache, rot.sin_cache, loc, kb, vb)
+    with pytest.raises(ValueError, match="columns"):
+        qk_norm_rope_kv_write(*args, num_q_heads=3, num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="both"):
+        qk_norm_rope_kv_write(*args, num_q_heads=4, num_kv_heads=2, head_dim=16, q_norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match="out_cache_loc"):
+        qk_norm_rope_kv_write(qkv, pos, rot.cos_cache, rot.sin_cache, loc[:2], kb, vb, num_q_heads=4,
+                              num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="cos_cache"):
+        qk_norm_rope_kv_write(qkv, pos, rot.cos_cache.double(), rot.sin_cache, loc, kb, vb, num_q_heads=4,
+                              num_kv_heads=2, head_dim=16)
+
+
+# -- silu_mul --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    x = _randn(3, 2 * 1100, dtype=dtype, scale=4.0)  # 1100 columns: two column blocks, the second partial
+    want = torch_silu_mul(x)
+    got = silu_and_mul(x)
+    assert_ulp(got, want, EXP_ULPS)
+
+
+def test_silu_mul_launcher_rejects_an_odd_width():
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(torch.zeros(2, 7))
