@@ -238,6 +238,9 @@ class EngineConfig:
         num_layers: run only the first N decoder layers (benchmarks use two depths to get per-layer latency).
         strict_max_position: refuse a ``max_context_len`` above the model's ``max_position_embeddings``
             (default: warn; positions past it are outside what the model was trained on).
+        general_impl: how the general forward runs (``lowlat.models.general_impl``): "reference" (plain torch,
+            the oracle), "fused" (core Triton kernels for norm, RoPE + KV write, SiLU-and-mul) or "compiled"
+            (torch.compile of the same pieces, before CUDA-graph capture).
     """
 
     model: str = "tiny-llama"
@@ -261,6 +264,7 @@ class EngineConfig:
     speculative_adaptive: bool = True
     num_layers: int | None = None
     strict_max_position: bool = False
+    general_impl: str = "reference"
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -278,6 +282,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.plugin:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
+        if self.general_impl not in ("reference", "fused", "compiled"):
+            raise ConfigError(f"general_impl must be reference, fused or compiled, got {self.general_impl!r}")
         if self.speculative_method is not None or self.speculative:
             self._check_speculative()
 
