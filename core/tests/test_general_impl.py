@@ -2,7 +2,8 @@
 
 One script per runner: a ragged PREFILL of two requests, a chunked PREFILL, a DECODE and a VERIFY step (DECODE
 and VERIFY without host lengths, as graphs run them). The KV pools start from the same random sentinel, so
-comparing whole buffers checks both the slots written and that nothing else changed.
+comparing whole buffers checks both the slots written and that nothing else changed. On a machine with CUDA the
+same tests run there with CUDA graphs (DECODE and VERIFY replay captured graphs; "compiled" uses inductor).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from lowlat.runtime.model_runner import ModelRunner
 
 P, D, V = ForwardMode.PREFILL, ForwardMode.DECODE, ForwardMode.VERIFY
 PRESETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton under the interpreter (conftest.py)
 SCRIPT = [  # (mode, tokens per request a, b)
     (P, [[1, 5, 9, 13, 17], [2, 4, 6]]),
     (P, [None, [8, 10, 12, 14]]),
@@ -26,12 +28,12 @@ SCRIPT = [  # (mode, tokens per request a, b)
 
 
 def runner(model: str, impl: str, dtype: str = "float32") -> ModelRunner:
-    cfg = EngineConfig(model=model, device="cpu", dtype=dtype, max_batch_size=2, max_context_len=64,
-                       cuda_graph=False, plugin="none", general_impl=impl)
+    cfg = EngineConfig(model=model, device=DEV, dtype=dtype, max_batch_size=2, max_context_len=64,
+                       max_verify_tokens=3, cuda_graph=DEV == "cuda", plugin="none", general_impl=impl)
     r = ModelRunner(cfg, show_progress=False)
     gen = torch.Generator().manual_seed(7)
     for buf in [*r.kv_pool.k_buffers, *r.kv_pool.v_buffers]:
-        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.dtype))
+        buf.copy_(torch.randn(buf.shape, generator=gen).to(buf.device, buf.dtype))
     return r
 
 
@@ -44,10 +46,11 @@ def run_script(r: ModelRunner) -> tuple[dict[ForwardMode, list[torch.Tensor]], l
         batch = r.prepare_batch(mode, [rows[i] for i in idx], [lens[i] for i in idx], [toks[i] for i in idx])
         if mode is not P:
             batch.seq_lens_cpu = batch.extend_lens_cpu = None
-        out[mode].append(r.forward(batch))
+        out[mode].append(r.forward(batch).cpu())
+        assert r.last_graphed == (DEV == "cuda" and mode is not P)
         for i in idx:
             lens[i] += len(toks[i])
-    return out, [*r.kv_pool.k_buffers, *r.kv_pool.v_buffers]
+    return out, [b.cpu() for b in [*r.kv_pool.k_buffers, *r.kv_pool.v_buffers]]
 
 
 @pytest.fixture(scope="module", params=PRESETS)
@@ -61,9 +64,9 @@ def _compare(got, want, **tol) -> None:
     (logits, kv), (ref_logits, ref_kv) = got, want
     for mode in (P, D, V):
         for g, w in zip(logits[mode], ref_logits[mode]):
-            torch.testing.assert_close(g, w, **tol, msg=lambda m: f"{mode.name} logits: {m}")
+            torch.testing.assert_close(g, w, **tol, msg=lambda m, mode=mode: f"{mode.name} logits: {m}")
     for i, (g, w) in enumerate(zip(kv, ref_kv)):
-        torch.testing.assert_close(g, w, **tol, msg=lambda m: f"KV buffer {i}: {m}")
+        torch.testing.assert_close(g, w, **tol, msg=lambda m, i=i: f"KV buffer {i}: {m}")
 
 
 def test_the_skeleton_with_torch_pieces_is_the_reference_bit_for_bit(reference):
@@ -81,13 +84,15 @@ def test_fused_equals_reference_in_float32(reference):
 
 
 def test_compiled_equals_reference_in_float32(reference, monkeypatch):
-    """torch.compile with the aot_eager backend (dynamo + functionalisation of the KV writes, no C++ compiler);
-    inductor's code runs in the GPU job."""
+    """On CPU torch.compile with the aot_eager backend (dynamo + functionalisation of the KV writes, no C++
+    compiler and no compile time); on CUDA inductor itself."""
     model, want = reference
-    make = general_impl.compiled_ops
-    monkeypatch.setattr(general_impl, "compiled_ops", lambda backend="inductor": make("aot_eager"))
+    backend = "inductor"
+    if DEV == "cpu":
+        make, backend = general_impl.compiled_ops, "aot_eager"
+        monkeypatch.setattr(general_impl, "compiled_ops", lambda backend="inductor": make("aot_eager"))
     r = runner(model, "compiled")
-    assert r.general_step.ops.name == "compiled-aot_eager"
+    assert r.general_step.ops.name == f"compiled-{backend}"
     _compare(run_script(r), want, rtol=1e-5, atol=1e-5)
 
 

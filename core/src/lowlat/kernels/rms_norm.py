@@ -12,6 +12,8 @@ where the plain forward launches an add, a cast, a square, a mean, an rsqrt and 
 ``fused_add_rms_norm`` CUDA op and Liger-Kernel's ``LigerRMSNorm`` Triton kernel use the same row-per-program
 layout; this is written from the formula above, not from their code). The whole row sits in registers
 (``BLOCK = next_power_of_2(hidden)``), so a row is read once and written once (twice with the residual).
+Launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA, so every rounding is
+torch's (eager torch never fuses them either).
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x, res, weight, out, ro,
         x.stride(0), res.stride(0), out.stride(0), ro.stride(0),
         h, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out, res_out
 

@@ -17,6 +17,8 @@ Design: one program per (token, head) of q and k, the v row riding with its k he
 (``apply_rope_pos_ids`` + ``append_paged_kv_cache``); written from the math above, not from their code. The
 q/k heads are the first ``Hq + Hkv`` head-sized column blocks of the GEMM output, so head ``h`` of either sits
 at column ``h * D``. Grid ``(T, Hq + Hkv)``: static in the shapes, so CUDA-graph capturable.
+Launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA, so every rounding is
+torch's (eager torch never fuses them either).
 """
 
 from __future__ import annotations
@@ -175,6 +177,6 @@ def qk_norm_rope_kv_write(
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         float(eps),
         NUM_Q=hq, NUM_KV=hkv, HEAD_DIM=d, HALF_BLOCK=triton.next_power_of_2(d // 2), HAS_NORM=has_norm,
-        num_warps=1 if d <= 128 else 2,
+        num_warps=1 if d <= 128 else 2, enable_fp_fusion=False,
     )
     return q
