@@ -126,10 +126,31 @@ def diag_alternating(o: Options) -> list[Step]:
                  r"^===|divergence [0-9]") for p in o.plugins]
 
 
+GENERAL_PATHS = "general,general-fused,general-compiled,hf"
+
+
+def general_tests(o: Options) -> list[Step]:
+    """The fused kernels and general_impl on CUDA (bf16 bits, CUDA graphs, inductor), and the sampler's syncs."""
+    return [Step("general tests", 420, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                        "core/tests/test_kernels_fused.py", "core/tests/test_general_impl.py",
+                                        "core/tests/test_runtime_sampling.py"], "general_tests.txt")]
+
+
+def general_speed(o: Options) -> list[Step]:
+    """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
+    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default general,general-fused,general-compiled,hf).
+    One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
+    paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
+    out = os.environ.get("OUT", "/tmp/out")
+    return [Step(f"general-speed {m}", 570, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH,
+                                             "--hf-budget-s", "200", "--no-plot", "--out", f"{out}/general_speed_{m}"],
+                 f"general_speed_{m}.txt", r"\|") for m in o.models]
+
+
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating,
+    "diag-alternating": diag_alternating, "general-tests": general_tests, "general-speed": general_speed,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"

@@ -16,6 +16,8 @@ from lowlat.models.general_impl import TORCH_OPS, LayeredForward
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests (or general-tests)
+
 P, D, V = ForwardMode.PREFILL, ForwardMode.DECODE, ForwardMode.VERIFY
 PRESETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3-moe")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton under the interpreter (conftest.py)

@@ -17,6 +17,8 @@ from lowlat.kernels.silu_mul import silu_and_mul
 from lowlat.layers.rotary import RotaryEmbedding
 from lowlat.models.general_impl import torch_add_rms_norm, torch_rope_kv, torch_silu_mul
 
+pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests (or general-tests)
+
 NORM_ULPS = 4  # the mean square's summation order differs (1 ulp in the scale), then two roundings follow
 EXP_ULPS = 4  # silu: the interpreter's (numpy's) or the GPU's exp against torch's
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (conftest.py)

@@ -62,8 +62,10 @@ def torch_rope_kv(qkv: torch.Tensor, positions: torch.Tensor, cos_cache: torch.T
         q, k = torch_rms_norm(q, q_norm_weight, eps), torch_rms_norm(k, k_norm_weight, eps)
     cos, sin = cos_cache[positions].to(qkv.dtype), sin_cache[positions].to(qkv.dtype)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
-    v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
+    # index_put_ (not write_kv's index_copy_, same result): inductor re-inplaces it into the mutated input, as
+    # gpt-fast's ``k_cache[:, :, pos] = k`` relies on, instead of copying the whole buffer back.
+    k_buffer.index_put_((out_cache_loc,), k.to(k_buffer.dtype))
+    v_buffer.index_put_((out_cache_loc,), v.to(v_buffer.dtype))
     return q
 
 
