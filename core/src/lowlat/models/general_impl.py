@@ -37,6 +37,7 @@ from lowlat.runtime.forward_batch import ForwardBatch
 from lowlat.runtime.kv_cache import KVPool
 
 GENERAL_IMPLS = ("reference", "fused", "compiled")
+_RECOMPILE_LIMIT = 64  # per piece: first layer (no residual) or not, T = 1 or symbolic, per model shapes
 StepFn = Callable[[ForwardBatch, KVPool], torch.Tensor]
 
 
@@ -113,11 +114,18 @@ def compiled_ops(backend: str = "inductor") -> StepOps:
     1 keeps its own specialisation), so the ~60 captured graph shapes cost about two compiles per piece instead
     of one per shape; the hidden sizes stay static. Layers share the compiled code: weights are arguments, not
     module attributes, so dynamo guards on their shapes only. The first call compiles (the graph runner's
-    eager warm-up steps, never inside a capture).
+    eager warm-up steps, never inside a capture). Raises dynamo's recompile limit (a process-wide setting) to at
+    least 64, so a run never falls back to eager pieces without saying so.
     Rejected: compiling ``LlamaForCausalLM.forward`` whole: a graph break inside the layer loop (host lengths,
     the Triton attention launcher's Python checks) makes dynamo run the frame eagerly, and module guards would
     compile each layer separately.
     """
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # past the limit dynamo would run eagerly, silently
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
+
     def wrap(fn: Callable[..., object]) -> Callable[..., object]:
         return torch.compile(fn, backend=backend, fullgraph=True)
 
