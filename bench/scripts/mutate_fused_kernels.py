@@ -32,6 +32,12 @@ M = [  # (file, original text, mutated text)
     ("silu_mul.py", "s = (g / (1.0 + tl.exp(-g))).to(dtype)", "s = (1.0 / (1.0 + tl.exp(-g))).to(dtype)"),
     ("silu_mul.py", "row * stride_x + n_cols + offs", "row * stride_x + offs"),
     ("silu_mul.py", "offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK)"),
+    ("moe_gemv.py", "x_row = x_ptr + (p // TOP_K) * stride_x", "x_row = x_ptr + (p % TOP_K) * stride_x"),
+    ("moe_gemv.py", "(n[:, None] + INTER) * stride_wn", "(n[:, None] + 1) * stride_wn"),
+    ("moe_gemv.py", "total += (acc.to(dtype).to(tl.float32) * wt)", "total += (acc.to(dtype).to(tl.float32) * 1.0)"),
+    ("moe_gemv.py", "        e = tl.load(ids_ptr + p).to(tl.int64)\n        wt",
+     "        e = tl.load(ids_ptr + t).to(tl.int64)\n        wt"),
+    ("moe_gemv.py", "for k0 in range(0, HIDDEN, BLOCK_K):", "for k0 in range(0, HIDDEN - BLOCK_K, BLOCK_K):"),
 ]
 env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
 missed = 0

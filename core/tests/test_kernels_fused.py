@@ -191,3 +191,41 @@ def test_silu_mul_matches_torch(dtype):
 def test_silu_mul_launcher_rejects_an_odd_width():
     with pytest.raises(ValueError, match="even"):
         silu_and_mul(torch.zeros(2, 7, device=DEV))
+
+
+# -- moe_gemv --------------------------------------------------------------------------------------------------
+
+def _experts(dtype: torch.dtype, e: int = 6, hidden: int = 80, inter: int = 40):
+    from lowlat.layers.moe import FusedExperts
+    from lowlat.runtime.distributed import SINGLE
+
+    ex = FusedExperts(e, hidden, inter, tp=SINGLE, dtype=dtype, device=DEV)
+    ex.w13_weight.copy_(_randn(e, 2 * inter, hidden, dtype=dtype, seed=11, scale=0.2))
+    ex.w2_weight.copy_(_randn(e, hidden, inter, dtype=dtype, seed=12, scale=0.2))
+    return ex
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_moe_gemv_matches_fused_experts(dtype):
+    from lowlat.kernels.moe_gemv import moe_experts_gemv
+
+    ex = _experts(dtype)
+    h = _randn(5, 80, dtype=dtype, seed=13)
+    ids = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 5], [2, 4]], dtype=torch.int64, device=DEV)
+    weights = torch.rand(5, 2, generator=_gen(14)).to(DEV, dtype)
+    want = ex(h, weights, ids)
+    got = moe_experts_gemv(h, ex.w13_weight, ex.w2_weight, weights, ids)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_moe_gemv_launcher_rejects_bad_inputs():
+    from lowlat.kernels.moe_gemv import moe_experts_gemv
+
+    ex = _experts(torch.float32)
+    h = _randn(2, 80, dtype=torch.float32)
+    ids = torch.zeros(2, 2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="weights"):
+        moe_experts_gemv(h, ex.w13_weight, ex.w2_weight, torch.ones(2, 3, device=DEV), ids)
+    with pytest.raises(ValueError, match="w2"):
+        moe_experts_gemv(h, ex.w13_weight, ex.w2_weight[:, :, :8], torch.ones(2, 2, device=DEV), ids)

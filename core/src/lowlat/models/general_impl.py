@@ -5,8 +5,10 @@
 - ``fused``: the same layers walked by ``LayeredForward`` with three core Triton kernels replacing the chains
   of element-wise torch ops: ``lowlat.kernels.rms_norm.fused_add_rms_norm`` (residual add + RMSNorm),
   ``lowlat.kernels.rope_kv.qk_norm_rope_kv_write`` (q/k norm + RoPE + KV write after the QKV GEMM) and
-  ``lowlat.kernels.silu_mul.silu_and_mul``. GEMMs, the embedding, attention, MoE and the LM head are the ones the
-  reference calls (the modules themselves, so TP all-reduces stay where they are).
+  ``lowlat.kernels.silu_mul.silu_and_mul``; MoE steps of at most 64 (token, expert) pairs run the experts as two
+  expert-indexed GEMV kernels (``lowlat.kernels.moe_gemv``) after the reference router. GEMMs, the embedding,
+  attention, larger MoE steps and the LM head are the ones the reference calls (the modules themselves, so TP
+  all-reduces stay where they are).
 - ``compiled``: ``LayeredForward`` again, its three pieces being the plain torch functions below compiled with
   ``torch.compile`` (inductor's generated kernels instead of ours), so one ``lowlat bench`` run compares the two
   ways of fusing on the same skeleton.
@@ -31,8 +33,10 @@ import torch
 
 from lowlat.layers.attention import attend_cached, host_lens
 from lowlat.layers.logits import compute_logits, logit_rows
+from lowlat.layers.moe import route
 from lowlat.layers.norm import rms_norm as torch_rms_norm
 from lowlat.layers.rotary import apply_rotary
+from lowlat.runtime.distributed import all_reduce
 from lowlat.runtime.forward_batch import ForwardBatch
 from lowlat.runtime.kv_cache import KVPool
 
@@ -84,6 +88,8 @@ class StepOps:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope_kv: Callable[..., torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    moe_experts: Callable[..., torch.Tensor] | None = None  # (h, w13, w2, weights, ids) -> [T, H]; None: reference
+    moe_max_pairs: int = 0  # use moe_experts when tokens * top_k <= this (a static shape, no host read)
 
 
 TORCH_OPS = StepOps("torch", torch_add_rms_norm, torch_rope_kv, torch_silu_mul)
@@ -91,6 +97,7 @@ TORCH_OPS = StepOps("torch", torch_add_rms_norm, torch_rope_kv, torch_silu_mul)
 
 def triton_ops() -> StepOps:
     """The core Triton kernels behind the StepOps signatures (imports triton)."""
+    from lowlat.kernels.moe_gemv import MAX_PAIRS, moe_experts_gemv
     from lowlat.kernels.rms_norm import fused_add_rms_norm, rms_norm
     from lowlat.kernels.rope_kv import qk_norm_rope_kv_write
     from lowlat.kernels.silu_mul import silu_and_mul
@@ -104,7 +111,7 @@ def triton_ops() -> StepOps:
         return qk_norm_rope_kv_write(qkv, positions, cos_cache, sin_cache, loc, k_buffer, v_buffer, num_q_heads=hq,
                                      num_kv_heads=hkv, head_dim=d, q_norm_weight=qn, k_norm_weight=kn, eps=eps)
 
-    return StepOps("triton", add_rms_norm, rope_kv, silu_and_mul)
+    return StepOps("triton", add_rms_norm, rope_kv, silu_and_mul, moe_experts_gemv, MAX_PAIRS)
 
 
 def compiled_ops(backend: str = "inductor") -> StepOps:
@@ -180,6 +187,10 @@ class LayeredForward:
                 mlp = layer.mlp
                 if isinstance(mlp, self._dense):
                     x = mlp.down_proj(ops.silu_mul(mlp.gate_up_proj(h)))
+                elif ops.moe_experts is not None and t * mlp.top_k <= ops.moe_max_pairs:  # decode-sized MoE
+                    weights, ids = route(mlp.gate(h), mlp.top_k, mlp.norm_topk_prob, h.dtype)
+                    ex = mlp.experts
+                    x = all_reduce(ops.moe_experts(h, ex.w13_weight, ex.w2_weight, weights, ids), mlp.tp)
                 else:  # SparseMoeBlock: router, grouped GEMMs and all-reduce as the reference runs them
                     x = mlp(h)
             norm = m.model.norm
