@@ -45,7 +45,7 @@ def _qk_norm_rope_kv_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    half: tl.constexpr = HEAD_DIM // 2
+    half = HEAD_DIM // 2  # a constexpr (HEAD_DIM is one)
     offs = tl.arange(0, HALF_BLOCK)
     mask = offs < half
     dtype = qkv_ptr.dtype.element_ty

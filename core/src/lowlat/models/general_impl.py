@@ -205,12 +205,17 @@ def make_general_step(model: torch.nn.Module, impl: str, *, compile_backend: str
         impl: "reference" (``model`` itself), "fused" (core Triton kernels; on CPU only under
             TRITON_INTERPRET=1) or "compiled" (``torch.compile`` of the torch pieces with ``compile_backend``).
     Raises:
-        ValueError: an unknown impl.
+        ValueError: an unknown impl, or "fused" on a CPU without TRITON_INTERPRET=1 (set before triton's import).
     """
     if impl == "reference":
         return cast(StepFn, model)
     if impl == "fused":
-        return LayeredForward(model, triton_ops())
+        ops = triton_ops()
+        if next(model.parameters()).device.type == "cpu":
+            from lowlat.kernels import rms_norm
+
+            rms_norm.check_cpu_launch("general_impl='fused' on a CPU", rms_norm._rms_norm_kernel)
+        return LayeredForward(model, ops)
     if impl == "compiled":
         return LayeredForward(model, compiled_ops(compile_backend))
     raise ValueError(f"general_impl must be one of {', '.join(GENERAL_IMPLS)}, got {impl!r}")
