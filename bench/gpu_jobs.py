@@ -130,10 +130,13 @@ GENERAL_PATHS = "general,general-fused,general-compiled,hf"
 
 
 def general_tests(o: Options) -> list[Step]:
-    """The fused kernels and general_impl on CUDA (bf16 bits, CUDA graphs, inductor), and the sampler's syncs."""
-    return [Step("general tests", 420, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    """The fused kernels and general_impl on CUDA (bf16 bits, CUDA graphs, inductor), the sampler's syncs, and each
+    fused piece's device time against plain torch, torch.compile and its byte floor."""
+    return [Step("general tests", 360, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                         "core/tests/test_kernels_fused.py", "core/tests/test_general_impl.py",
-                                        "core/tests/test_runtime_sampling.py"], "general_tests.txt")]
+                                        "core/tests/test_runtime_sampling.py"], "general_tests.txt"),
+            Step("fused kernels bench", 200, [PY, "bench/scripts/bench_fused_kernels.py"], "fused_kernels.txt",
+                 r"\||bandwidth")]
 
 
 def general_speed(o: Options) -> list[Step]:
