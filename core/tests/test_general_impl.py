@@ -116,3 +116,14 @@ def test_fused_in_bf16_is_within_the_reference_bf16_noise():
 def test_an_unknown_general_impl_is_refused():
     with pytest.raises(ConfigError, match="general_impl"):
         EngineConfig(general_impl="fast")
+
+
+def test_bench_paths_name_the_general_variants():
+    from lowlat.bench.config import BenchConfig
+    from lowlat.bench.lowlat_path import engine_config
+
+    cfg = BenchConfig.with_defaults("cpu", paths=("general", "general-fused", "general-compiled"))
+    for path, impl in (("general", "reference"), ("general-fused", "fused"), ("general-compiled", "compiled")):
+        ecfg = engine_config(cfg, "tiny-llama", path, None)
+        assert (ecfg.plugin, ecfg.general_impl) == ("none", impl)
+    assert engine_config(cfg, "tiny-llama", "amd_mono", None).general_impl == "reference"
