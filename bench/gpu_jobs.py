@@ -145,7 +145,7 @@ def general_speed(o: Options) -> list[Step]:
     One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
     paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
     out = os.environ.get("OUT", "/tmp/out")
-    return [Step(f"general-speed {m}", 570, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH,
+    return [Step(f"general-speed {m}", 540, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH,
                                              "--hf-budget-s", "200", "--no-plot", "--out", f"{out}/general_speed_{m}"],
                  f"general_speed_{m}.txt", r"\|") for m in o.models]
 
