@@ -127,3 +127,18 @@ def test_bench_paths_name_the_general_variants():
         ecfg = engine_config(cfg, "tiny-llama", path, None)
         assert (ecfg.plugin, ecfg.general_impl) == ("none", impl)
     assert engine_config(cfg, "tiny-llama", "amd_mono", None).general_impl == "reference"
+
+
+def test_engine_greedy_tokens_are_the_same_with_fused():
+    """End to end (prefill, decode steps, the engine's sampler): the same greedy tokens on tiny-qwen3-moe."""
+    from lowlat.runtime.engine import Engine
+    from lowlat.runtime.sampling import SamplingParams
+
+    tokens = []
+    for impl in ("reference", "fused"):
+        engine = Engine(EngineConfig(model="tiny-qwen3-moe", device=DEV, dtype="float32", general_impl=impl,
+                                     plugin="none", max_context_len=64, max_batch_size=2))
+        out = engine.generate([[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_new_tokens=8, stop_at_eos=False))
+        tokens.append([c.token_ids for c in out])
+        engine.close()
+    assert tokens[0] == tokens[1]

@@ -239,7 +239,7 @@ class EngineConfig:
         strict_max_position: refuse a ``max_context_len`` above the model's ``max_position_embeddings``
             (default: warn; positions past it are outside what the model was trained on).
         general_impl: how the general forward runs (``lowlat.models.general_impl``): "reference" (plain torch,
-            the oracle), "fused" (core Triton kernels for norm, RoPE + KV write, SiLU-and-mul) or "compiled"
+            the oracle), "fused" (core Triton kernels for norm, RoPE + KV write, SiLU-and-mul, decode MoE) or "compiled"
             (torch.compile of the same pieces, before CUDA-graph capture).
     """
 
