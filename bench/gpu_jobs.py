@@ -7,8 +7,9 @@
 Each step runs one command under ``timeout_s * scale`` seconds, its output going to ``$OUT/<file>`` (default
 /tmp/out); the runner prints ``=== STEP`` / ``=== rc=N (S s)`` around the lines of the output that the step
 marks as its summary, and writes ``$OUT/jobs-<jobs>-<UTC time>.json`` (every step's command, rc and seconds).
-Before the first step it installs the four distributions editable without dependencies (the device image has them) and, when
-``.whl/`` holds carried wheels, those into /tmp/site (put on PYTHONPATH); NVLink multicast stays off.
+Before the first step it installs the four distributions editable without dependencies (the device image has
+them) and, when ``.whl/`` holds carried wheels, those into /tmp/site (put on PYTHONPATH); NVLink multicast stays
+off.
 
 Stdlib only: it runs on the device image as it is.
 """
