@@ -22,7 +22,7 @@ from lowlat.kernels.silu_mul import silu_and_mul
 from lowlat.layers.moe import FusedExperts
 from lowlat.layers.rotary import RotaryEmbedding
 from lowlat.models.general_impl import torch_add_rms_norm, torch_rope_kv, torch_silu_mul
-from lowlat.runtime.distributed import SINGLE
+from lowlat.distributed import SINGLE
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, qk norm, intermediate, experts, top_k, moe intermediate
     "llama-3.2-1b": (2048, 32, 8, 64, False, 8192, 0, 0, 0),

@@ -5,8 +5,8 @@ changed req_to_token, a routing difference)."""
 from __future__ import annotations
 
 import torch
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat_contract.oracle import copy_batch, input_edits, restore, snapshot, stray_writes
 from lowlat_contract.router_ties import routing_diff_rows
 

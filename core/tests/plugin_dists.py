@@ -12,7 +12,7 @@ from pathlib import Path
 
 GOOD_SPEC = """
 from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements, hookimpl
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 @hookimpl
 def lowlat_model_specs():

@@ -7,7 +7,7 @@ outputs equal the general path's); the variants break one thing each.
 MIRROR = """
 import torch
 from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements, hookimpl
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 FAULT = %(fault)r
 
@@ -25,7 +25,7 @@ def lowlat_model_specs():
 class Mirror:
     def __init__(self, binding):
         from lowlat.models import build_model
-        from lowlat.runtime.distributed import TPInfo
+        from lowlat.distributed import TPInfo
 
         self.binding = binding
         self.model = build_model(binding.model_config, dtype=binding.dtype, device=binding.device,

@@ -11,7 +11,7 @@ from lowlat.bench.config import BenchConfig, Shape
 from lowlat.bench.lowlat_path import engine_config
 from lowlat.bench.measure import Measurement
 from lowlat.loader.presets import get_preset
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 pytest.importorskip("transformers")
 

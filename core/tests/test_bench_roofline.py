@@ -15,7 +15,7 @@ from lowlat.bench.roofline import (
 from lowlat.bench.timing import copy_bandwidth, percentile, summarize, time_steps
 from lowlat.layers.moe import SparseMoeBlock
 from lowlat.loader.presets import get_preset
-from lowlat.runtime.distributed import SINGLE
+from lowlat.distributed import SINGLE
 
 
 def test_dense_step_bytes_by_hand():

@@ -15,7 +15,7 @@ from fault_fakes import fault_source
 from lowlat import Engine, EngineConfig, SamplingParams
 from lowlat.config import ConfigError
 from lowlat.plugin import PluginBuildError, PluginLoadError, PluginNotFound, discover
-from lowlat.plugin.errors import PluginModifiedParameters
+from lowlat.errors import PluginModifiedParameters
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog
 from lowlat.runtime.memory_check import InsufficientMemory, check_start_memory
 from lowlat.runtime.step_guard import NonFiniteLogits
@@ -251,7 +251,7 @@ def test_plugin_editing_parameters_in_place_stops_the_engine_naming_it(install, 
 
 
 def test_parameter_fingerprint_sees_swapped_elements_and_stays_for_equal_values():
-    from lowlat.plugin.param_guard import changed, fingerprint
+    from lowlat.runtime.plugin_host.param_guard import changed, fingerprint
 
     params = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
     before = fingerprint(params)

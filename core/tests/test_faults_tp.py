@@ -14,7 +14,7 @@ import pytest
 from conftest import wait_no_children
 from fault_fakes import fault_source
 from lowlat import Engine, EngineConfig, SamplingParams
-from lowlat.plugin.errors import LowlatPluginError
+from lowlat.errors import LowlatPluginError
 from lowlat.runtime.deadline import StepDeadlineExceeded
 from plugin_dists import activate, make_plugin_dist
 

@@ -20,8 +20,8 @@ from _models_util import Driver
 from lowlat.loader import open_weights, resolve_model
 from lowlat.models import build_model
 from lowlat.models.variants import SUPPORTED_VARIANTS, Variant
-from lowlat.runtime.distributed import TPInfo
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.distributed import TPInfo
+from lowlat.forward_batch import ForwardMode
 
 tf = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ TP_VARIANTS = ["llama-mlp-bias", "llama-mqa", "llama-tied", "qwen3-attention-bia
 
 def _worker(rank: int, world: int, store: str, paths: list[str], out_dir: str) -> None:
     import torch.distributed as dist
-    from lowlat.runtime.distributed import TPInfo
+    from lowlat.distributed import TPInfo
     from test_hf_differential import greedy, load_ours
 
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models_util import Driver, hf_model, load_ours, save_hf
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 ARCHS = ("llama", "qwen3", "qwen3_moe")  # llama: llama3 rope_scaling + attention bias; qwen3: tied; moe: 1 dense
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]

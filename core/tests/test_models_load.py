@@ -6,9 +6,9 @@ import pytest
 import torch
 from _models_util import Driver, checkpoint_tensors, hf_model, model_config, random_checkpoint, save_hf, tiny_config
 from lowlat.models import UnknownArchitecture, build_model, model_class
-from lowlat.models.weights import WeightLoadError
-from lowlat.runtime.distributed import TPInfo
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.layers.weights import WeightLoadError
+from lowlat.distributed import TPInfo
+from lowlat.forward_batch import ForwardMode
 
 
 def _empty(cfg, dtype=torch.float32, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models_util import Driver, random_model, tiny_config
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 P, D, V = ForwardMode.PREFILL, ForwardMode.DECODE, ForwardMode.VERIFY
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14]

@@ -26,8 +26,8 @@ import torch
 from lowlat.loader.presets import get_preset, with_layers
 from lowlat.loader.synthetic import iter_synthetic_weights
 from lowlat.models import build_model
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat_amd_mono.forward import MonoForward
 from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.embed_head import embed_kernel

@@ -57,7 +57,7 @@ class Requests:
         return cls(runner, [random_tokens(gen, runner.model_config.vocab_size, n) for n in lens], seed=seed)
 
     def __enter__(self) -> Requests:
-        from lowlat.runtime.forward_batch import ForwardMode
+        from lowlat.forward_batch import ForwardMode
 
         pool = self.runner.kv_pool
         try:
@@ -117,7 +117,7 @@ def resolve_shape(name: str, case: ContractCase) -> StepShape | str:
     DECODE with 1, 3 and the most requests coverage allows; VERIFY with 2 and with the most tokens per
     request coverage allows, with as many requests as keep T <= max_tokens.
     """
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov = case.spec.coverage
     mode_name, _, arg = name.partition("-")
@@ -162,7 +162,7 @@ def rebuild_plugin(runner: Any, checkpoint_tensors: dict[str, torch.Tensor] | No
     The new binding sees the runner's parameters (perturbed ones included) and its KV pool (ready callbacks run).
     """
     from lowlat.plugin.binding import PluginBinding
-    from lowlat.plugin.discovery import load_callable
+    from lowlat.runtime.plugin_host.discovery import load_callable
 
     host = runner.plugin_host
     old, spec = host.binding, host.selection.spec
@@ -190,7 +190,7 @@ def greedy_run(runner: Any, prompts: list[list[int]], new_tokens: int, force_pat
 
     The prompts are prefilled in one PREFILL step, then ``new_tokens - 1`` DECODE steps follow.
     """
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     d = dispatcher_of(runner)
     d.force_path = force_path

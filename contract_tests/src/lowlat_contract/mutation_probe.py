@@ -193,7 +193,7 @@ def _compare(ev: Evidence, out: dict[str, tuple[torch.Tensor, torch.Tensor]], to
 
 
 def _step_args(trigger: Any) -> tuple[Any, int]:
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     return ForwardMode[trigger.mode], trigger.tokens
 
@@ -265,7 +265,7 @@ def probe(name: str) -> Evidence:
 def _recycle(runner: Any, plugins: dict[str, Any], trig: Any, ev: Evidence, tol: Any) -> None:
     """Request A steps in row r and is freed; row r goes to request B, whose pages differ (a filler request
     took A's pages first) while their number is the same; B's step is compared."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     pool, n = runner.kv_pool, (trig.prefix or (20,))[0]
     gen = torch.Generator().manual_seed(3)

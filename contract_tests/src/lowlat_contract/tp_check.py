@@ -122,7 +122,7 @@ def _rank_main(rank: int, init: str, case: Any, device: str, mode: str, results:
 
 def _runner(rank: int, init: str, case: Any, device: str, mode: str) -> tuple[Any, Any]:
     import torch.distributed as dist
-    from lowlat.plugin.dispatch import Dispatcher
+    from lowlat.runtime.dispatch import Dispatcher
     from lowlat.runtime import ModelRunner
     from lowlat.runtime.tp_launch import init_rank
 
@@ -146,7 +146,7 @@ def _runner(rank: int, init: str, case: Any, device: str, mode: str) -> tuple[An
 
 
 def _steps(rank: int, init: str, case: Any, device: str, mode: str, results: Any) -> None:
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     from lowlat_contract.harness import Requests, prefix_lens
 

@@ -6,7 +6,7 @@ ForwardBatch. Submodules: ``lowlat.plugin`` (the plugin interface), ``lowlat.run
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.runtime.engine import Completion, Engine
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.runtime.sampling import SamplingParams
 
 try:

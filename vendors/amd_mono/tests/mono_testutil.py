@@ -14,8 +14,8 @@ from lowlat.loader.presets import get_preset, with_layers
 from lowlat.loader.synthetic import iter_synthetic_weights
 from lowlat.models import build_model
 from lowlat.plugin.binding import PluginBinding
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 
 MAX_CTX = 384
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("GPU tests need CUDA or ROCm and TRITON_INTERPRET unset", allow_module_level=True)
 
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from lowlat.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from lowlat_amd_mono.build import build  # noqa: E402
 from lowlat_amd_mono.forward import MonoForward, MonoStageTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402

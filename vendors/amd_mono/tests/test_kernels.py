@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set before triton is imported)", allow_module_level=True)
@@ -258,7 +258,7 @@ def test_supports_only_small_uniform_decode_and_verify() -> None:
     assert fwd.supports(step_batch(pool, rows[:8], 1, torch.arange(8)))
     assert not fwd.supports(step_batch(pool, rows, 1, torch.arange(9)))  # 9 rows
     assert not fwd.supports(step_batch(pool, rows[:3], 3, torch.arange(9)))  # 9 rows of VERIFY
-    from lowlat.runtime.forward_batch import ForwardBatch
+    from lowlat.forward_batch import ForwardBatch
 
     pre = ForwardBatch.build(ForwardMode.PREFILL, [1, 2], [0], [2], [rows[0]], torch.tensor([5, 6]), "cpu")
     assert not fwd.supports(pre)

@@ -154,7 +154,7 @@ def test_core_refuses_an_excluding_range(case: Any, side: str, tmp_path: Any, mo
     from importlib import metadata
 
     from lowlat.plugin import ENTRY_POINT_GROUP, IncompatibleCoreVersion, discover
-    from lowlat.plugin.discovery import core_version
+    from lowlat.runtime.plugin_host.discovery import core_version
 
     ep = next(ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == case.plugin)
     core = core_version()

@@ -42,7 +42,7 @@ class _Counting:
 
 def _outside(case: Any, kind: str) -> tuple[Any, int, int] | str:
     """(mode, requests, tokens per request) of a step outside coverage of this kind, or why there is none."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov, mb = case.spec.coverage, case.max_batch_size
     if kind == "PREFILL":
@@ -82,7 +82,7 @@ def test_outside_coverage_takes_general(case: Any, runner: Any, dispatcher: Any,
 
 def test_covered_steps_take_plugin(case: Any, runner: Any, dispatcher: Any) -> None:
     """Small covered steps (one DECODE and one VERIFY request) are served by the plugin (supports() agrees)."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov = case.spec.coverage
     refused = []
@@ -102,7 +102,7 @@ def test_covered_steps_take_plugin(case: Any, runner: Any, dispatcher: Any) -> N
 def test_alternating_paths_match_general(case: Any, runner: Any, dispatcher: Any) -> None:
     """Greedy decoding that switches between plugin and general path every step picks the all-general tokens:
     each path continues from the KV cache the other wrote."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov = case.spec.coverage
     if ForwardMode.DECODE not in cov.modes or not cov.covers(ForwardMode.DECODE, min(2, cov.max_tokens)):

@@ -76,7 +76,7 @@ def test_logits_match_general(case: Any, runner: Any, dispatcher: Any, shape_nam
 
 def test_greedy_tokens_match_general(case: Any, runner: Any, dispatcher: Any) -> None:
     """Greedy decoding with the plugin installed picks the all-general run's tokens (ties within tolerance aside)."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov = case.spec.coverage
     if ForwardMode.DECODE not in cov.modes:

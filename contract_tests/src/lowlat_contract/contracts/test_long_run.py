@@ -58,7 +58,7 @@ def _allocated(device: torch.device) -> int:
 def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, request: Any,
                                   contract_notes: list[str]) -> None:
     """The scheduled run (module docstring): every plugin step within tolerance; memory flat."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov, mode = case.spec.coverage, sweep_mode(request.config)
     if ForwardMode.DECODE not in cov.modes:
@@ -118,7 +118,7 @@ def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, reque
 
 
 def _join(runner: Any, n: int, gen: torch.Generator) -> dict[str, Any]:
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     row = runner.kv_pool.alloc_req()
     prompt = torch.randint(0, runner.model_config.vocab_size, (n,), generator=gen).tolist()

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.lowlat_contract("performance", PROMISE)
 def test_step_time_against_general(case: Any, cuda_only: None, runner: Any, dispatcher: Any,
                                    contract_notes: list[str], request: Any) -> None:
     """DECODE steps of 1 request and of the most requests coverage allows (up to 8), plugin vs general."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     from lowlat_contract.graphs import PathGraphs, side_by_side_ms
 

@@ -53,7 +53,7 @@ def _owner(reqs: Requests) -> Any:
 
 def run_steps(runner: Any, steps: list[Any], tol: Any, label: str) -> tuple[list[str], int, list[str]]:
     """Run each SweepStep through the oracle; returns (problems, plugin steps checked, steps supports() refused)."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     d = dispatcher_of(runner)
     problems, refused, checked = [], [], 0
@@ -82,7 +82,7 @@ def run_steps(runner: Any, steps: list[Any], tol: Any, label: str) -> tuple[list
 def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: list[str]) -> None:
     """The case's dtype and page size: DECODE at each batch size (and one past coverage), VERIFY at each length
     and batch, every context boundary (``sweep.plan``)."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov, mode = case.spec.coverage, sweep_mode(request.config)
     steps = plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
@@ -103,7 +103,7 @@ def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: l
 def test_declared_settings(case: Any, case_trace: Any, request: Any) -> None:
     """Every other declared dtype and page size this machine can run (``sweep.setting_plan``): a declared setting
     must work, not just pass the guard."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     from lowlat_contract.cases import TOLERANCES
 

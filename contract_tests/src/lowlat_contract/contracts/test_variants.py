@@ -37,7 +37,7 @@ VARIANTS = _variants()
 
 def _steps(case: Any, mode: str) -> list[tuple[Any, int, int]]:
     """(mode, requests, tokens per request) of the steps run on a variant the plugin accepts."""
-    from lowlat.runtime.forward_batch import ForwardMode
+    from lowlat.forward_batch import ForwardMode
 
     cov = case.spec.coverage
     m = cov.max_tokens

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lowlat.runtime.forward_batch import ForwardBatch
+from lowlat.forward_batch import ForwardBatch
 
 from lowlat_contract.plugins.reference import ReferenceForward, SpecHooks, reference_specs
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, ReferenceStep, Requirements, hookimpl
 from lowlat.plugin.reference_step import LayerWeights, neox_rotate, rms
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 __all__ = ["ARCHITECTURES", "BUILD", "HOOKS", "MAX_TOKENS", "LayerWeights", "ReferenceForward", "SpecHooks", "build",
            "neox_rotate", "reference_specs", "rms"]

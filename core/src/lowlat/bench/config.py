@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from lowlat.config import DTYPES, ConfigError
 from lowlat.runtime.cuda_graph_runner import GraphKey
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 
 GENERAL_PATH = "general"
 # Paths that run the general forward (``plugin="none"``), by ``EngineConfig.general_impl``.

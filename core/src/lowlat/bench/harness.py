@@ -37,7 +37,7 @@ def expand_paths(paths: tuple[str, ...]) -> list[str]:
     out: list[str] = []
     for p in paths:
         if p == ALL_PLUGINS:
-            from lowlat.plugin.discovery import discover
+            from lowlat.runtime.plugin_host.discovery import discover
 
             out += sorted(discover().plugins)
         else:

@@ -36,7 +36,7 @@ from lowlat.bench.measure import (
 from lowlat.bench.roofline import measure_routing
 from lowlat.bench.timing import summarize, time_steps, warm_up
 from lowlat.config import EngineConfig
-from lowlat.runtime.forward_batch import ForwardBatch
+from lowlat.forward_batch import ForwardBatch
 
 Log = Callable[[str], None]
 

@@ -105,7 +105,7 @@ def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) 
 
         engine.logits_observer = observe
         completions = engine.generate(prompts, params)
-        from lowlat.runtime.forward_batch import ForwardMode
+        from lowlat.forward_batch import ForwardMode
 
         decode = engine.stats.by_mode[ForwardMode.DECODE]
         name = engine.runner.plugin_host.name

@@ -7,8 +7,8 @@ import json
 from typing import Any
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.plugin.discovery import PluginRegistry, discover
-from lowlat.plugin.guard import GuardTrace, evaluate
+from lowlat.runtime.plugin_host.discovery import PluginRegistry, discover
+from lowlat.runtime.plugin_host.guard import GuardTrace, evaluate
 
 
 def add_parser(sub: Any) -> None:

@@ -58,7 +58,7 @@ def plugin_names(name: str, core_version: str | None = None) -> PluginNames:
         raise ValueError(f"plugin name {name!r} must be a lower-case identifier (letters, digits, '_'; starting "
                          f"with a letter; at most 40 characters), e.g. 'myvendor'")
     if core_version is None:
-        from lowlat.plugin.discovery import core_version as running
+        from lowlat.runtime.plugin_host.discovery import core_version as running
 
         core_version = running()
     v = Version(core_version)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 
 BACKENDS = ("torch", "triton")
 

@@ -1,6 +1,6 @@
 """Logits: pick the rows a step returns, project with the (vocab-parallel) LM head, gather the full vocab.
 
-Output convention (``lowlat.runtime.forward_batch``): float32 ``[R, vocab]``, R = T for DECODE and VERIFY
+Output convention (``lowlat.forward_batch``): float32 ``[R, vocab]``, R = T for DECODE and VERIFY
 (every new token), R = B for PREFILL (the last new token of each request). The matmul runs in the model dtype
 and the result is cast to float32 afterwards, as HF's ``LlamaForCausalLM`` + ``generate`` do.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowlat.runtime.distributed import TPInfo, all_gather_last_dim
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.distributed import TPInfo, all_gather_last_dim
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 
 def logit_rows(hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowlat.layers.linear import ReplicatedLinear
-from lowlat.models.weights import WeightTarget, copy_target, shard_dim
-from lowlat.runtime.distributed import TPInfo, all_reduce
+from lowlat.layers.weights import WeightTarget, copy_target, shard_dim
+from lowlat.distributed import TPInfo, all_reduce
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lowlat.config import ModelConfig
-from lowlat.runtime.distributed import TPInfo
+from lowlat.distributed import TPInfo
 
 MODEL_REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "lowlat.models.llama:LlamaForCausalLM",

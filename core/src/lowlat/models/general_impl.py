@@ -36,9 +36,9 @@ from lowlat.layers.logits import compute_logits, logit_rows
 from lowlat.layers.moe import route
 from lowlat.layers.norm import rms_norm as torch_rms_norm
 from lowlat.layers.rotary import apply_rotary
-from lowlat.runtime.distributed import all_reduce
-from lowlat.runtime.forward_batch import ForwardBatch
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.distributed import all_reduce
+from lowlat.forward_batch import ForwardBatch
+from lowlat.kv_cache import KVPool
 
 GENERAL_IMPLS = ("reference", "fused", "compiled")
 _RECOMPILE_LIMIT = 64  # per piece: first layer (no residual) or not, T = 1 or symbolic, per model shapes

@@ -21,10 +21,10 @@ from lowlat.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from lowlat.layers.logits import compute_logits, logit_rows
 from lowlat.layers.norm import RMSNorm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
-from lowlat.models.weights import WeightTarget, load_hf_weights
-from lowlat.runtime.distributed import SINGLE, TPInfo
-from lowlat.runtime.forward_batch import ForwardBatch
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.layers.weights import WeightTarget, load_hf_weights
+from lowlat.distributed import SINGLE, TPInfo
+from lowlat.forward_batch import ForwardBatch
+from lowlat.kv_cache import KVPool
 
 
 class DenseMLP(nn.Module):
@@ -225,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         Args:
             weights: ``(name, tensor)`` pairs, streamed one at a time (a dict's ``.items()`` works).
         Raises:
-            lowlat.models.weights.WeightLoadError: naming each missing, unexpected or duplicated tensor, or a
+            lowlat.layers.weights.WeightLoadError: naming each missing, unexpected or duplicated tensor, or a
                 tensor with the wrong shape (expected vs actual) or a non-float dtype.
         """
         load_hf_weights(self.hf_targets(), weights, model_name=self.config.architecture)

@@ -5,8 +5,8 @@ Public names are re-exported here once; the modules beside this file are the imp
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.plugin.binding import KVPoolNotReady, PluginBinding, PluginForward, rope_tables
-from lowlat.plugin.discovery import PluginInfo, PluginRegistry, discover
-from lowlat.plugin.errors import (
+from lowlat.runtime.plugin_host.discovery import PluginInfo, PluginRegistry, discover
+from lowlat.errors import (
     IncompatibleCoreVersion,
     LowlatPluginError,
     PluginBuildError,
@@ -16,14 +16,14 @@ from lowlat.plugin.errors import (
     SpecError,
     UnsupportedConfiguration,
 )
-from lowlat.plugin.guard import GuardTrace, RequirementResult, evaluate
+from lowlat.runtime.plugin_host.guard import GuardTrace, RequirementResult, evaluate
 from lowlat.plugin.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl, hookspec
 from lowlat.plugin.params import LayerParams, ModelParams, bind_params
 from lowlat.plugin.reference_step import STAGES, LayerWeights, ReferenceStep
-from lowlat.plugin.selection import Selection, select_plugin
+from lowlat.runtime.plugin_host.selection import Selection, select_plugin
 from lowlat.plugin.spec import Coverage, ModelSpec, PlatformRequirement, Requirements, spec_from_mapping
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 
 __all__ = [
     "Coverage",

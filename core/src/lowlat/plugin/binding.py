@@ -13,8 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.plugin.errors import LowlatPluginError, PluginBuildError
-from lowlat.runtime.forward_batch import ForwardBatch
+from lowlat.errors import LowlatPluginError, PluginBuildError
+from lowlat.forward_batch import ForwardBatch
 
 
 @runtime_checkable

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lowlat.plugin.errors import PluginBuildError
+from lowlat.errors import PluginBuildError
 
 
 @dataclass

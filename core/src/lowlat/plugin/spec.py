@@ -1,7 +1,7 @@
 """ModelSpec: what a plugin serves for one architecture, and what it needs to run.
 
 A plugin's hook returns one ``ModelSpec`` per architecture it serves (or a plain mapping with the same
-fields, which is checked key by key). Specs are data: the guard (``lowlat.plugin.guard``) evaluates their
+fields, which is checked key by key). Specs are data: the guard (``lowlat.runtime.plugin_host.guard``) evaluates their
 requirements, the dispatcher their coverage, and the runtime imports ``build`` lazily.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from lowlat.config import DTYPES, SUPPORTED_ARCHITECTURES
-from lowlat.plugin.errors import SpecError
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.errors import SpecError
+from lowlat.forward_batch import ForwardMode
 
 PLATFORM_KINDS = ("cuda", "rocm", "cpu")
 FEATURES = ("cuda_graph", "speculative")

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.runtime.progress import task_progress
 from lowlat.runtime.step_inputs import StepInputs
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from lowlat.config import ConfigError, EngineConfig, ModelConfig
-from lowlat.plugin.errors import LowlatPluginError
+from lowlat.errors import LowlatPluginError
 from lowlat.runtime import tp_launch
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens

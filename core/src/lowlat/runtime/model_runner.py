@@ -3,7 +3,7 @@
 Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/model_runner.py):
 
 1. resolve the model (checkpoint directory or preset); select the plugin, agreed by every TP rank
-   (``lowlat.plugin.agreement``); refuse when the estimated weights and KV pool cannot fit
+   (``lowlat.runtime.plugin_host.agreement``); refuse when the estimated weights and KV pool cannot fit
    (``lowlat.runtime.memory_check``); build the general model for this TP rank;
 2. stream the checkpoint (or the preset's seeded random weights) into it, with a progress bar for
    checkpoints of 1 GiB or more;
@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.plugin.agreement import select_agreed
-from lowlat.plugin.dispatch import GENERAL
-from lowlat.plugin.host import PluginHost
+from lowlat.runtime.plugin_host.agreement import select_agreed
+from lowlat.runtime.dispatch import GENERAL
+from lowlat.runtime.plugin_host.host import PluginHost
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
-from lowlat.runtime.distributed import SINGLE, TPInfo
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.distributed import SINGLE, TPInfo
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
 from lowlat.runtime.memory_check import check_start_memory
 from lowlat.runtime.progress import weights_with_progress
@@ -77,7 +77,7 @@ class ModelRunner:
             batches into; the CUDA graphs' fixed input buffers are these same tensors.
         graph_runner: the CudaGraphRunner, or None when steps run eagerly.
         last_graphed: whether the latest ``forward`` replayed a graph.
-        plugin_host: the plugin's selection, binding and dispatcher (``lowlat.plugin.host.PluginHost``).
+        plugin_host: the plugin's selection, binding and dispatcher (``lowlat.runtime.plugin_host.host.PluginHost``).
         last_path: "plugin" or "general", the path the latest ``forward`` took.
 
     Raises:

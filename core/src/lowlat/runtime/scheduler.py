@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat.runtime.sampling import SamplingParams
 from lowlat.runtime.step_inputs import BatchBuilder, StepInputs, make_batch
 

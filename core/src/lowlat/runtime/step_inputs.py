@@ -19,8 +19,8 @@ import ctypes
 
 import torch
 
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
-from lowlat.runtime.kv_cache import KVPool
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 
 _ALIGN = 64  # int64 elements = 512 bytes
 _I64, _I32 = torch.int64, torch.int32

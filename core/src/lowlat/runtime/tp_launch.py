@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from lowlat.config import EngineConfig
-from lowlat.runtime.distributed import TPInfo
+from lowlat.distributed import TPInfo
 
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 POLL_S = 0.05

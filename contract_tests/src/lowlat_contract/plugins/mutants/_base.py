@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from lowlat.plugin import ModelSpec, Requirements
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_contract.plugins.reference import LayerWeights, ReferenceForward, neox_rotate, reference_specs, rms
 

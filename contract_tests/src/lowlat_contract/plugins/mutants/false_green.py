@@ -5,7 +5,7 @@ only under the suite's conditions, a skip raised from the forward, a spec the su
 from __future__ import annotations
 
 import torch
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_contract.plugins.mutants._base import HookedReference
 from lowlat_contract.plugins.mutants.kv import VerifySpillsOneSlot, VScaled

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lowlat.runtime.forward_batch import ForwardBatch
+from lowlat.forward_batch import ForwardBatch
 
 from lowlat_contract.plugins.mutants._base import HookedReference
 

@@ -5,7 +5,7 @@ writes. Some leave the step's own logits right (the damage shows only later, or 
 from __future__ import annotations
 
 import torch
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_contract.plugins.mutants._base import HookedReference
 

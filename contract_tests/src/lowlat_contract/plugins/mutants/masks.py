@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 from lowlat_contract.plugins.mutants._base import HookedReference, context_lens
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from lowlat.config import EngineConfig
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner
 from lowlat.runtime.sampling import make_generator
 from lowlat.runtime.scheduler import Request

@@ -22,7 +22,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import Version
 
 from lowlat.plugin import hookspecs
-from lowlat.plugin.errors import IncompatibleCoreVersion, PluginLoadError, PluginNotFound, SpecError
+from lowlat.errors import IncompatibleCoreVersion, PluginLoadError, PluginNotFound, SpecError
 from lowlat.plugin.spec import ModelSpec, coerce_spec
 
 log = logging.getLogger("lowlat.plugin")

@@ -16,14 +16,14 @@ import torch
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.platform import Platform, detect_platform
-from lowlat.plugin.agreement import agree_build, build_failure_text
+from lowlat.runtime.plugin_host.agreement import agree_build, build_failure_text
 from lowlat.plugin.binding import PluginBinding, PluginForward
-from lowlat.plugin.discovery import discover, load_callable
-from lowlat.plugin.dispatch import GENERAL, PLUGIN, Dispatcher
-from lowlat.plugin.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
-from lowlat.plugin.param_guard import changed, fingerprint
-from lowlat.plugin.selection import Selection, auto_candidates, select_plugin
-from lowlat.runtime.forward_batch import ForwardBatch
+from lowlat.runtime.plugin_host.discovery import discover, load_callable
+from lowlat.runtime.dispatch import GENERAL, PLUGIN, Dispatcher
+from lowlat.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
+from lowlat.runtime.plugin_host.param_guard import changed, fingerprint
+from lowlat.runtime.plugin_host.selection import Selection, auto_candidates, select_plugin
+from lowlat.forward_batch import ForwardBatch
 
 log = logging.getLogger("lowlat.plugin")
 
@@ -96,7 +96,7 @@ class PluginHost:
         ``tp_group`` goes to the binding (collectives on device tensors); ``agree_group`` (default: the same)
         carries the dispatcher's per-step agreement on a host tensor.
 
-        Under tensor parallelism the ranks agree on each outcome (``lowlat.plugin.agreement``): a build that
+        Under tensor parallelism the ranks agree on each outcome (``lowlat.runtime.plugin_host.agreement``): a build that
         failed on one rank failed on all. ``auto`` tries its candidates in order, the next when one fails.
 
         Returns:

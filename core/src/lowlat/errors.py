@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from lowlat.plugin.guard import GuardTrace
+    from lowlat.runtime.plugin_host.guard import GuardTrace
 
 
 class LowlatPluginError(RuntimeError):

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.platform import Platform
-from lowlat.plugin.discovery import PluginInfo, PluginRegistry
-from lowlat.plugin.errors import UnsupportedConfiguration
-from lowlat.plugin.guard import GuardTrace, evaluate
+from lowlat.runtime.plugin_host.discovery import PluginInfo, PluginRegistry
+from lowlat.errors import UnsupportedConfiguration
+from lowlat.runtime.plugin_host.guard import GuardTrace, evaluate
 from lowlat.plugin.spec import ModelSpec
 
 log = logging.getLogger("lowlat.plugin")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lowlat.plugin.errors import LowlatPluginError, RankDisagreement
+from lowlat.errors import LowlatPluginError, RankDisagreement
 
 log = logging.getLogger("lowlat.plugin")
 
@@ -76,7 +76,7 @@ def select_agreed(engine: Any, model: Any, *, tp_size: int, group: Any = None) -
         The rank's own selection error at tp_size 1; RankDisagreement (on every rank) when an explicit request
         failed on any rank, or when ranks' selection errors differ.
     """
-    from lowlat.plugin.host import PluginHost
+    from lowlat.runtime.plugin_host.host import PluginHost
 
     try:
         host, err = PluginHost.select(engine, model), None

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from lowlat.plugin.binding import PluginForward
-from lowlat.plugin.errors import PluginStepError
+from lowlat.errors import PluginStepError
 from lowlat.plugin.spec import Coverage
-from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 PLUGIN, GENERAL = "plugin", "general"
 

@@ -1,0 +1,1 @@
+"""The plugin host: discovery, the guard, selection and PluginHost (host-side; plugins never import it)."""
