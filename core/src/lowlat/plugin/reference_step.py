@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lowlat.plugin.params import LayerParams, bind_params
 from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.plugin.params import LayerParams, bind_params
 
 STAGES = ("norm", "add_norm", "qkv_rope_store", "attention", "o_proj", "mlp", "moe", "lm_head")
 """The overridable stages of ReferenceStep, in the order one layer runs them."""
