@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+from lowlat.distributed import SINGLE
 from lowlat.kernels.moe_gemv import moe_experts_gemv
 from lowlat.kernels.rms_norm import fused_add_rms_norm
 from lowlat.kernels.rope_kv import qk_norm_rope_kv_write
@@ -22,7 +23,6 @@ from lowlat.kernels.silu_mul import silu_and_mul
 from lowlat.layers.moe import FusedExperts
 from lowlat.layers.rotary import RotaryEmbedding
 from lowlat.models.general_impl import torch_add_rms_norm, torch_rope_kv, torch_silu_mul
-from lowlat.distributed import SINGLE
 
 MODELS = {  # hidden, q heads, kv heads, head_dim, qk norm, intermediate, experts, top_k, moe intermediate
     "llama-3.2-1b": (2048, 32, 8, 64, False, 8192, 0, 0, 0),

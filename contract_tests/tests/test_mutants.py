@@ -117,8 +117,8 @@ def test_control_passes_the_suite(suite_runs: dict[str, SuiteRun]) -> None:
 
 def test_control_is_the_reference_bit_for_bit() -> None:
     """HookedReference's logits and K/V writes equal ReferenceForward's exactly (DECODE 3 and VERIFY 2 x 4)."""
-    from lowlat.runtime import ModelRunner
     from lowlat.forward_batch import ForwardMode
+    from lowlat.runtime import ModelRunner
     from lowlat_contract.harness import Requests, kv_at, kv_restore, kv_state, prefix_lens
     from lowlat_contract.mutation_probe import build_plugin, engine_config
     from lowlat_contract.plugins.mutants import Trigger

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 from lowlat.config import ModelConfig
-from lowlat.models import build_model
 from lowlat.distributed import TPInfo
 from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool
+from lowlat.models import build_model
 from safetensors.torch import load_file
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

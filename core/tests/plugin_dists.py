@@ -29,7 +29,7 @@ def build(binding):
 
 
 def make_plugin_dist(site: Path, name: str, source: str, *, dist: str | None = None, version: str = "1.0",
-                     requires: tuple[str, ...] = ("lowlat>=0.2,<0.3",)) -> str:
+                     requires: tuple[str, ...] = ("lowlat>=0.3,<0.4",)) -> str:
     """Write a plugin distribution into ``site``; returns its module name.
 
     ``source`` is the module's code; ``%(module)s`` in it is replaced by the module name.

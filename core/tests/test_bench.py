@@ -10,8 +10,8 @@ import torch
 from lowlat.bench.config import BenchConfig, Shape
 from lowlat.bench.roofline import step_bytes
 from lowlat.cli import main
-from lowlat.loader.presets import get_preset
 from lowlat.forward_batch import ForwardMode
+from lowlat.loader.presets import get_preset
 
 ARGS = ["bench", "--device", "cpu", "--model", "tiny-llama,tiny-qwen3-moe", "--paths", "general,no_such_plugin,hf",
         "--batch-sizes", "1,2", "--verify-tokens", "3", "--context", "24", "--input-sets", "2", "--warmup", "1",

@@ -6,8 +6,8 @@ import pytest
 import torch
 from lowlat.bench.config import BenchConfig, Shape
 from lowlat.bench.lowlat_path import eager_pass, engine_config, fill_kv_random, input_sets, measure_shape
-from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
 from lowlat.forward_batch import ForwardMode
+from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
 from lowlat.runtime.model_runner import ModelRunner
 
 CFG = BenchConfig.with_defaults("cpu", batch_sizes=(1, 2), verify_tokens=3, context=20, input_sets=3, warmup=1,

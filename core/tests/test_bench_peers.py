@@ -10,8 +10,8 @@ from lowlat.bench import peers
 from lowlat.bench.config import BenchConfig, Shape
 from lowlat.bench.lowlat_path import engine_config
 from lowlat.bench.measure import Measurement
-from lowlat.loader.presets import get_preset
 from lowlat.forward_batch import ForwardMode
+from lowlat.loader.presets import get_preset
 
 pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ from lowlat.bench.roofline import (
     step_bytes,
 )
 from lowlat.bench.timing import copy_bandwidth, percentile, summarize, time_steps
+from lowlat.distributed import SINGLE
 from lowlat.layers.moe import SparseMoeBlock
 from lowlat.loader.presets import get_preset
-from lowlat.distributed import SINGLE
 
 
 def test_dense_step_bytes_by_hand():

@@ -14,10 +14,11 @@ import torch
 from fault_fakes import fault_source
 from lowlat import Engine, EngineConfig, SamplingParams
 from lowlat.config import ConfigError
-from lowlat.plugin import PluginBuildError, PluginLoadError, PluginNotFound, discover
 from lowlat.errors import PluginModifiedParameters
+from lowlat.plugin import PluginBuildError, PluginLoadError, PluginNotFound
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog
 from lowlat.runtime.memory_check import InsufficientMemory, check_start_memory
+from lowlat.runtime.plugin_host import discover
 from lowlat.runtime.step_guard import NonFiniteLogits
 from plugin_dists import GOOD_SPEC, activate, make_plugin_dist
 
@@ -94,7 +95,7 @@ def test_auto_tries_the_next_candidate_when_one_fails_to_build(install):
 def test_auto_prefers_the_plugin_made_for_this_platform(tmp_path, monkeypatch):
     from lowlat.loader.presets import get_preset
     from lowlat.platform import Platform
-    from lowlat.plugin import select_plugin
+    from lowlat.runtime.plugin_host import select_plugin
 
     site = tmp_path / "site"
     activate(site, monkeypatch)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lowlat.config import ConfigError, EngineConfig
+from lowlat.forward_batch import ForwardMode
 from lowlat.models import general_impl
 from lowlat.models.general_impl import TORCH_OPS, LayeredForward
-from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests (or general-tests)

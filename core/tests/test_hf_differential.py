@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 from _models_util import Driver
+from lowlat.distributed import TPInfo
+from lowlat.forward_batch import ForwardMode
 from lowlat.loader import open_weights, resolve_model
 from lowlat.models import build_model
 from lowlat.models.variants import SUPPORTED_VARIANTS, Variant
-from lowlat.distributed import TPInfo
-from lowlat.forward_batch import ForwardMode
 
 tf = pytest.importorskip("transformers")
 

@@ -196,8 +196,8 @@ def test_silu_mul_launcher_rejects_an_odd_width():
 # -- moe_gemv --------------------------------------------------------------------------------------------------
 
 def _experts(dtype: torch.dtype, e: int = 6, hidden: int = 80, inter: int = 40):
-    from lowlat.layers.moe import FusedExperts
     from lowlat.distributed import SINGLE
+    from lowlat.layers.moe import FusedExperts
 
     ex = FusedExperts(e, hidden, inter, tp=SINGLE, dtype=dtype, device=DEV)
     ex.w13_weight.copy_(_randn(e, 2 * inter, hidden, dtype=dtype, seed=11, scale=0.2))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from _models_util import Driver, checkpoint_tensors, hf_model, model_config, random_checkpoint, save_hf, tiny_config
-from lowlat.models import UnknownArchitecture, build_model, model_class
-from lowlat.layers.weights import WeightLoadError
 from lowlat.distributed import TPInfo
 from lowlat.forward_batch import ForwardMode
+from lowlat.layers.weights import WeightLoadError
+from lowlat.models import UnknownArchitecture, build_model, model_class
 
 
 def _empty(cfg, dtype=torch.float32, **kw):

@@ -5,12 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
-from lowlat.plugin import (
-    IncompatibleCoreVersion,
-    PluginLoadError,
-    PluginNotFound,
-    discover,
-)
+from lowlat.plugin import IncompatibleCoreVersion, PluginLoadError, PluginNotFound
+from lowlat.runtime.plugin_host import discover
 from plugin_dists import GOOD_SPEC, activate, make_plugin_dist
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -29,7 +25,7 @@ def test_good_plugin_is_discovered_with_its_distribution(site):
     reg = discover(["good"])
     info = reg.get("good")
     assert (info.distribution, info.version, info.status) == ("lowlat-test-good", "2.3", "ok")
-    assert info.core_range == "<0.3,>=0.2"
+    assert info.core_range == "<0.4,>=0.3"
     assert [s.architecture for s in info.specs] == ["LlamaForCausalLM"]
 
 
@@ -90,7 +86,7 @@ def test_core_range_excluding_running_core_is_refused_with_remedy(site):
     reg = discover(["old", "future"])
     old, future = reg.plugins["old"], reg.plugins["future"]
     assert old.status == future.status == "incompatible"
-    with pytest.raises(IncompatibleCoreVersion, match=r"lowlat-old 0.0.5.*requires lowlat<0.1.0.dev0.*lowlat 0.2"):
+    with pytest.raises(IncompatibleCoreVersion, match=r"lowlat-old 0.0.5.*requires lowlat<0.1.0.dev0.*lowlat 0.3"):
         reg.get("old")
     assert "install a newer lowlat-old" in old.error
     assert "pip install 'lowlat>=0.5'" in future.error

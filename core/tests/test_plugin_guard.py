@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from lowlat.config import EngineConfig
+from lowlat.forward_batch import ForwardMode
 from lowlat.loader.presets import get_preset
 from lowlat.platform import Platform
-from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements, evaluate
-from lowlat.forward_batch import ForwardMode
+from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
+from lowlat.runtime.plugin_host import evaluate
 
 H200 = Platform("cuda", "NVIDIA H200", (9, 0), None, 1, False, "3.6.0")
 A100 = Platform("cuda", "NVIDIA A100", (8, 0), None, 1, False, "3.6.0")

@@ -6,7 +6,8 @@ import pytest
 from lowlat.config import EngineConfig
 from lowlat.loader.presets import get_preset
 from lowlat.platform import Platform
-from lowlat.plugin import PluginLoadError, UnsupportedConfiguration, discover, select_plugin
+from lowlat.plugin import PluginLoadError, UnsupportedConfiguration
+from lowlat.runtime.plugin_host import discover, select_plugin
 from plugin_dists import GOOD_SPEC, activate, make_plugin_dist
 
 CPU = Platform("cpu", "cpu")

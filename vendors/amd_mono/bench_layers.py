@@ -23,11 +23,11 @@ import sys
 import time
 
 import torch
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat.loader.presets import get_preset, with_layers
 from lowlat.loader.synthetic import iter_synthetic_weights
 from lowlat.models import build_model
-from lowlat.forward_batch import ForwardBatch, ForwardMode
-from lowlat.kv_cache import KVPool
 from lowlat_amd_mono.forward import MonoForward
 from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.embed_head import embed_kernel

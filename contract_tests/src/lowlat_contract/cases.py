@@ -195,7 +195,8 @@ def build_cases(plugin: str, archs: list[str] | None, models: list[str] | None, 
             --lowlat-model it does not serve; an unknown model.
     """
     from lowlat.loader import resolve_model
-    from lowlat.plugin import LowlatPluginError, discover
+    from lowlat.plugin import LowlatPluginError
+    from lowlat.runtime.plugin_host import discover
 
     try:
         info = discover().get(plugin)

@@ -24,7 +24,7 @@ FIXTURE_PLUGINS: dict[str, str] = {
 }
 """Plugin name -> entry point value (an object whose ``lowlat_model_specs`` hook returns its specs)."""
 
-DEFAULT_CORE_RANGE = ">=0.2,<0.3"
+DEFAULT_CORE_RANGE = ">=0.3,<0.4"
 
 
 def core_range() -> str:

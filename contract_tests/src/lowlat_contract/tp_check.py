@@ -122,8 +122,8 @@ def _rank_main(rank: int, init: str, case: Any, device: str, mode: str, results:
 
 def _runner(rank: int, init: str, case: Any, device: str, mode: str) -> tuple[Any, Any]:
     import torch.distributed as dist
-    from lowlat.runtime.dispatch import Dispatcher
     from lowlat.runtime import ModelRunner
+    from lowlat.runtime.dispatch import Dispatcher
     from lowlat.runtime.tp_launch import init_rank
 
     from lowlat_contract.harness import dispatcher_of

@@ -15,14 +15,11 @@ from typing import Any
 
 import torch
 
+from lowlat.errors import ConfigError
+from lowlat.hf_config import MAX_LAYERS, SUPPORTED_ROPE_TYPES, hf_config_fields
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-MAX_LAYERS = 10_000  # a cheap bound checked before anything is sized by the layer count
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +130,6 @@ class ModelConfig:
             ConfigError: naming the field, its value and what is supported, for an unsupported architecture or
                 feature, or an invalid value.
         """
-        from lowlat.hf_config import hf_config_fields  # same floor; imports ConfigError from here
 
         if not isinstance(d, dict):
             raise ConfigError(f"config.json must hold a JSON object, found {type(d).__name__}")

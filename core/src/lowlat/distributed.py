@@ -84,3 +84,16 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     out = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # concatenated form
     _all_gather_single(out, x, group=tp.group)
     return out.view(tp.size, *x.shape).movedim(0, -2).reshape(*x.shape[:-1], tp.size * x.shape[-1])
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: split evenly, or one replicated head per rank when tp_size > num_kv_heads.
+
+    Raises:
+        ValueError: neither divides the other.
+    """
+    if num_kv_heads % tp_size == 0:
+        return num_kv_heads // tp_size
+    if tp_size % num_kv_heads == 0:
+        return 1
+    raise ValueError(f"num_key_value_heads={num_kv_heads} and tp_size={tp_size} must divide one another")

@@ -1,11 +1,12 @@
-"""Errors of the plugin interface. Every message names the plugin and the fix."""
+"""Every error class of lowlat (ground floor: imports nothing of lowlat). Every message names the cause and the fix."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from lowlat.runtime.plugin_host.guard import GuardTrace
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
 
 
 class LowlatPluginError(RuntimeError):
@@ -31,7 +32,7 @@ class SpecError(ValueError):
 class UnsupportedConfiguration(LowlatPluginError):
     """A plugin was asked for explicitly but its guard fails; ``trace`` holds every requirement's result."""
 
-    def __init__(self, message: str, trace: GuardTrace | None = None) -> None:
+    def __init__(self, message: str, trace: Any = None) -> None:
         super().__init__(message)
         self.trace = trace
 
@@ -50,3 +51,7 @@ class RankDisagreement(LowlatPluginError):
 
 class PluginModifiedParameters(PluginBuildError):
     """A plugin changed the general model's parameters in place (they are read-only to plugins); never falls back."""
+
+
+class KVPoolNotReady(LowlatPluginError):
+    """``binding.kv_pool`` was read during build, before the pool is sized."""

@@ -15,8 +15,11 @@ import math
 import warnings
 from typing import Any
 
-from lowlat.config import MAX_LAYERS, ConfigError
-from lowlat.config import SUPPORTED_ROPE_TYPES as SUPPORTED_ROPE
+from lowlat.errors import ConfigError
+
+MAX_LAYERS = 10_000  # a cheap bound checked before anything is sized by the layer count
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE = SUPPORTED_ROPE_TYPES
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 SUPPORTED_ACTS = ("silu", "swish")  # transformers' ACT2FN maps both to SiLU

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 from lowlat.config import EngineConfig, ModelConfig
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat.layers.moe import SparseMoeBlock
 from lowlat.loader.presets import get_preset, with_layers
 from lowlat.loader.synthetic import iter_synthetic_weights
 from lowlat.models import build_model
 from lowlat.plugin.binding import PluginBinding
-from lowlat.forward_batch import ForwardBatch, ForwardMode
-from lowlat.kv_cache import KVPool
 
 MAX_CTX = 384
 

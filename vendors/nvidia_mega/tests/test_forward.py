@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lowlat.config import EngineConfig, ModelConfig
+from lowlat.errors import PluginBuildError
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
 from lowlat.layers.attention import decode_attention_torch
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat.plugin.binding import PluginBinding
-from lowlat.errors import PluginBuildError
-from lowlat.forward_batch import ForwardBatch, ForwardMode
-from lowlat.kv_cache import KVPool
 from lowlat_nvidia_mega.build import build
 from lowlat_nvidia_mega.kernels import pdl
 

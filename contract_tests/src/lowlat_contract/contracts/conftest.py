@@ -27,7 +27,7 @@ def case_trace(case: Any) -> Any:
     """
     from lowlat.loader import resolve_model
     from lowlat.platform import detect_platform
-    from lowlat.plugin import evaluate
+    from lowlat.runtime.plugin_host import evaluate
 
     trace = evaluate(case.plugin, case.spec, detect_platform(case.device), case.engine_config(),
                      resolve_model(case.model))

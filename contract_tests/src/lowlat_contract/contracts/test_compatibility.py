@@ -36,7 +36,7 @@ def _machine(kind: str, name: str, cap: Any, gfx: Any, interp: bool) -> Any:
 
 
 def _platform_ok(spec: Any, platform: Any) -> bool:
-    from lowlat.plugin import evaluate
+    from lowlat.runtime.plugin_host import evaluate
 
     trace = evaluate("probe", spec, platform)
     return next(r for r in trace.results if r.requirement == "platform").status == "pass"
@@ -114,7 +114,8 @@ def test_guard_accepts_the_declared_configuration(case: Any, case_trace: Any) ->
 def test_guard_names_each_violated_requirement(case: Any) -> None:
     """Each single violation fails the guard on exactly that requirement, with a reason, and an explicit request
     for the plugin raises UnsupportedConfiguration that names it."""
-    from lowlat.plugin import UnsupportedConfiguration, discover, evaluate, select_plugin
+    from lowlat.plugin import UnsupportedConfiguration
+    from lowlat.runtime.plugin_host import discover, evaluate, select_plugin
 
     platform, engine, model = _base(case)
     base = evaluate(case.plugin, case.spec, platform, engine, model)
@@ -140,11 +141,11 @@ def test_guard_names_each_violated_requirement(case: Any) -> None:
 
 def test_declares_a_core_range(case: Any) -> None:
     """The plugin's distribution declares which cores it supports (Requires-Dist: lowlat>=X,<Y)."""
-    from lowlat.plugin import discover
+    from lowlat.runtime.plugin_host import discover
 
     info = discover(allowlist=[case.plugin]).get(case.plugin)
     assert info.core_range, (f"{info.distribution} {info.version} declares no core range; add a dependency such as "
-                             f"'lowlat>=0.2,<0.3' to its pyproject.toml (docs/contract.md)")
+                             f"'lowlat>=0.3,<0.4' to its pyproject.toml (docs/contract.md)")
 
 
 @pytest.mark.parametrize("side", ["below", "above"])
@@ -153,7 +154,8 @@ def test_core_refuses_an_excluding_range(case: Any, side: str, tmp_path: Any, mo
     is refused with IncompatibleCoreVersion naming both versions."""
     from importlib import metadata
 
-    from lowlat.plugin import ENTRY_POINT_GROUP, IncompatibleCoreVersion, discover
+    from lowlat.plugin import ENTRY_POINT_GROUP, IncompatibleCoreVersion
+    from lowlat.runtime.plugin_host import discover
     from lowlat.runtime.plugin_host.discovery import core_version
 
     ep = next(ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == case.plugin)

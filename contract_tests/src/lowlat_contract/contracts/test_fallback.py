@@ -124,7 +124,7 @@ def test_alternating_paths_match_general(case: Any, runner: Any, dispatcher: Any
 
 def _tp_device(case: Any) -> str:
     from lowlat.platform import detect_platform
-    from lowlat.plugin import evaluate
+    from lowlat.runtime.plugin_host import evaluate
 
     trace = evaluate(case.plugin, case.spec, detect_platform("cpu"))
     if case.is_tiny and next(r for r in trace.results if r.requirement == "platform").status == "pass":

@@ -54,8 +54,9 @@ def test_variant_refused_or_matches(case: Any, case_trace: Any, name: str, tmp_p
     """The guard (or check_model) refuses this variant with a reason, or the plugin matches the general path."""
     from lowlat.loader.synthetic import write_checkpoint
     from lowlat.platform import detect_platform
-    from lowlat.plugin import LowlatPluginError, evaluate
+    from lowlat.plugin import LowlatPluginError
     from lowlat.runtime import ModelRunner
+    from lowlat.runtime.plugin_host import evaluate
 
     v = next((v for v in VARIANTS if v.name == name), None)
     if v is None:

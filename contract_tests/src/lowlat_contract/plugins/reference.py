@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lowlat.forward_batch import ForwardMode
 from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, ReferenceStep, Requirements, hookimpl
 from lowlat.plugin.reference_step import LayerWeights, neox_rotate, rms
-from lowlat.forward_batch import ForwardMode
 
 __all__ = ["ARCHITECTURES", "BUILD", "HOOKS", "MAX_TOKENS", "LayerWeights", "ReferenceForward", "SpecHooks", "build",
            "neox_rotate", "reference_specs", "rms"]

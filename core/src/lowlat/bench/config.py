@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from lowlat.config import DTYPES, ConfigError
-from lowlat.runtime.cuda_graph_runner import GraphKey
 from lowlat.forward_batch import ForwardMode
+from lowlat.runtime.cuda_graph_runner import GraphKey
 
 GENERAL_PATH = "general"
 # Paths that run the general forward (``plugin="none"``), by ``EngineConfig.general_impl``.

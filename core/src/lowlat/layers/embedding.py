@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowlat.layers.weights import WeightTarget
 from lowlat.distributed import TPInfo, all_reduce
+from lowlat.layers.weights import WeightTarget
 
 
 def local_vocab(vocab_size: int, tp: TPInfo) -> int:

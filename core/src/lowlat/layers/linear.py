@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowlat.layers.weights import WeightTarget, copy_target, shard_dim
 from lowlat.distributed import TPInfo, all_reduce
+from lowlat.layers.weights import WeightTarget, copy_target, shard_dim
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

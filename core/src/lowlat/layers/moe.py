@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowlat.distributed import TPInfo, all_reduce
 from lowlat.layers.linear import ReplicatedLinear
 from lowlat.layers.weights import WeightTarget, copy_target, shard_dim
-from lowlat.distributed import TPInfo, all_reduce
 
 
 @functools.cache

@@ -31,14 +31,14 @@ from typing import cast
 
 import torch
 
+from lowlat.distributed import all_reduce
+from lowlat.forward_batch import ForwardBatch
+from lowlat.kv_cache import KVPool
 from lowlat.layers.attention import attend_cached, host_lens
 from lowlat.layers.logits import compute_logits, logit_rows
 from lowlat.layers.moe import route
 from lowlat.layers.norm import rms_norm as torch_rms_norm
 from lowlat.layers.rotary import apply_rotary
-from lowlat.distributed import all_reduce
-from lowlat.forward_batch import ForwardBatch
-from lowlat.kv_cache import KVPool
 
 GENERAL_IMPLS = ("reference", "fused", "compiled")
 _RECOMPILE_LIMIT = 64  # per piece: first layer (no residual) or not, T = 1 or symbolic, per model shapes

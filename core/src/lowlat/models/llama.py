@@ -15,6 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowlat.config import ModelConfig
+from lowlat.distributed import SINGLE, TPInfo
+from lowlat.forward_batch import ForwardBatch
+from lowlat.kv_cache import KVPool
 from lowlat.layers.attention import host_lens, paged_attention, resolve_backend
 from lowlat.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lowlat.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -22,9 +25,6 @@ from lowlat.layers.logits import compute_logits, logit_rows
 from lowlat.layers.norm import RMSNorm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat.layers.weights import WeightTarget, load_hf_weights
-from lowlat.distributed import SINGLE, TPInfo
-from lowlat.forward_batch import ForwardBatch
-from lowlat.kv_cache import KVPool
 
 
 class DenseMLP(nn.Module):

@@ -1,13 +1,20 @@
-"""The plugin interface: everything a vendor imports.
+"""The plugin interface (plugin API 3): everything a vendor imports, and nothing host-side.
 
+A vendor imports from here only: specs and requirements (``ModelSpec``, ``Requirements``, ``Coverage``,
+``PlatformRequirement``), the hook marker (``hookimpl``), what ``build`` gets and returns (``PluginBinding``,
+``PluginForward``), the reference step to override stage by stage (``ReferenceStep``, ``STAGES``), the
+parameter binder (``bind_params``, ``ModelParams``, ``LayerParams``), ``rope_tables``, the runtime types a step
+sees (``ForwardBatch``, ``ForwardMode``, ``KVPool``, ``ModelConfig``, ``EngineConfig``) and the errors.
+Discovery, the guard and selection are ``lowlat.runtime.plugin_host``; the dispatcher ``lowlat.runtime.dispatch``.
 Public names are re-exported here once; the modules beside this file are the implementation.
 """
 
+from typing import Any
+
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.plugin.binding import KVPoolNotReady, PluginBinding, PluginForward, rope_tables
-from lowlat.runtime.plugin_host.discovery import PluginInfo, PluginRegistry, discover
 from lowlat.errors import (
     IncompatibleCoreVersion,
+    KVPoolNotReady,
     LowlatPluginError,
     PluginBuildError,
     PluginLoadError,
@@ -16,22 +23,22 @@ from lowlat.errors import (
     SpecError,
     UnsupportedConfiguration,
 )
-from lowlat.runtime.plugin_host.guard import GuardTrace, RequirementResult, evaluate
+from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.kv_cache import KVPool
+from lowlat.plugin.binding import PluginBinding, PluginForward, rope_tables
 from lowlat.plugin.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl, hookspec
 from lowlat.plugin.params import LayerParams, ModelParams, bind_params
 from lowlat.plugin.reference_step import STAGES, LayerWeights, ReferenceStep
-from lowlat.runtime.plugin_host.selection import Selection, select_plugin
 from lowlat.plugin.spec import Coverage, ModelSpec, PlatformRequirement, Requirements, spec_from_mapping
-from lowlat.forward_batch import ForwardBatch, ForwardMode
-from lowlat.kv_cache import KVPool
 
 __all__ = [
-    "Coverage",
     "ENTRY_POINT_GROUP",
+    "PLUGIN_API_VERSION",
+    "STAGES",
+    "Coverage",
     "EngineConfig",
     "ForwardBatch",
     "ForwardMode",
-    "GuardTrace",
     "IncompatibleCoreVersion",
     "KVPool",
     "KVPoolNotReady",
@@ -41,29 +48,27 @@ __all__ = [
     "ModelConfig",
     "ModelParams",
     "ModelSpec",
-    "PLUGIN_API_VERSION",
     "PlatformRequirement",
     "PluginBinding",
     "PluginBuildError",
     "PluginForward",
-    "PluginInfo",
     "PluginLoadError",
     "PluginNotFound",
-    "PluginRegistry",
     "PluginStepError",
     "ReferenceStep",
-    "RequirementResult",
     "Requirements",
-    "STAGES",
-    "Selection",
     "SpecError",
     "UnsupportedConfiguration",
     "bind_params",
-    "discover",
-    "evaluate",
     "hookimpl",
     "hookspec",
     "rope_tables",
-    "select_plugin",
     "spec_from_mapping",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """API 2's host-side names (``discover``, ``evaluate``, ``select_plugin``, ...): deprecated, by name."""
+    from lowlat.plugin._compat import host_name
+
+    return host_name(name)

@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.errors import LowlatPluginError, PluginBuildError
+from lowlat.errors import KVPoolNotReady, PluginBuildError
 from lowlat.forward_batch import ForwardBatch
 
 
@@ -52,9 +52,6 @@ def rope_tables(head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] |
     freqs = rope_angles(head_dim, rope_theta, rope_scaling, max_positions, device)
     return freqs.cos().contiguous(), freqs.sin().contiguous()
 
-
-class KVPoolNotReady(LowlatPluginError):
-    """``binding.kv_pool`` was read during build, before the pool is sized."""
 
 
 class PluginBinding:

@@ -1,4 +1,4 @@
-"""The pluggy hook specifications of plugin API 1.
+"""The pluggy hook specifications of the plugin API (the hook is unchanged since API 1).
 
 A vendor module (the target of its ``lowlat.plugins`` entry point) implements::
 
@@ -17,7 +17,7 @@ import pluggy
 
 PROJECT_NAME = "lowlat"
 ENTRY_POINT_GROUP = "lowlat.plugins"
-PLUGIN_API_VERSION = 2  # 2: PluginBinding.rope_cos_sin / lowlat.plugin.rope_tables
+PLUGIN_API_VERSION = 3  # 3: lowlat.plugin is the whole vendor API (ReferenceStep, bind_params); 2: rope_tables
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

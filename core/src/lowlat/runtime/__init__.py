@@ -3,10 +3,10 @@
 Public names are re-exported here once; the modules beside this file are the implementation.
 """
 
-from lowlat.runtime.cuda_graph_runner import CudaGraphRunner, GraphKey, capture_batch_sizes
-from lowlat.runtime.engine import Completion, Engine, VerifyResult
 from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool, KVPoolExhausted
+from lowlat.runtime.cuda_graph_runner import CudaGraphRunner, GraphKey, capture_batch_sizes
+from lowlat.runtime.engine import Completion, Engine, VerifyResult
 from lowlat.runtime.memory import KVMemoryError, KVPoolPlan, plan_kv_pool
 from lowlat.runtime.model_runner import ModelRunner
 from lowlat.runtime.sampling import SamplingParams, sample

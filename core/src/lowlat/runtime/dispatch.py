@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowlat.plugin.binding import PluginForward
 from lowlat.errors import PluginStepError
-from lowlat.plugin.spec import Coverage
 from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.plugin.binding import PluginForward
+from lowlat.plugin.spec import Coverage
 
 PLUGIN, GENERAL = "plugin", "general"
 

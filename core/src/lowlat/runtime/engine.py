@@ -22,9 +22,9 @@ import torch
 
 from lowlat.config import ConfigError, EngineConfig, ModelConfig
 from lowlat.errors import LowlatPluginError
+from lowlat.forward_batch import ForwardMode
 from lowlat.runtime import tp_launch
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
-from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
@@ -124,7 +124,7 @@ class Engine:
                 if tp_launch.under_torchrun():
                     self._ctx = tp_launch.init_from_torchrun(config)
                 else:
-                    self._ctx, self._workers = tp_launch.start_spawned(config)
+                    self._ctx, self._workers = tp_launch.start_spawned(config, type(self))
                     weakref.finalize(self, self._workers.close)  # stop workers even if close() is never called
             ctx = self._ctx
             self.rank = ctx.tp.rank if ctx else 0

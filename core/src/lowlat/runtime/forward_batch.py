@@ -9,5 +9,6 @@ import warnings
 import lowlat.forward_batch as _moved
 
 warnings.warn("lowlat.runtime.forward_batch moved to lowlat.forward_batch: "
-              "import ForwardBatch and ForwardMode from lowlat.plugin (the API 2 path goes away in lowlat 0.4)", DeprecationWarning, stacklevel=2)
+              "import ForwardBatch and ForwardMode from lowlat.plugin (the API 2 path goes away in lowlat 0.4)",
+              DeprecationWarning, stacklevel=2)
 sys.modules[__name__] = _moved

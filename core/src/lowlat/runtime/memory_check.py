@@ -65,8 +65,8 @@ def weight_bytes(model: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> in
 def estimate_start(engine: EngineConfig, model: ModelConfig, dtype: torch.dtype, *, device: torch.device,
                    tp_size: int = 1, num_kv_heads: int | None = None) -> StartEstimate:
     """What this rank will allocate before its first step (see the module docstring)."""
+    from lowlat.distributed import kv_heads_per_rank
     from lowlat.kv_cache import KVPool
-    from lowlat.runtime.model_runner import kv_heads_per_rank
 
     heads = num_kv_heads or kv_heads_per_rank(model.num_key_value_heads, tp_size)
     per_token = KVPool.bytes_per_token(model.num_hidden_layers, heads, model.head_dim, dtype)

@@ -3,7 +3,7 @@
 Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/model_runner.py):
 
 1. resolve the model (checkpoint directory or preset); select the plugin, agreed by every TP rank
-   (``lowlat.runtime.plugin_host.agreement``); refuse when the estimated weights and KV pool cannot fit
+   (``lowlat.runtime.plugin_host.agreed_selection``); refuse when the estimated weights and KV pool cannot fit
    (``lowlat.runtime.memory_check``); build the general model for this TP rank;
 2. stream the checkpoint (or the preset's seeded random weights) into it, with a progress bar for
    checkpoints of 1 GiB or more;
@@ -25,33 +25,20 @@ from pathlib import Path
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.runtime.plugin_host.agreement import select_agreed
-from lowlat.runtime.dispatch import GENERAL
-from lowlat.runtime.plugin_host.host import PluginHost
-from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
-from lowlat.distributed import SINGLE, TPInfo
+from lowlat.distributed import SINGLE, TPInfo, kv_heads_per_rank
 from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool
+from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
+from lowlat.runtime.dispatch import GENERAL
 from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
 from lowlat.runtime.memory_check import check_start_memory
+from lowlat.runtime.plugin_host.agreed_selection import select_agreed
+from lowlat.runtime.plugin_host.host import PluginHost
 from lowlat.runtime.progress import weights_with_progress
 from lowlat.runtime.scheduler import make_batch
 from lowlat.runtime.step_inputs import StepInputs
 
 BIG_CHECKPOINT_BYTES = 1 << 30  # show the loading bar from this size on
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """KV heads each rank holds: split evenly, or one replicated head per rank when tp_size > num_kv_heads.
-
-    Raises:
-        ValueError: neither divides the other.
-    """
-    if num_kv_heads % tp_size == 0:
-        return num_kv_heads // tp_size
-    if tp_size % num_kv_heads == 0:
-        return 1
-    raise ValueError(f"num_key_value_heads={num_kv_heads} and tp_size={tp_size} must divide one another")
 
 
 class ModelRunner:

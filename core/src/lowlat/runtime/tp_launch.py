@@ -152,18 +152,20 @@ def _loopback_listener() -> socket.socket:
 class WorkerGroup:
     """Ranks 1..tp_size-1 as spawned processes, driven by rank 0.
 
-    Use ``start_spawned(config)``, which also makes rank 0's TPContext.
+    Use ``start_spawned(config, engine_cls)``, which also makes rank 0's TPContext. Each worker builds
+    ``engine_cls(config, _tp_context=ctx)`` (the Engine class is passed in, so this module never imports the
+    engine that imports it).
     """
 
-    def __init__(self, config: EngineConfig, init_method: str) -> None:
+    def __init__(self, config: EngineConfig, init_method: str, engine_cls: type) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
         self.world_size = config.tp_size
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(1, config.tp_size)]
         self.progress = ctx.Array("q", config.tp_size, lock=False)  # finished steps per rank
         self.procs = [
-            ctx.Process(target=_worker_main, args=(config, r, config.tp_size, init_method, q, self.results,
-                                                   torch.get_num_threads(), self.progress),
+            ctx.Process(target=_worker_main, args=(engine_cls, config, r, config.tp_size, init_method, q,
+                                                   self.results, torch.get_num_threads(), self.progress),
                         name=f"lowlat-tp{r}", daemon=True)
             for r, q in zip(range(1, config.tp_size), self.commands)
         ]
@@ -266,8 +268,8 @@ class WorkerGroup:
                 return
 
 
-def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
-    """Spawn the workers and join the process group as rank 0.
+def start_spawned(config: EngineConfig, engine_cls: type) -> tuple[TPContext, WorkerGroup]:
+    """Spawn the workers (each runs an ``engine_cls``) and join the process group as rank 0.
 
     Raises:
         WorkerError: a worker failed before joining; ValueError: too few GPUs.
@@ -278,7 +280,7 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
     listener = _loopback_listener()
     port = listener.getsockname()[1]
     init_method = f"tcp://127.0.0.1:{port}"
-    workers = WorkerGroup(config, init_method)
+    workers = WorkerGroup(config, init_method, engine_cls)
     try:
         store = dist.TCPStore("127.0.0.1", port, config.tp_size, True, datetime.timedelta(seconds=tp_timeout_s()),
                               wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns the fd
@@ -294,9 +296,9 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
     return ctx, workers
 
 
-def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str,
+def _worker_main(engine_cls: type, config: EngineConfig, rank: int, world_size: int, init_method: str,
                  commands: Any, results: Any, num_threads: int, progress: Any = None) -> None:
-    """A spawned worker: join the group, build an Engine, then run rank 0's mirrored calls until told to stop.
+    """A spawned worker: join the group, build ``engine_cls``, then run rank 0's mirrored calls until told to stop.
 
     It uses as many intra-op CPU threads as rank 0 (``num_threads``).
     """
@@ -307,14 +309,12 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
     engine = None
     ctx = None
     try:
-        from lowlat.runtime.engine import Engine
-
         results.put(("joining", rank))
         host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
         store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=tp_timeout_s()))
         ctx = init_rank(config, rank, world_size, local_rank=rank, init_method=init_method, store=store)
         ctx.progress = progress
-        engine = Engine(config, _tp_context=ctx)
+        engine = engine_cls(config, _tp_context=ctx)
         results.put(("ready", rank))
         parent = multiprocessing.parent_process()
         while True:

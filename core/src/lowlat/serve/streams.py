@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lowlat.runtime.sampling import SamplingParams
 from lowlat.serve.detokenizer import IncrementalDetokenizer
 
-if TYPE_CHECKING:
-    from lowlat.serve.engine_loop import EngineLoop
+
+class StreamOwner(Protocol):
+    """What a stream needs of the loop that feeds it (``EngineLoop``): aborting its request."""
+
+    def abort(self, handle: int, finish: str = ...) -> object: ...
 
 
 @dataclass
@@ -68,7 +71,7 @@ class RequestStream:
         self._aloop = aloop
         self._q: asyncio.Queue[Delta] = asyncio.Queue()
         self.handle = -1
-        self.owner: EngineLoop | None = None
+        self.owner: StreamOwner | None = None
         self.prompt_tokens = 0
         self.tokens = 0  # ids received so far
         self.ended = False

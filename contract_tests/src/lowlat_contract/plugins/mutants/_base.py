@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from lowlat.plugin import ModelSpec, Requirements
 from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.plugin import ModelSpec, Requirements
 
 from lowlat_contract.plugins.reference import LayerWeights, ReferenceForward, neox_rotate, reference_specs, rms
 

@@ -5,9 +5,9 @@ rank only, a build that fails on one GPU). A disagreement left alone becomes mis
 runs the plugin's all-reduce, another the general path's) and a C++ abort. So every rank reports its
 outcome over the host-side group (``all_gather_strings``, gloo) and all ranks take the same decision:
 
-* selection (``select_agreed``): an explicit request that failed on any rank raises RankDisagreement on
-  every rank, listing each rank's reason; ``auto`` keeps only the candidates usable on every rank (a plugin
-  dropped that way is recorded in ``rejections`` with the ranks' reasons);
+* selection (``agreed_selection.select_agreed``): an explicit request that failed on any rank raises
+  RankDisagreement on every rank, listing each rank's reason; ``auto`` keeps only the candidates usable on every
+  rank (a plugin dropped that way is recorded in ``rejections`` with the ranks' reasons);
 * build (``agree_build``, used by ``PluginHost.build``): a build that failed on any rank counts as failed on
   all; explicit requests raise on every rank, ``auto`` moves on to its next candidate together.
 
@@ -17,14 +17,9 @@ Collectives here are bounded by the process group's timeout (LOWLAT_TP_TIMEOUT s
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import torch
-
-from lowlat.errors import LowlatPluginError, RankDisagreement
-
-log = logging.getLogger("lowlat.plugin")
 
 
 def all_gather_strings(value: str, group: Any = None) -> list[str]:
@@ -67,51 +62,6 @@ def gather_reports(mine: dict[str, Any], group: Any, what: str = "plugin outcome
 
 def _per_rank(reports: list[dict[str, Any]], key: str) -> str:
     return "; ".join(f"rank {r}: {rep[key] or 'ok'}" for r, rep in enumerate(reports))
-
-
-def select_agreed(engine: Any, model: Any, *, tp_size: int, group: Any = None) -> Any:
-    """``PluginHost.select`` on every rank, then one decision for all (see the module docstring).
-
-    Raises:
-        The rank's own selection error at tp_size 1; RankDisagreement (on every rank) when an explicit request
-        failed on any rank, or when ranks' selection errors differ.
-    """
-    from lowlat.runtime.plugin_host.host import PluginHost
-
-    try:
-        host, err = PluginHost.select(engine, model), None
-    except LowlatPluginError as e:
-        host, err = None, e
-    if tp_size == 1:
-        if err is not None:
-            raise err
-        return host
-    mine = {"error": f"{type(err).__name__}: {err}" if err is not None else None,
-            "candidates": [c.plugin.name for c in host.candidates] if host is not None else [],
-            "rejections": list(host.rejections) if host is not None else []}
-    reports = gather_reports(mine, group, "plugin selection")
-    if any(rep["error"] for rep in reports):
-        if err is not None and all(rep["error"] == mine["error"] for rep in reports):
-            raise err  # every rank failed the same way: the plain error says it best
-        raise RankDisagreement(f"plugin {engine.plugin!r}: the tensor-parallel ranks did not select the same plugin "
-                               f"({_per_rank(reports, 'error')}); every rank stops before loading weights. Make "
-                               "the plugin importable and its guard pass on every rank, or use --plugin none")
-    assert host is not None
-    if engine.plugin != "auto" or len({tuple(r["candidates"]) for r in reports}) == 1:
-        return host
-    common = [n for n in reports[0]["candidates"] if all(n in rep["candidates"] for rep in reports)]
-    for name in dict.fromkeys(n for rep in reports for n in rep["candidates"]):
-        if name in common:
-            continue
-        missing = [r for r, rep in enumerate(reports) if name not in rep["candidates"]]
-        why = [f"rank {r}: {line}" for r in missing for line in reports[r]["rejections"] if line.startswith(name + ":")]
-        line = (f"{name}: not usable on every rank (not on rank(s) {', '.join(map(str, missing))}"
-                f"{': ' + '; '.join(why) if why else ''}); all ranks skip it together")
-        host.rejections.append(line)
-        log.warning("auto: %s", line)
-    host.candidates = [c for c in host.candidates if c.plugin.name in common]
-    host.selection = host.candidates[0] if host.candidates else None
-    return host
 
 
 def agree_build(name: str, err: BaseException | None, fatal: bool, *, tp_size: int, group: Any

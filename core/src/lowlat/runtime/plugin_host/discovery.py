@@ -21,8 +21,8 @@ import pluggy
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import Version
 
-from lowlat.plugin import hookspecs
 from lowlat.errors import IncompatibleCoreVersion, PluginLoadError, PluginNotFound, SpecError
+from lowlat.plugin import hookspecs
 from lowlat.plugin.spec import ModelSpec, coerce_spec
 
 log = logging.getLogger("lowlat.plugin")
@@ -105,10 +105,8 @@ def core_version() -> str:
     """The running core's version (the installed distribution ``lowlat``)."""
     try:
         return metadata.version("lowlat")
-    except metadata.PackageNotFoundError:
-        from lowlat import __version__
-
-        return __version__
+    except metadata.PackageNotFoundError:  # a source tree without an install
+        return "0+unknown"
 
 
 def discover(allowlist: list[str] | None = None) -> PluginRegistry:

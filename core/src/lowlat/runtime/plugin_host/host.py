@@ -15,15 +15,15 @@ from typing import Any
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.platform import Platform, detect_platform
-from lowlat.runtime.plugin_host.agreement import agree_build, build_failure_text
-from lowlat.plugin.binding import PluginBinding, PluginForward
-from lowlat.runtime.plugin_host.discovery import discover, load_callable
-from lowlat.runtime.dispatch import GENERAL, PLUGIN, Dispatcher
 from lowlat.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
+from lowlat.forward_batch import ForwardBatch
+from lowlat.platform import Platform, detect_platform
+from lowlat.plugin.binding import PluginBinding, PluginForward
+from lowlat.runtime.dispatch import GENERAL, PLUGIN, Dispatcher
+from lowlat.runtime.plugin_host.agreement import agree_build, build_failure_text
+from lowlat.runtime.plugin_host.discovery import discover, load_callable
 from lowlat.runtime.plugin_host.param_guard import changed, fingerprint
 from lowlat.runtime.plugin_host.selection import Selection, auto_candidates, select_plugin
-from lowlat.forward_batch import ForwardBatch
 
 log = logging.getLogger("lowlat.plugin")
 
@@ -96,8 +96,8 @@ class PluginHost:
         ``tp_group`` goes to the binding (collectives on device tensors); ``agree_group`` (default: the same)
         carries the dispatcher's per-step agreement on a host tensor.
 
-        Under tensor parallelism the ranks agree on each outcome (``lowlat.runtime.plugin_host.agreement``): a build that
-        failed on one rank failed on all. ``auto`` tries its candidates in order, the next when one fails.
+        Under tensor parallelism the ranks agree on each outcome (``lowlat.runtime.plugin_host.agreement``): a
+        build that failed on one rank failed on all. ``auto`` tries its candidates in order, the next when one fails.
 
         Returns:
             The Dispatcher, or None when no plugin was selected — or, for ``plugin="auto"``, when every candidate

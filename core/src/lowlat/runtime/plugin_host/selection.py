@@ -14,11 +14,11 @@ import logging
 from dataclasses import dataclass
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.platform import Platform
-from lowlat.runtime.plugin_host.discovery import PluginInfo, PluginRegistry
 from lowlat.errors import UnsupportedConfiguration
-from lowlat.runtime.plugin_host.guard import GuardTrace, evaluate
+from lowlat.platform import Platform
 from lowlat.plugin.spec import ModelSpec
+from lowlat.runtime.plugin_host.discovery import PluginInfo, PluginRegistry
+from lowlat.runtime.plugin_host.guard import GuardTrace, evaluate
 
 log = logging.getLogger("lowlat.plugin")
 

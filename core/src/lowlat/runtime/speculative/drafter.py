@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from lowlat.config import ConfigError, EngineConfig, SpeculativeMethod, parse_method
+from lowlat.config import SpeculativeMethod, parse_method
 from lowlat.runtime.scheduler import Request
 
-__all__ = ["Drafter", "Drafts", "SpeculativeMethod", "make_drafter", "parse_method", "request_seed"]
+__all__ = ["Drafter", "Drafts", "SpeculativeMethod", "parse_method", "request_seed"]
 
 
 @dataclass
@@ -67,37 +66,3 @@ class Drafter:
 def request_seed(req: Request, engine_seed: int) -> int:
     """The seed the engine gives request ``req``'s generator (``Engine._add_ids``'s rule)."""
     return req.params.seed if req.params.seed is not None else engine_seed * 1_000_003 + req.rid
-
-
-def make_drafter(config: EngineConfig, ctx: Any = None) -> Drafter:
-    """The drafter ``config.speculative_method`` names.
-
-    Args:
-        config: the engine's configuration (speculative on).
-        ctx: the engine's ``tp_launch.TPContext`` (None without tensor parallelism); a draft model shards with it.
-
-    Raises:
-        ConfigError: a bad method string, or a draft model whose vocabulary differs from the target's.
-    """
-    from lowlat.loader import resolve_model
-
-    spec = parse_method(config.speculative_method or "ngram")
-    vocab = resolve_model(config.model).vocab_size
-    k = config.draft_tokens
-    if spec.kind == "ngram":
-        from lowlat.runtime.speculative.ngram import NgramDrafter
-
-        return NgramDrafter(n=config.ngram_n, window=config.ngram_window, max_len=config.max_context_len)
-    if spec.kind == "simulated":
-        from lowlat.runtime.speculative.simulated import SimulatedDrafter
-
-        return SimulatedDrafter(spec.mean, k=k, vocab_size=vocab, seed=config.seed)
-    if spec.kind == "draft":
-        from lowlat.runtime.speculative.draft_model import DraftModelDrafter
-
-        draft_vocab = resolve_model(spec.path).vocab_size
-        if draft_vocab != vocab:
-            raise ConfigError(f"draft model {spec.path} has vocab_size={draft_vocab} but {config.model} has {vocab}; "
-                              "a draft model needs the target's tokenizer (the same vocabulary)")
-        return DraftModelDrafter(config, spec.path, ctx)
-    raise ConfigError(f"unknown speculative method {spec.kind!r}")

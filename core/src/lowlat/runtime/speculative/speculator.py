@@ -31,7 +31,8 @@ from lowlat.config import EngineConfig
 from lowlat.runtime.sampling import sample
 from lowlat.runtime.scheduler import ScheduledStep
 from lowlat.runtime.speculative.controller import Controller
-from lowlat.runtime.speculative.drafter import Drafter, Drafts, make_drafter
+from lowlat.runtime.speculative.drafter import Drafter, Drafts
+from lowlat.runtime.speculative.factory import make_drafter
 from lowlat.runtime.speculative.stats import SpecStats
 from lowlat.runtime.speculative.verify import rejection_sample, target_probs
 
