@@ -8,7 +8,8 @@ graph replays). Two paths are measured:
 * ``graph``: the CUDA-graph replay path. A ``CudaGraphRunner`` is built on the CPU with every key "captured"
   as a no-op graph whose fixed output is a preallocated logits tensor, so input copies into the static
   buffers, padding, key lookup and replay hooks run exactly as on a GPU, minus the replay itself.
-* ``eager``: no graphs; ``ModelRunner.forward_fn`` is a stub returning a slice of a preallocated logits tensor.
+* ``eager``: no graphs; the Dispatcher's general forward is a stub returning a slice of a preallocated logits
+  tensor.
 
 ``python -m lowlat.bench.host_overhead [--baseline REV]`` prints a table; with ``--baseline`` the same
 measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change) and the table
@@ -58,7 +59,11 @@ def _stub_engine(model: str, max_batch_size: int, max_context_len: int, path: st
     rows = max_batch_size * cfg.max_verify_tokens
     # Fixed logits whose argmax differs per row, so every request keeps feeding a valid, varying token.
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
-    runner.forward_fn = lambda batch: logits[:batch.num_logit_rows]
+    stub = lambda batch: logits[:batch.num_logit_rows]  # noqa: E731
+    if getattr(runner, "dispatcher", None) is not None:  # core 0.3: the Dispatcher is always installed
+        runner.dispatcher.general_forward = stub
+    else:
+        runner.forward_fn = stub
     runner.model = None  # nothing may reach the real model
     if path == "graph":
         kw = {"inputs": runner.step_inputs} if hasattr(runner, "step_inputs") else {}

@@ -42,6 +42,7 @@ class GraphKey(NamedTuple):
 
 
 GraphHook = Callable[[GraphKey, ForwardBatch], None]
+FunctionFor = Callable[[GraphKey, ForwardBatch], ForwardFn]
 
 
 def capture_batch_sizes(max_batch_size: int) -> list[int]:
@@ -62,7 +63,7 @@ class CudaGraphRunner:
         inputs: the fixed input buffers (a StepInputs for at least ``max_batch_size`` x ``max_verify_tokens``,
             shared with the scheduler's BatchBuilder); None allocates them here.
 
-    Hooks (for the plugin dispatcher):
+    Hooks (the runner's Dispatcher uses ``function_for`` at capture and a replay hook):
         capture_hooks: called as ``hook(key, batch)`` before a shape is warmed up and captured; ``batch`` is the
             static batch (device tensors only, ``seq_lens_cpu`` None) that the forward will see.
         replay_hooks: called as ``hook(key, batch)`` before a replay, with the real (unpadded) batch, after
@@ -112,13 +113,21 @@ class CudaGraphRunner:
         keys += [GraphKey(ForwardMode.VERIFY, b, t) for t in self.verify_tokens for b in self.batch_sizes]
         return sorted(keys, key=lambda k: (k.num_tokens, k.mode is ForwardMode.DECODE, k.batch_size), reverse=True)
 
-    def capture(self, forward_fn: ForwardFn, *, progress: bool = False) -> None:
-        """Capture ``forward_fn`` for every key (each warmed up twice eagerly first, as SGLang does).
+    def capture(self, forward_fn: ForwardFn | None = None, *, function_for: FunctionFor | None = None,
+                progress: bool = False) -> None:
+        """Capture every key (each warmed up twice eagerly first, as SGLang does).
+
+        Args:
+            forward_fn: the one function every shape captures; or
+            function_for: ``fn(key, static_batch) -> forward`` asked once per shape for the function that
+                shape captures (the Dispatcher's ``function_for``: it picks the path of the shape there).
 
         Raises:
             ValueError: the buffers are not on a CUDA device.
             RuntimeError: the forward returned something other than float32 ``[T, vocab]`` logits.
         """
+        if (forward_fn is None) == (function_for is None):
+            raise ValueError("capture takes forward_fn or function_for, exactly one")
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}; set cuda_graph=False")
         self.pool = torch.cuda.graph_pool_handle()
@@ -129,14 +138,15 @@ class CudaGraphRunner:
                 batch = self._fill_dummy(key)
                 for hook in self.capture_hooks:
                     hook(key, batch)
+                fn = function_for(key, batch) if function_for is not None else forward_fn
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):
-                        forward_fn(batch)
+                        fn(batch)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = forward_fn(batch)
+                    out = fn(batch)
                 if out.dtype != torch.float32 or tuple(out.shape) != (key.num_tokens, self.vocab_size):
                     raise RuntimeError(f"the forward captured for {key} returned {out.dtype} {tuple(out.shape)}; "
                                        f"expected float32 ({key.num_tokens}, {self.vocab_size}) logits")

@@ -1,10 +1,14 @@
-"""The dispatcher: each step goes to the plugin forward or the general forward.
+"""The Dispatcher: each step goes to the plugin forward or the general forward. Always installed.
 
-A step takes the plugin path when its mode and token count are inside the spec's coverage and the
-plugin's ``supports(batch)`` agrees; under tensor parallelism every rank takes the same path (a MIN
-all-reduce of the flag: if one rank cannot, none does). A plugin that raises, returns the wrong shape
-or dtype, or returns non-finite logits is a PluginStepError naming it: never a silent retry elsewhere.
-CUDA graphs call ``choose`` once per captured shape, record the path, and replay without Python dispatch.
+A ModelRunner holds one Dispatcher from start to close; with no plugin it sends every step to the general
+forward. It owns the path state: ``last_path`` (the latest step's path), ``graph_paths`` (the path recorded per
+captured CUDA-graph shape) and ``stats`` (steps per path and mode). A step takes the plugin path when its mode
+and token count are inside the spec's coverage and the plugin's ``supports(batch)`` agrees; under tensor
+parallelism every rank takes the same path (a MIN all-reduce of the flag: if one rank cannot, none does). A
+plugin that raises, returns the wrong shape or dtype, or returns non-finite logits is a PluginStepError naming
+it: never a silent retry elsewhere. Graph capture asks ``function_for(key, batch)`` once per captured shape
+(the path is chosen there, TP ranks agree there) and each replay reports to ``replayed(key, batch)``, so
+replays run without Python dispatch.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from lowlat.plugin.binding import PluginForward
 from lowlat.plugin.spec import Coverage
 
 PLUGIN, GENERAL = "plugin", "general"
+ForwardFn = Callable[[ForwardBatch], torch.Tensor]
 
 
 @dataclass
@@ -36,31 +41,24 @@ class PathStats:
 
 
 class Dispatcher:
-    """Routes steps between a plugin's forward and the general forward.
+    """Routes steps between a plugin's forward (when one is installed) and the general forward.
 
     Args:
-        plugin: the plugin's name (for errors and reports).
-        coverage: the spec's coverage.
-        plugin_forward: what the plugin's build returned.
         general_forward: ``fn(batch) -> float32 logits [R, V]``, the general path.
         vocab_size: V, for output checks.
+        plugin: the plugin's name (for errors and reports); None: no plugin, every step is general.
+        coverage: the spec's coverage (with a plugin).
+        plugin_forward: what the plugin's build returned (with a plugin).
         tp_size: tensor-parallel ranks; above 1 the ranks agree on the path per step.
-        tp_group: the tensor-parallel process group (None is torch.distributed's default group).
+        tp_group: the process group of that agreement (None is torch.distributed's default group).
         check_outputs: verify shape, dtype and finiteness of plugin outputs on eager steps (one host sync).
     """
 
-    def __init__(
-        self,
-        *,
-        plugin: str,
-        coverage: Coverage,
-        plugin_forward: PluginForward,
-        general_forward: Callable[[ForwardBatch], torch.Tensor],
-        vocab_size: int,
-        tp_size: int = 1,
-        tp_group: Any = None,
-        check_outputs: bool = True,
-    ) -> None:
+    def __init__(self, *, general_forward: ForwardFn, vocab_size: int, plugin: str | None = None,
+                 coverage: Coverage | None = None, plugin_forward: PluginForward | None = None, tp_size: int = 1,
+                 tp_group: Any = None, check_outputs: bool = True) -> None:
+        if (plugin is None) != (plugin_forward is None) or (plugin_forward is not None and coverage is None):
+            raise ValueError("a Dispatcher takes plugin, coverage and plugin_forward together, or none of them")
         self.plugin = plugin
         self.coverage = coverage
         self.plugin_forward = plugin_forward
@@ -72,9 +70,16 @@ class Dispatcher:
         self.stats = PathStats()
         self.force_path: Callable[[ForwardBatch], str | None] | None = None  # tests force a path per step
         self.last_path: str | None = None
+        self.graph_paths: dict[Any, str] = {}
+
+    @property
+    def has_plugin(self) -> bool:
+        return self.plugin_forward is not None
 
     def choose(self, batch: ForwardBatch) -> str:
-        """The path for this step ("plugin" or "general"), agreed across TP ranks."""
+        """The path for this step ("plugin" or "general"), agreed across TP ranks when a plugin is installed."""
+        if self.plugin_forward is None:
+            return GENERAL
         forced = self.force_path(batch) if self.force_path else None
         if forced is not None:
             ok = forced == PLUGIN
@@ -87,17 +92,8 @@ class Dispatcher:
             ok = bool(flag.item())
         return PLUGIN if ok else GENERAL
 
-    def _supports(self, batch: ForwardBatch) -> bool:
-        try:
-            return self.plugin_forward.supports(batch)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # SystemExit from plugin code is contained
-            raise PluginStepError(f"plugin {self.plugin!r} raised in supports() for a {_describe(batch)}: "
-                                  f"{type(e).__name__}: {e}") from e
-
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        """Choose the path and run it (eager steps)."""
+        """Choose the path and run it (an eager step)."""
         return self.run(self.choose(batch), batch, check=self.check_outputs)
 
     def run(self, path: str, batch: ForwardBatch, *, check: bool = False, record: bool = True) -> torch.Tensor:
@@ -107,6 +103,8 @@ class Dispatcher:
             self.stats.record(path, batch.forward_mode)
         if path == GENERAL:
             return self.general_forward(batch)
+        if self.plugin_forward is None:
+            raise ValueError("the plugin path was asked for, but no plugin is installed")
         try:
             out = self.plugin_forward.forward(batch)
         except (PluginStepError, KeyboardInterrupt):
@@ -118,6 +116,35 @@ class Dispatcher:
         if check:
             self.check_finite(out, batch)
         return out
+
+    # -- CUDA graphs -----------------------------------------------------------------------------------------
+
+    def function_for(self, key: Any, batch: ForwardBatch) -> ForwardFn:
+        """The function a CUDA graph of shape ``key`` captures: the path chosen now for ``batch`` (its static
+        batch), recorded in ``graph_paths``; runs the plugin's ``prepare_for_capture`` for a plugin shape."""
+        path = self.graph_paths[key] = self.choose(batch)
+        if path == PLUGIN and hasattr(self.plugin_forward, "prepare_for_capture"):
+            self.plugin_forward.prepare_for_capture(batch)  # type: ignore[union-attr]
+        return lambda b: self.run(path, b, record=False)
+
+    def replayed(self, key: Any, batch: ForwardBatch) -> None:
+        """A graph of shape ``key`` is about to replay ``batch``: count it, and run ``prepare_for_replay``."""
+        path = self.graph_paths.get(key, GENERAL)
+        self.last_path = path
+        self.stats.record(path, batch.forward_mode)
+        if path == PLUGIN and hasattr(self.plugin_forward, "prepare_for_replay"):
+            self.plugin_forward.prepare_for_replay(batch)  # type: ignore[union-attr]
+
+    # -- checks ----------------------------------------------------------------------------------------------
+
+    def _supports(self, batch: ForwardBatch) -> bool:
+        try:
+            return self.plugin_forward.supports(batch)  # type: ignore[union-attr]
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit from plugin code is contained
+            raise PluginStepError(f"plugin {self.plugin!r} raised in supports() for a {_describe(batch)}: "
+                                  f"{type(e).__name__}: {e}") from e
 
     def check_shape(self, out: Any, batch: ForwardBatch) -> None:
         """Raise PluginStepError unless ``out`` is float32 [R, V] on the batch's device."""

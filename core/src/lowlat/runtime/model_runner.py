@@ -7,10 +7,13 @@ Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/mod
    (``lowlat.runtime.memory_check``); build the general model for this TP rank;
 2. stream the checkpoint (or the preset's seeded random weights) into it, with a progress bar for
    checkpoints of 1 GiB or more;
-3. ``setup_forward()``: the seam where the forward that steps run is chosen (``self.forward_fn``,
-   by default the general model's forward) and where workspaces add to ``self.reserved_bytes``;
+3. ``setup_forward()``: build the plugin, if one was selected, into the runner's Dispatcher (which otherwise
+   sends every step to the general forward); workspaces add to ``self.reserved_bytes``;
 4. size and allocate the KV pool (``lowlat.runtime.memory``), agreeing on the smallest pool over TP ranks;
-5. capture CUDA graphs of ``self.forward_fn`` (CUDA with ``cuda_graph``).
+5. capture CUDA graphs (CUDA with ``cuda_graph``): the Dispatcher gives the function of each captured shape.
+
+One step: ``forward(batch)`` replays a captured graph when one fits, else calls ``self.dispatcher(batch)``;
+either way the Dispatcher (``lowlat.runtime.dispatch``) decides and records the path.
 
 A failure at any point frees what was allocated before re-raising.
 """
@@ -29,7 +32,7 @@ from lowlat.distributed import SINGLE, TPInfo, kv_heads_per_rank
 from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
-from lowlat.runtime.dispatch import GENERAL
+from lowlat.runtime.dispatch import GENERAL, Dispatcher
 from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
 from lowlat.runtime.memory_check import check_start_memory
 from lowlat.runtime.plugin_host.agreed_selection import select_agreed
@@ -54,7 +57,8 @@ class ModelRunner:
     Attributes:
         model_config, dtype, device, tp: what runs where.
         model: the general model (``forward(batch, kv_pool) -> float32 [R, vocab]``).
-        forward_fn: ``(ForwardBatch) -> float32 logits [R, vocab]``; what ``forward`` and CUDA graphs run.
+        dispatcher: the Dispatcher, always installed (general-only without a plugin); it picks each step's path
+            and owns the path state: ``last_path``, ``graph_paths`` per captured shape, ``stats``.
         reserved_bytes: device bytes not yet allocated that must stay out of the KV pool (memory already
             allocated, e.g. eagerly allocated workspaces, is seen by ``torch.cuda.mem_get_info`` and must not be
             added); added to in ``setup_forward``, before the pool is sized.
@@ -64,8 +68,8 @@ class ModelRunner:
             batches into; the CUDA graphs' fixed input buffers are these same tensors.
         graph_runner: the CudaGraphRunner, or None when steps run eagerly.
         last_graphed: whether the latest ``forward`` replayed a graph.
-        plugin_host: the plugin's selection, binding and dispatcher (``lowlat.runtime.plugin_host.host.PluginHost``).
-        last_path: "plugin" or "general", the path the latest ``forward`` took.
+        plugin_host: the plugin's selection and binding (``lowlat.runtime.plugin_host.PluginHost``).
+        last_path: "plugin" or "general", the path the latest ``forward`` took (read from the Dispatcher).
 
     Raises:
         ConfigError / ValueError / WeightLoadError / KVMemoryError: from resolving, loading or sizing.
@@ -92,7 +96,7 @@ class ModelRunner:
         self.last_graphed = False
         self.dummy_row = -1
         self.plugin_host = PluginHost(None)
-        self.last_path = GENERAL
+        self.dispatcher: Dispatcher | None = None
         try:
             self.model_config: ModelConfig = resolve_model(config.model)
             config.check_model(self.model_config)
@@ -105,7 +109,8 @@ class ModelRunner:
             self.load_model()
             self.num_kv_heads = getattr(self.model, "local_kv_heads", None) or kv_heads_per_rank(
                 self.model_config.num_key_value_heads, self.tp.size)
-            self.forward_fn: Callable[[ForwardBatch], torch.Tensor] = self.general_forward
+            self.dispatcher = Dispatcher(general_forward=self.general_forward,
+                                         vocab_size=self.model_config.vocab_size)
             self.setup_forward()
             self.init_kv_pool()
             if config.cuda_graph and self.device.type == "cuda":
@@ -139,15 +144,11 @@ class ModelRunner:
         self.general_step = make_general_step(self.model, self.config.general_impl)
 
     def setup_forward(self) -> None:
-        """Choose the forward steps run: the seam for lowlat.plugin's dispatcher.
+        """Build the selected plugin (if any) and install its Dispatcher, before the KV pool is sized.
 
-        The dispatcher replaces ``self.forward_fn`` (same signature as ``general_forward``), adds the bytes
-        its workspaces will still need to ``self.reserved_bytes`` and may register ``kv_pool_ready`` callbacks;
-        it runs before the KV pool is sized and before CUDA graphs are captured, so graphs capture whatever
-        ``forward_fn`` is installed here. The general model needs nothing here.
-
-        With a plugin selected: check_model, build with its PluginBinding (workspaces are allocated now, so
-        the KV pool sizing below sees them as used), and install the Dispatcher as ``forward_fn``.
+        check_model, then build with its PluginBinding (workspaces are allocated now, so the KV pool sizing
+        sees them as used); the Dispatcher around the plugin replaces the general-only one, and the binding is
+        told when the KV pool exists. Without a plugin the general-only Dispatcher stays.
         """
         dispatcher = self.plugin_host.build(
             model=self.model, engine=self.config, model_config=self.model_config, device=self.device,
@@ -155,7 +156,7 @@ class ModelRunner:
             tp_group=self.tp.group, agree_group=self.cpu_group, general_forward=self.general_forward,
             workspace_budget_bytes=workspace_budget(self.device))
         if dispatcher is not None:
-            self.forward_fn = dispatcher
+            self.dispatcher = dispatcher
             self.kv_pool_ready.append(self.plugin_host.attach_kv_pool)
 
     def init_kv_pool(self) -> None:
@@ -189,18 +190,16 @@ class ModelRunner:
             callback(self.kv_pool)
 
     def init_cuda_graphs(self) -> None:
-        """Capture DECODE and VERIFY graphs of ``self.forward_fn`` (see ``CudaGraphRunner``)."""
+        """Capture DECODE and VERIFY graphs (``CudaGraphRunner``) of the path the Dispatcher picks per shape."""
         assert self.kv_pool is not None
         self.graph_runner = CudaGraphRunner(device=self.device, dummy_row=self.dummy_row,
                                             max_batch_size=self.config.max_batch_size,
                                             max_verify_tokens=self.config.max_verify_tokens,
                                             vocab_size=self.model_config.vocab_size, inputs=self.step_inputs)
-        forward_fn = self.forward_fn
-        dispatcher = self.plugin_host.dispatcher
-        if dispatcher is not None:  # choose the path once per shape; replays run it without Python dispatch
-            forward_fn = self.plugin_host.install_graph_hooks(self.graph_runner)
+        assert self.dispatcher is not None
+        self.graph_runner.replay_hooks.append(self.dispatcher.replayed)  # replays: no Python dispatch
         with torch.inference_mode():
-            self.graph_runner.capture(forward_fn, progress=self.show_progress)
+            self.graph_runner.capture(function_for=self.dispatcher.function_for, progress=self.show_progress)
 
     # -- steps -----------------------------------------------------------------------------------------------
 
@@ -209,7 +208,7 @@ class ModelRunner:
         return self.general_step(batch, self.kv_pool)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step (in inference mode): replay a CUDA graph when one fits, else ``forward_fn`` eagerly.
+        """Run one step (in inference mode): replay a CUDA graph when one fits, else the Dispatcher eagerly.
 
         Returns:
             float32 logits ``[R, vocab]``: R = T for DECODE/VERIFY, B (last token per request) for PREFILL.
@@ -222,14 +221,18 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self.graph_runner
         key = graphs.key_for(batch) if graphs is not None else None
-        if key is not None:
-            self.last_graphed = True
-            self.last_path = self.plugin_host.graph_paths.get(key, GENERAL)
-            return graphs.replay(batch, key)
-        self.last_graphed = False
-        out = self.forward_fn(batch)
-        self.last_path = self.plugin_host.eager_path()
-        return out
+        self.last_graphed = key is not None
+        return graphs.replay(batch, key) if key is not None else self.dispatcher(batch)  # type: ignore[misc]
+
+    @property
+    def last_path(self) -> str:
+        """"plugin" or "general": the path the latest ``forward`` took (the Dispatcher's record)."""
+        return (self.dispatcher.last_path if self.dispatcher is not None else None) or GENERAL
+
+    @property
+    def forward_fn(self) -> Callable[[ForwardBatch], torch.Tensor]:
+        """What an eager step runs: the Dispatcher (kept for callers of API 2's name)."""
+        return self.dispatcher if self.dispatcher is not None else self.general_forward
 
     def prepare_batch(self, mode: ForwardMode, rows: list[int], prefix_lens: list[int],
                       token_lists: list[list[int]]) -> ForwardBatch:
@@ -248,7 +251,7 @@ class ModelRunner:
         self.step_inputs = None
         self.model = self.general_step = None
         self.plugin_host = PluginHost(None)
-        self.forward_fn = self.general_forward
+        self.dispatcher = None
         gc.collect()  # plugin objects may hold weights in reference cycles; free them before the next runner
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
-from lowlat.forward_batch import ForwardBatch
 from lowlat.platform import Platform, detect_platform
 from lowlat.plugin.binding import PluginBinding, PluginForward
-from lowlat.runtime.dispatch import GENERAL, PLUGIN, Dispatcher
+from lowlat.runtime.dispatch import Dispatcher
 from lowlat.runtime.plugin_host.agreement import agree_build, build_failure_text
 from lowlat.runtime.plugin_host.discovery import discover, load_callable
 from lowlat.runtime.plugin_host.param_guard import changed, fingerprint
@@ -35,7 +33,8 @@ class PluginHost:
         selection: the chosen plugin and its passing trace, or None (general path only).
         rejections: for "auto", one line per plugin skipped and why.
         binding: the PluginBinding handed to build (after ``build``).
-        dispatcher: the Dispatcher (after ``build``).
+        dispatcher: the Dispatcher built around the plugin (after ``build``), which the ModelRunner installs; the
+            path state (latest path, paths of captured graphs, counters) lives in it, not here.
     """
 
     def __init__(self, selection: Selection | None, rejections: list[str] | None = None,
@@ -45,13 +44,7 @@ class PluginHost:
         self.rejections = rejections or []
         self.binding: PluginBinding | None = None
         self.dispatcher: Dispatcher | None = None
-        self.graph_paths: dict[Any, str] = {}
         self._retained: dict[str, torch.Tensor] = {}
-        self._capturing = GENERAL
-
-    def eager_path(self) -> str:
-        """The path ("plugin" or "general") the latest eager step took."""
-        return (self.dispatcher.last_path or GENERAL) if self.dispatcher else GENERAL
 
     @classmethod
     def select(cls, engine: EngineConfig, model: ModelConfig, platform: Platform | None = None) -> PluginHost:
@@ -190,31 +183,6 @@ class PluginHost:
                 "read-only to plugins (copy them into alloc_workspace buffers to transform them). The engine "
                 "does not start, since the general path would use the changed weights: fix the plugin or use "
                 "--plugin none")
-
-    def install_graph_hooks(self, graph_runner: Any) -> Callable[[ForwardBatch], torch.Tensor]:
-        """Record the dispatcher's path per captured shape; return the function the graphs capture.
-
-        At capture, ``choose`` runs once per shape (TP ranks agree there) and the plugin's
-        ``prepare_for_capture`` runs for plugin shapes; at replay only the recorded path is looked up and
-        ``prepare_for_replay`` runs — no coverage checks, no all-reduce, no Python forward.
-        """
-        dispatcher = self.dispatcher
-        assert dispatcher is not None
-        hooks = dispatcher.plugin_forward
-
-        def on_capture(key: Any, batch: ForwardBatch) -> None:
-            self._capturing = self.graph_paths[key] = dispatcher.choose(batch)
-            if self._capturing == PLUGIN and hasattr(hooks, "prepare_for_capture"):
-                hooks.prepare_for_capture(batch)
-
-        def on_replay(key: Any, batch: ForwardBatch) -> None:
-            dispatcher.stats.record(self.graph_paths[key], batch.forward_mode)
-            if self.graph_paths[key] == PLUGIN and hasattr(hooks, "prepare_for_replay"):
-                hooks.prepare_for_replay(batch)
-
-        graph_runner.capture_hooks.append(on_capture)
-        graph_runner.replay_hooks.append(on_replay)
-        return lambda batch: dispatcher.run(self._capturing, batch, record=False)
 
     def attach_kv_pool(self, kv_pool: object) -> None:
         """Publish the sized KV pool to the plugin (runs its on_kv_pool_ready callbacks)."""
