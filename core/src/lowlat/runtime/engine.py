@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +23,10 @@ from lowlat.config import ConfigError, EngineConfig, ModelConfig
 from lowlat.errors import LowlatPluginError
 from lowlat.forward_batch import ForwardMode
 from lowlat.runtime import tp_launch
+from lowlat.runtime.completion import Completion, VerifyResult
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
+from lowlat.runtime.prompts import as_token_ids, check_token_ids
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.speculative.speculator import Speculator
@@ -42,48 +43,6 @@ def _check_tp(model: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"tp_size={tp_size} does not divide num_attention_heads={model.num_attention_heads}; "
                          "pick a tp_size that does")
     kv_heads_per_rank(model.num_key_value_heads, tp_size)
-
-
-@dataclass
-class Completion:
-    """One finished request.
-
-    Attributes:
-        request_id: the engine's id for it.
-        prompt_token_ids / token_ids: prompt and generated ids (an EOS that ended it is included).
-        text: ``token_ids`` decoded, special tokens skipped.
-        finish_reason: "eos" or "length".
-        queue_s: seconds from being added to its first prefill step.
-        prefill_s: seconds from its first prefill step to its first token.
-        decode_s: seconds from its first token to its last; ``decode_tokens`` tokens came in that time.
-    """
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    queue_s: float
-    prefill_s: float
-    decode_s: float
-
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens produced after the first one (by DECODE/VERIFY steps)."""
-        return max(len(self.token_ids) - 1, 0)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Decode throughput of this request (0.0 when it produced one token only)."""
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-
-@dataclass
-class VerifyResult:
-    """What one VERIFY step did: tokens appended per request id, and the requests it finished."""
-
-    accepted: dict[int, list[int]]
-    finished: list[Completion]
 
 
 class Engine:
@@ -214,7 +173,7 @@ class Engine:
         self._check_usable()
         clean = {int(rid): [int(t) for t in toks] for rid, toks in drafts.items()}
         for rid, toks in clean.items():
-            self._check_ids(toks, f"draft of request {rid}")
+            check_token_ids(toks, f"draft of request {rid}", self.model_config.vocab_size, self.config.model)
         self.scheduler.check_verify(clean, self.config.max_verify_tokens)
         return self._call("_verify", clean)
 
@@ -392,8 +351,8 @@ class Engine:
             raise TypeError(f"params must be one SamplingParams or one per prompt ({len(prompts)})")
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
-            toks = self.tokenizer.encode(check_text(p, i)) if isinstance(p, str) else self._as_ids(p, i)
-            self._check_ids(toks, f"prompt {i}")
+            toks = self.tokenizer.encode(check_text(p, i)) if isinstance(p, str) else as_token_ids(p, i)
+            check_token_ids(toks, f"prompt {i}", self.model_config.vocab_size, self.config.model)
             if len(toks) + sp.max_new_tokens > self.config.max_context_len:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens; with max_new_tokens={sp.max_new_tokens} that "
                                  f"exceeds max_context_len={self.config.max_context_len}; shorten the prompt, "
@@ -401,22 +360,6 @@ class Engine:
             self.scheduler.check_fits(self._next_rid + i, len(toks) + sp.max_new_tokens - 1)
             ids.append(toks)
         return ids, plist
-
-    @staticmethod
-    def _as_ids(p: object, i: int) -> list[int]:
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if not isinstance(p, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            raise TypeError(f"prompt {i} must be a string or a list of int token ids")
-        return list(p)
-
-    def _check_ids(self, toks: list[int], what: str) -> None:
-        if not toks:
-            raise ValueError(f"{what} is empty; give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in toks if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{what} has token id {bad[0]} outside the vocabulary [0, {vocab}) of {self.config.model}")
 
     def _completion(self, r: Request) -> Completion:
         first = r.t_first_token or r.t_finish
