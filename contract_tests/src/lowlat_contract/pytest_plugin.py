@@ -60,7 +60,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
         interpreter.install()
     from lowlat_contract.cases import ContractSetupError, build_cases
-
     from lowlat_contract.fixtures import register_module_plugin
 
     o = config.getoption

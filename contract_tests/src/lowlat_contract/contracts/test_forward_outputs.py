@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lowlat_contract.harness import FORWARD_SHAPES, Requests, compare_greedy, greedy_run, prefix_lens, resolve_shape
-from lowlat_contract.oracle import plugin_routing, copy_batch, restore, snapshot
+from lowlat_contract.oracle import copy_batch, plugin_routing, restore, snapshot
 from lowlat_contract.router_ties import routing_excuses
 
 PROMISE = ("For every covered mode and token count, plugin logits match the general forward within the dtype's "
