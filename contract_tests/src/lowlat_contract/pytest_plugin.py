@@ -6,7 +6,10 @@ pytest sessions) and runs each test once per ContractCase (``lowlat_contract.cas
 contract module carries ``pytest.mark.lowlat_contract(name, promise)``; the terminal summary section
 "lowlat contract" prints each contract's promise with its outcome, and junit XML reports carry the contract
 name as the test property ``lowlat_contract``. Loading this plugin costs nothing when the option is absent
-(no torch import); without ``--lowlat-plugin`` the contract tests are skipped with a hint.
+(no torch import). No false greens: collecting the contract modules without ``--lowlat-plugin`` is a usage
+error, and a run in which every selected contract test skipped exits 5 (NO_TESTS_COLLECTED), each with a
+one-line reason, unless ``--lowlat-allow-empty``. ``--lowlat-plugin [NAME=]package.module:OBJECT`` registers a
+plugin defined in a module (``fixtures.register_module_plugin``); ``--lowlat-sweep`` picks the sweep mode.
 """
 
 from __future__ import annotations
@@ -112,7 +115,8 @@ class ContractReport:
             name, promise = mark.args
             self.contracts.setdefault(name, {"promise": promise, "items": []})["items"].append(item.nodeid)
             item.user_properties.append(("lowlat_contract", name))
-        if self.contracts and not self.config.getoption("lowlat_plugin") and not self._allow_empty():
+        if self.contracts and not self.config.getoption("lowlat_plugin") and not self._allow_empty() and \
+                not self.config.option.collectonly:
             raise pytest.UsageError("lowlat contract suite: no --lowlat-plugin NAME given, so nothing would be "
                                     "checked; pass one (or --lowlat-allow-empty to accept an empty run)")
 
@@ -123,7 +127,8 @@ class ContractReport:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         """A run that checked nothing is no pass: every selected contract test skipped (e.g. a Triton plugin on
         a CPU without TRITON_INTERPRET=1) exits with NO_TESTS_COLLECTED (5) and a one-line reason."""
-        if not self.contracts or not self.config.getoption("lowlat_plugin") or self._allow_empty():
+        if not self.contracts or not self.config.getoption("lowlat_plugin") or self._allow_empty() or \
+                self.config.option.collectonly:
             return
         ran = [s for s, _ in self.outcomes.values() if s in ("passed", "failed")]
         if ran or exitstatus not in (0, pytest.ExitCode.OK):
