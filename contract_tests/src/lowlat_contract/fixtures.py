@@ -25,6 +25,7 @@ FIXTURE_PLUGINS: dict[str, str] = {
     "broken_late_state": "lowlat_contract.plugins.broken:LATE_STATE_HOOKS",
     "broken_bias": "lowlat_contract.plugins.broken:BIAS_HOOKS",
     "broken_one_row": "lowlat_contract.plugins.broken:ONE_ROW_HOOKS",
+    "broken_leak": "lowlat_contract.plugins.broken:LEAK_HOOKS",
 }
 """Plugin name -> entry point value (an object whose ``lowlat_model_specs`` hook returns its specs)."""
 

@@ -26,6 +26,8 @@ broken_bias            never adds the q/k/v bias (serves attention_bias=true    
                        checkpoints as if it had none)
 broken_one_row         in steps of 8 or more tokens the last row's logits are       shape_sweeps (per-row bound)
                        off by 10% of their scale (excused in 0.2 as 1 row in 8)
+broken_leak            keeps every step's hidden states in a list (memory that      long_run (memory)
+                       grows with each call); its outputs stay right
 =====================  ==========================================================  ===========================
 
 None is registered by an installed distribution; ``lowlat_contract.fixtures.install_fixture_plugins``
@@ -132,6 +134,23 @@ class OneRowForward(ReferenceForward):
         return out
 
 
+class LeakForward(ReferenceForward):
+    """broken_leak: keeps a copy of each step's embeddings forever."""
+
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        self.history: list[torch.Tensor] = []
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super()._embed(ids)
+        self.history.append(x.clone())
+        return x
+
+
+def build_leak(binding: Any) -> ReferenceForward:
+    return LeakForward(binding)
+
+
 def build_input_edit(binding: Any) -> ReferenceForward:
     return InputEditForward(binding)
 
@@ -181,3 +200,4 @@ INPUT_EDIT_HOOKS = _hooks("build_input_edit")
 LATE_STATE_HOOKS = _hooks("build_late_state")
 BIAS_HOOKS = _hooks("build_bias")
 ONE_ROW_HOOKS = _hooks("build_one_row")
+LEAK_HOOKS = _hooks("build_leak")
