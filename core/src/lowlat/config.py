@@ -219,6 +219,9 @@ class EngineConfig:
         kv_cache_fraction: fraction of device memory left after weights and plugin workspaces
             that the KV pool may take (CUDA); on CPU the pool is sized for max_batch_size x max_context_len.
         cuda_graph: capture DECODE and VERIFY steps in CUDA graphs (CUDA only).
+        overlap: run DECODE steps overlapped (``lowlat.runtime.overlap``: the host schedules step N+1 while the
+            device runs step N; sampled ids stay on the device and are read one step late); None (default):
+            on for CUDA, off for CPU. Speculative engines never overlap. ``resolved_overlap`` is the decision.
         max_verify_tokens: largest k+1 a VERIFY step may carry (graphs are captured for it).
         chunked_prefill_size: prompts longer than this are prefilled in chunks (tokens).
         plugin: "none", "auto" or a plugin name.
@@ -251,6 +254,7 @@ class EngineConfig:
     max_context_len: int = 2048
     kv_cache_fraction: float = 0.85
     cuda_graph: bool = True
+    overlap: bool | None = None
     max_verify_tokens: int = 8
     chunked_prefill_size: int = 4096
     plugin: str = "auto"
@@ -324,6 +328,13 @@ class EngineConfig:
         if self.strict_max_position:
             raise ConfigError(msg + f"; pass max_context_len <= {model.max_position_embeddings}")
         warnings.warn(msg + "; outputs there may be poor (strict_max_position=True refuses this)", stacklevel=2)
+
+    @property
+    def resolved_overlap(self) -> bool:
+        """Whether DECODE steps run overlapped: ``overlap``, or (None) on CUDA only; never when speculative."""
+        if self.speculative:
+            return False
+        return self.resolved_device == "cuda" if self.overlap is None else bool(self.overlap)
 
     @property
     def resolved_device(self) -> str:

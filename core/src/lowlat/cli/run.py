@@ -43,6 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
     p.add_argument("--max-context-len", type=int, default=d.max_context_len, help=f"default {d.max_context_len}")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"KV page size (default {d.page_size})")
     p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run DECODE steps one after another, reading each step's tokens before scheduling the "
+                        "next (default: overlapped on CUDA, lowlat.runtime.overlap)")
     p.add_argument("--plugin", default="auto",
                    help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
@@ -78,7 +81,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=resolve_model_path(args.model), device=args.device, dtype=args.dtype, tp_size=args.tp,
         page_size=args.page_size, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin, **speculative_config(args),
+        cuda_graph=not args.no_cuda_graph, overlap=False if args.no_overlap else None, seed=args.seed,
+        plugin=args.plugin, **speculative_config(args),
     )
 
 
