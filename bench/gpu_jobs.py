@@ -6,7 +6,7 @@
 
 Each step runs one command under ``timeout_s * scale`` seconds, its output going to ``$OUT/<file>`` (default
 /tmp/out); the runner prints ``=== STEP`` / ``=== rc=N (S s)`` around the lines of the output that the step
-marks as its summary, and writes ``$OUT/jobs.json`` (every step's command, rc and seconds). Before the first
+marks as its summary, and writes ``$OUT/jobs-<jobs>-<UTC time>.json`` (every step's command, rc and seconds). Before the first
 step it installs the four distributions editable without dependencies (the device image has them) and, when
 ``.whl/`` holds carried wheels, those into /tmp/site (put on PYTHONPATH); NVLink multicast stays off.
 
@@ -252,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = prepare(out)
     records = [run_step(s, out, env, opts.scale) for j in args.jobs for s in JOBS[j](opts)]
-    (out / "jobs.json").write_text(json.dumps({"jobs": args.jobs, "steps": records}, indent=1))
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    (out / f"jobs-{'-'.join(args.jobs)}-{stamp}.json").write_text(
+        json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
+            "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "MUTANTS",
+            "AMD_VARIANTS", "ROWS")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
           f"{len(records)} steps ok")
