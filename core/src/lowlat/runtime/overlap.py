@@ -11,7 +11,8 @@ blog, 2024-12-04). This is a single-threaded, single-stream take on it, written 
    known on the host (one past step N's), and its input id is step N's pick, copied on the device into the
    batch's ``input_ids`` (the CUDA graph's fixed input buffer, so the replay needs no host value). The host
    mirror's ``input_ids`` carry the row of each request in step N's picks; one ``index_select`` on the device
-   turns them into token ids after the batch upload, in stream order before the forward.
+   turns them into token ids after the batch upload, in stream order before the forward (a plain copy when the
+   requests are step N's, in its order: step N+1's requests are always step N's minus some, in order).
 3. ``resolve(N)``: wait (with a deadline) for step N's event, read the ids (one step late) and apply them as
    ``Engine._run`` does: ``Scheduler.update_decode``, stop checks (EOS, length), stats, ``logits_observer``,
    ``step_observer``, completions. The host does this, and everything the caller does before the next
@@ -182,7 +183,10 @@ class OverlapLoop:
         t0 = time.perf_counter()
         if prev is not None:  # the host wrote rows of prev's picks; the device replaces them by the ids
             ids = step.batch.input_ids
-            ids.copy_(prev.picked.index_select(0, ids))
+            if len(step.requests) == len(prev.step.requests):  # the same requests in the same order
+                ids.copy_(prev.picked)
+            else:
+                ids.copy_(prev.picked.index_select(0, ids))
         logits = e.runner.forward(step.batch)
         if step.greedy:
             picked = torch.argmax(logits, dim=-1)
