@@ -64,7 +64,7 @@ class InFlight:
         host: [B] int64 host tensor the ids are copied to (pinned on CUDA; ``picked`` itself on CPU).
         event: recorded after the copy (CUDA), None on CPU (the copy is done).
         t0: ``time.perf_counter()`` at launch (s).
-        logits: a device copy of the step's logits, kept only while a ``logits_observer`` is set.
+        logits: the step's logits (a copy of an eager forward's), kept only while a ``logits_observer`` is set.
         graphed, path: what ``ModelRunner.forward`` did (``last_graphed``, ``last_path``).
     """
 
@@ -192,7 +192,9 @@ class OverlapLoop:
             picked = torch.argmax(logits, dim=-1)
         else:
             picked = sample(logits, [r.params for r in step.requests], [r.generator for r in step.requests])
-        kept = logits.clone() if e.logits_observer is not None else None  # graph outputs are reused by N+1
+        kept = None
+        if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
+            kept = logits if e.runner.last_graphed else logits.clone()
         if self._cuda:
             host = self._host[self._flip][:len(step.requests)]
             self._flip ^= 1
