@@ -206,7 +206,8 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
     runner = engine.runner
     console.print(Text(f"model {engine.config.model} ({engine.model_config.architecture}) on {runner.device}, "
                        f"{str(runner.dtype).removeprefix('torch.')}, tp={engine.config.tp_size}, "
-                       f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}"))
+                       f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
+                       f"overlapped loop {'on' if getattr(engine, 'overlap', None) is not None else 'off'}"))
     sel = runner.plugin_host.selection
     console.print(Text(f"plugin {sel.plugin.name} ({sel.plugin.distribution} {sel.plugin.version}): {sel.reason}"
                        if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))
