@@ -67,6 +67,20 @@ def test_greedy_identity_reference_plugin(reference_plugin, batch):
         assert e.stats.paths_as_dict()["plugin"]["DECODE"]["steps"] == plain[3]
 
 
+def test_continuous_batching_identity():
+    """More prompts than rows (max_batch_size 2) and a chunked prompt: requests join as others leave. Tokens and each
+    request's streamed lengths equal plain steps'; a joining request's PREFILL comes after the step in flight."""
+    out = {}
+    for overlap in (False, True):
+        toks, reasons, seen, _ = run(overlap, PROMPTS, params(4), max_batch_size=2, chunked_prefill_size=8)
+        streams = {}
+        for _, reqs in seen:
+            for rid, ids in reqs:
+                streams.setdefault(rid, []).append(ids)
+        out[overlap] = toks, reasons, streams
+    assert out[True] == out[False]
+
+
 def test_seeded_sampling_identity():
     plist = params(4, temperature=0.8, top_k=50, seed=5)
     assert run(True, PROMPTS, plist) == run(False, PROMPTS, plist)
@@ -229,5 +243,10 @@ def test_tp2_overlap_equals_tp1_plain(monkeypatch):
             while two.has_unfinished():
                 done += two.step()
             assert [c.request_id for c in done] == [rid] and done[0].token_ids == want[0][0]
+            rid = two.add_request(prompts[0], plist[0])  # verify() drains the step in flight on every rank
+            for _ in range(3):
+                two.step()
+            res = two.verify({rid: want[0][0][4:5]})  # tokens 0..3 are read, 4 is drafted: kept, 5 is the bonus
+            assert res.accepted[rid] == want[0][0][4:6] and [c.request_id for c in res.finished] == [rid]
     finally:
         torch.set_num_threads(n)
