@@ -124,8 +124,8 @@ def serve(o: Options) -> list[Step]:
     concurrency 1-8; ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` / ``SPECULATIVE`` (e.g. simulated:3.51) tune it."""
     out = os.environ.get("OUT", "/tmp/out")
     spec = os.environ.get("SPECULATIVE", "")
-    extra = ["--serve-arg", f"--speculative={spec}", "--serve-arg",
-             f"--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
+    extra = [f"--serve-arg=--speculative={spec}",  # one token each: argparse would take a bare "--x" as a flag
+             f"--serve-arg=--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
     tag = f"_{_slug(spec)}" if spec else ""
     return [Step(f"bench serve {m}{' ' + spec if spec else ''}", 560,
                  [*LOWLAT, "bench", "serve", "--paths", ",".join(["general", *o.plugins]), "--model", m, "--device",

@@ -204,6 +204,38 @@ def parse_method(method: str) -> SpeculativeMethod:
     raise ConfigError(f"speculative method {method!r} is not one of {SPECULATIVE_FORMS}")
 
 
+STEP_TIMEOUT_ENV = "LOWLAT_STEP_TIMEOUT"
+DEFAULT_STEP_TIMEOUT_S = 60.0
+_INT_FIELDS = ("tp_size", "page_size", "max_batch_size", "max_context_len", "max_verify_tokens",
+               "chunked_prefill_size", "seed")
+_BOOL_FIELDS = ("cuda_graph", "speculative")
+_STR_FIELDS = ("model", "device", "dtype", "plugin")
+
+
+def _check_types(cfg: EngineConfig) -> None:
+    """Raise ConfigError naming the field when a value has the wrong type ("8" for an int, say)."""
+    def bad(name: str, want: str) -> ConfigError:
+        value = getattr(cfg, name)
+        return ConfigError(f"EngineConfig.{name} must be {want}, got {value!r} ({type(value).__name__})")
+
+    for name in _INT_FIELDS:
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise bad(name, "an int")
+    if cfg.num_layers is not None and (not isinstance(cfg.num_layers, int) or isinstance(cfg.num_layers, bool)):
+        raise bad("num_layers", "an int or None")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(cfg, name), bool):
+            raise bad(name, "a bool")
+    for name in _STR_FIELDS:
+        if not isinstance(getattr(cfg, name), str):
+            raise bad(name, "a str")
+    for name in ("kv_cache_fraction", "step_timeout_s"):
+        v = getattr(cfg, name)
+        if (v is not None or name == "kv_cache_fraction") and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise bad(name, "a number")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the user asked the engine for.
@@ -243,6 +275,9 @@ class EngineConfig:
         num_layers: run only the first N decoder layers (benchmarks use two depths to get per-layer latency).
         strict_max_position: refuse a ``max_context_len`` above the model's ``max_position_embeddings``
             (default: warn; positions past it are outside what the model was trained on).
+        step_timeout_s: deadline of one step, and of each cross-rank wait within it, in seconds; None reads
+            LOWLAT_STEP_TIMEOUT, else 60 (below a typical serving watchdog). A missed deadline raises
+            StepDeadlineExceeded and leaves the engine unusable (``lowlat.runtime.deadline``).
     """
 
     model: str = "tiny-llama"
@@ -267,9 +302,11 @@ class EngineConfig:
     speculative_adaptive: bool = True
     num_layers: int | None = None
     strict_max_position: bool = False
+    step_timeout_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -328,6 +365,29 @@ class EngineConfig:
         if self.strict_max_position:
             raise ConfigError(msg + f"; pass max_context_len <= {model.max_position_embeddings}")
         warnings.warn(msg + "; outputs there may be poor (strict_max_position=True refuses this)", stacklevel=2)
+        if self.step_timeout_s is not None and not 0 < self.step_timeout_s < float("inf"):
+            raise ConfigError(f"step_timeout_s must be a finite number of seconds > 0 or None, "
+                              f"got {self.step_timeout_s}")
+
+    @property
+    def resolved_step_timeout_s(self) -> float:
+        """The step deadline in seconds: ``step_timeout_s``, else LOWLAT_STEP_TIMEOUT, else 60.
+
+        Raises:
+            ConfigError: LOWLAT_STEP_TIMEOUT is not a positive finite number.
+        """
+        if self.step_timeout_s is not None:
+            return float(self.step_timeout_s)
+        raw = os.environ.get(STEP_TIMEOUT_ENV, "").strip()
+        if not raw:
+            return DEFAULT_STEP_TIMEOUT_S
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{STEP_TIMEOUT_ENV}={raw!r} must be a finite number of seconds > 0")
+        return value
 
     @property
     def resolved_overlap(self) -> bool:

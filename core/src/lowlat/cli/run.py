@@ -49,6 +49,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
     p.add_argument("--plugin", default="auto",
                    help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
+    p.add_argument("--step-timeout", type=float, default=None, metavar="S",
+                   help="deadline of one step in seconds; a step that misses it stops the engine with an error "
+                        "naming the step and the plugin or rank (default: LOWLAT_STEP_TIMEOUT, else 60)")
     add_speculative_args(p)
 
 
@@ -82,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=resolve_model_path(args.model), device=args.device, dtype=args.dtype, tp_size=args.tp,
         page_size=args.page_size, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
         cuda_graph=not args.no_cuda_graph, overlap=False if args.no_overlap else None, seed=args.seed,
-        plugin=args.plugin, **speculative_config(args),
+        plugin=args.plugin, step_timeout_s=getattr(args, "step_timeout", None), **speculative_config(args),
     )
 
 

@@ -99,6 +99,15 @@ def _read_header(path: Path) -> tuple[dict[str, dict], int]:
     return header, expected
 
 
+def _stays_inside(name: object) -> bool:
+    """Whether an index entry names a file inside the checkpoint directory (lexically: no absolute path, no
+    ``..`` escape; symlinks inside the directory, as in the HF cache, are allowed)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return False
+    norm = os.path.normpath(name)
+    return not (os.path.isabs(norm) or norm == ".." or norm.startswith(".." + os.sep) or norm == ".")
+
+
 class CheckpointReader:
     """Lazy reader of an HF checkpoint directory (``model.safetensors.index.json`` + shards, or one
     ``model.safetensors``).
@@ -126,6 +135,11 @@ class CheckpointReader:
                 raise CheckpointError(f"{index} is not a safetensors index (needs a 'weight_map' object of "
                                       "tensor name -> file); re-download or re-create it") from None
             files = sorted(set(weight_map.values()))
+            outside = [f for f in files if not _stays_inside(f)]
+            if outside:
+                raise CheckpointError(f"{index} maps tensors to {len(outside)} file(s) outside {self.path}: "
+                                      f"{', '.join(map(repr, outside[:5]))}; an index may only name files in its own "
+                                      "directory (refusing to read them)")
             missing = [f for f in files if not (self.path / f).is_file()]
             if missing:
                 raise CheckpointError(f"{index} names {len(missing)} shard(s) missing from {self.path}: "

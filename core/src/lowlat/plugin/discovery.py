@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -119,9 +120,9 @@ def discover(allowlist: list[str] | None = None) -> PluginRegistry:
         PluginNotFound: an allowlisted name matches no entry point (the message names those found).
     """
     if allowlist is None:
-        env = os.environ.get(ALLOWLIST_ENV, "").strip()
-        allowlist = [n.strip() for n in env.split(",") if n.strip()] if env else None
-    eps = {ep.name: ep for ep in metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP)}
+        allowlist = parse_allowlist(os.environ.get(ALLOWLIST_ENV, ""))
+    all_eps = list(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP))
+    eps = {ep.name: ep for ep in all_eps}
     if allowlist is not None:
         unknown = sorted(set(allowlist) - set(eps))
         if unknown:
@@ -133,8 +134,54 @@ def discover(allowlist: list[str] | None = None) -> PluginRegistry:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     core = core_version()
-    plugins = {name: _load_one(pm, ep, core) for name, ep in sorted(eps.items())}
+    dups = _duplicates(all_eps)
+    plugins = {name: _duplicate_info(name, dups[name]) if name in dups else _load_one(pm, ep, core)
+               for name, ep in sorted(eps.items())}
     return PluginRegistry(plugins, core, pm)
+
+
+def parse_allowlist(value: str) -> list[str] | None:
+    """The plugin names of a LOWLAT_PLUGINS value ("a,b"); None when it is unset or blank (all plugins).
+
+    Raises:
+        PluginNotFound: an empty entry ("a,,b"), a name with characters an entry point name cannot have
+            ("a;b", "a b") or a name given twice; the message lists every entry found.
+    """
+    if not value.strip():
+        return None
+    items = [n.strip() for n in value.split(",")]
+    if items and items[-1] == "" and len(items) > 1:
+        items = items[:-1]  # a trailing comma is harmless
+    bad = [n for n in items if not _NAME.fullmatch(n)]
+    twice = sorted({n for n in items if items.count(n) > 1})
+    if bad or twice:
+        why = (f"invalid name(s) {', '.join(repr(b) for b in bad)}" if bad else "") + \
+              ("; " if bad and twice else "") + (f"named twice: {', '.join(twice)}" if twice else "")
+        raise PluginNotFound(f"{ALLOWLIST_ENV}={value!r} is malformed ({why}); found entries "
+                             f"{[n for n in items]}; give comma-separated plugin names, e.g. "
+                             f"{ALLOWLIST_ENV}=nvidia_mega,amd_mono")
+    return items
+
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def _duplicates(eps: list[metadata.EntryPoint]) -> dict[str, list[metadata.EntryPoint]]:
+    by_name: dict[str, list[metadata.EntryPoint]] = {}
+    for ep in eps:
+        by_name.setdefault(ep.name, []).append(ep)
+    return {n: v for n, v in by_name.items() if len(v) > 1}
+
+
+def _duplicate_info(name: str, eps: list[metadata.EntryPoint]) -> PluginInfo:
+    """Two distributions declaring one plugin name: neither loads (which one would run is an accident)."""
+    found = [f"{ep.dist.metadata['Name'] if ep.dist else '?'} {ep.dist.version if ep.dist else '?'} ({ep.value})"
+             for ep in eps]
+    dists = ", ".join(ep.dist.metadata["Name"] if ep.dist else "?" for ep in eps)
+    return PluginInfo(name=name, distribution=dists, version="(several)",
+                      core_range="", status=BROKEN,
+                      error=f"plugin name {name!r} is declared by {len(eps)} distributions: {'; '.join(found)}; "
+                            f"uninstall all but one")
 
 
 def _load_one(pm: pluggy.PluginManager, ep: metadata.EntryPoint, core: str) -> PluginInfo:
@@ -149,7 +196,9 @@ def _load_one(pm: pluggy.PluginManager, ep: metadata.EntryPoint, core: str) -> P
     try:
         module = ep.load()
         pm.register(module, name=ep.name)
-    except Exception as e:  # a plugin's import may raise anything; isolate it
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # a plugin's import may raise anything, sys.exit() too; isolate it
         return PluginInfo(**base, status=BROKEN, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
     specs: list[ModelSpec] = []
     try:
@@ -162,7 +211,9 @@ def _load_one(pm: pluggy.PluginManager, ep: metadata.EntryPoint, core: str) -> P
             raise SpecError(f"two specs serve the same architecture: {archs}")
         if not specs:
             raise SpecError("lowlat_model_specs returned no spec")
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit from a hook is contained like any error
         pm.unregister(name=ep.name)
         return PluginInfo(**base, status=BROKEN, error=f"invalid spec from plugin {ep.name!r}: {e}",
                           traceback=traceback.format_exc())
@@ -198,7 +249,9 @@ def load_callable(path: str, plugin: str):  # type: ignore[no-untyped-def]
     module_name, _, attr = path.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attr)
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit at import included
         raise PluginLoadError(f"plugin {plugin!r}: cannot import {path}: {type(e).__name__}: {e}") from e
 
 

@@ -90,7 +90,9 @@ class Dispatcher:
     def _supports(self, batch: ForwardBatch) -> bool:
         try:
             return self.plugin_forward.supports(batch)
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # SystemExit from plugin code is contained
             raise PluginStepError(f"plugin {self.plugin!r} raised in supports() for a {_describe(batch)}: "
                                   f"{type(e).__name__}: {e}") from e
 
@@ -107,9 +109,9 @@ class Dispatcher:
             return self.general_forward(batch)
         try:
             out = self.plugin_forward.forward(batch)
-        except PluginStepError:
+        except (PluginStepError, KeyboardInterrupt):
             raise
-        except Exception as e:
+        except BaseException as e:  # SystemExit from plugin code is contained
             raise PluginStepError(f"plugin {self.plugin!r} failed during a {_describe(batch)}: "
                                   f"{type(e).__name__}: {e}") from e
         self.check_shape(out, batch)

@@ -42,3 +42,11 @@ class PluginBuildError(LowlatPluginError):
 
 class PluginStepError(LowlatPluginError):
     """A plugin failed during a step (raised, returned a bad shape or dtype, or produced NaN)."""
+
+
+class RankDisagreement(LowlatPluginError):
+    """Tensor-parallel ranks did not reach the same plugin decision; raised on every rank with each one's reason."""
+
+
+class PluginModifiedParameters(PluginBuildError):
+    """A plugin changed the general model's parameters in place (they are read-only to plugins); never falls back."""

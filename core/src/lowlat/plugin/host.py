@@ -7,6 +7,7 @@ Dispatcher; ``attach_kv_pool`` publishes the pool once it is sized. Explicit req
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -15,11 +16,13 @@ import torch
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.platform import Platform, detect_platform
+from lowlat.plugin.agreement import agree_build, build_failure_text
 from lowlat.plugin.binding import PluginBinding, PluginForward
 from lowlat.plugin.discovery import discover, load_callable
 from lowlat.plugin.dispatch import GENERAL, PLUGIN, Dispatcher
-from lowlat.plugin.errors import LowlatPluginError, PluginBuildError
-from lowlat.plugin.selection import Selection, select_plugin
+from lowlat.plugin.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
+from lowlat.plugin.param_guard import changed, fingerprint
+from lowlat.plugin.selection import Selection, auto_candidates, select_plugin
 from lowlat.runtime.forward_batch import ForwardBatch
 
 log = logging.getLogger("lowlat.plugin")
@@ -35,8 +38,10 @@ class PluginHost:
         dispatcher: the Dispatcher (after ``build``).
     """
 
-    def __init__(self, selection: Selection | None, rejections: list[str] | None = None) -> None:
+    def __init__(self, selection: Selection | None, rejections: list[str] | None = None,
+                 candidates: list[Selection] | None = None) -> None:
         self.selection = selection
+        self.candidates = candidates if candidates is not None else ([selection] if selection else [])
         self.rejections = rejections or []
         self.binding: PluginBinding | None = None
         self.dispatcher: Dispatcher | None = None
@@ -60,10 +65,15 @@ class PluginHost:
             return cls(None)
         platform = platform or detect_platform(engine.resolved_device)
         rejections: list[str] = []
-        selection = select_plugin(discover(), engine.plugin, platform, engine, model, rejections)
+        if engine.plugin == "auto":
+            candidates = auto_candidates(discover(), platform, engine, model, rejections)
+        else:
+            one = select_plugin(discover(), engine.plugin, platform, engine, model, rejections)
+            candidates = [one] if one is not None else []
+        selection = candidates[0] if candidates else None
         if selection is not None:
             log.info("plugin %s selected: %s", selection.plugin.name, selection.reason)
-        return cls(selection, rejections)
+        return cls(selection, rejections, candidates)
 
     @property
     def name(self) -> str | None:
@@ -86,27 +96,50 @@ class PluginHost:
         ``tp_group`` goes to the binding (collectives on device tensors); ``agree_group`` (default: the same)
         carries the dispatcher's per-step agreement on a host tensor.
 
+        Under tensor parallelism the ranks agree on each outcome (``lowlat.plugin.agreement``): a build that
+        failed on one rank failed on all. ``auto`` tries its candidates in order, the next when one fails.
+
         Returns:
-            The Dispatcher, or None when no plugin was selected — or, for ``plugin="auto"``, when the chosen
-            plugin failed to import or build (logged and recorded in ``rejections``; the general path serves).
+            The Dispatcher, or None when no plugin was selected — or, for ``plugin="auto"``, when every candidate
+            failed to import or build (logged and recorded in ``rejections``; the general path serves).
         Raises:
-            PluginBuildError / PluginLoadError: for an explicitly named plugin whose check_model or build raised,
-                returned something that is not a PluginForward, or allocated more than the memory left.
+            PluginBuildError / PluginLoadError: for an explicitly named plugin whose check_model or build raised
+                (on any rank), returned something that is not a PluginForward, or allocated more than the memory left.
+            PluginModifiedParameters: a plugin changed the general model's parameters in place (even for auto:
+                the general path could no longer be trusted).
         """
         if self.selection is None:
             return None
-        try:
-            return self._build(model=model, engine=engine, model_config=model_config, device=device, dtype=dtype,
-                               tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, agree_group=agree_group,
-                               general_forward=general_forward, workspace_budget_bytes=workspace_budget_bytes)
-        except LowlatPluginError as e:
-            if engine.plugin != "auto":
-                raise  # an explicit request never falls back
-            log.warning("auto: plugin %s could not be built, every step takes the general path: %s",
-                        self.selection.plugin.name, e)
-            self.rejections.append(f"{self.selection.plugin.name}: its guard passed but build failed: {e}")
-            self.selection, self.binding, self.dispatcher = None, None, None
-            return None
+        explicit = engine.plugin != "auto"
+        tried: list[str] = []
+        for sel in [self.selection] if explicit else list(self.candidates):
+            self.selection = dataclasses.replace(sel, reason=sel.reason + (
+                f" (tried after {', '.join(tried)} failed to build)" if tried else ""))
+            err: BaseException | None = None
+            try:
+                self._build(model=model, engine=engine, model_config=model_config, device=device, dtype=dtype,
+                            tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, agree_group=agree_group,
+                            general_forward=general_forward, workspace_budget_bytes=workspace_budget_bytes)
+            except LowlatPluginError as e:
+                err = e
+            reports = agree_build(sel.plugin.name, err, isinstance(err, PluginModifiedParameters), tp_size=tp_size,
+                                  group=agree_group if agree_group is not None else tp_group)
+            if reports is None:
+                return self.dispatcher
+            self.binding, self.dispatcher = None, None
+            text = build_failure_text(sel.plugin.name, reports)
+            if explicit or any(r["fatal"] for r in reports):  # an explicit request, or the model is corrupted
+                if err is not None and tp_size == 1:
+                    raise err
+                cls = PluginModifiedParameters if any(r["fatal"] for r in reports) else PluginBuildError
+                raise cls(f"plugin {sel.plugin.name!r} failed to build{text}; every rank stops") from err
+            tried.append(sel.plugin.name)
+            self.rejections.append(f"{sel.plugin.name}: its guard passed but build failed{text}")
+            log.warning("auto: plugin %s could not be built (%s); %s", sel.plugin.name, text,
+                        "trying the next candidate" if sel is not self.candidates[-1]
+                        else "every step takes the general path")
+        self.selection = None
+        return None
 
     def _build(self, *, model: torch.nn.Module, engine: EngineConfig, model_config: ModelConfig,
                device: torch.device, dtype: torch.dtype, tp_rank: int, tp_size: int, tp_group: object,
@@ -119,6 +152,7 @@ class PluginHost:
             params=dict(model.named_parameters(remove_duplicate=False)), tp_rank=tp_rank, tp_size=tp_size,
             tp_group=tp_group,
             checkpoint_tensors=self._retained, workspace_budget_bytes=workspace_budget_bytes)
+        before = fingerprint(self.binding.params)
         try:
             if spec.check_model:
                 load_callable(spec.check_model, name)(self.binding)
@@ -128,12 +162,15 @@ class PluginHost:
         except torch.OutOfMemoryError as e:
             raise PluginBuildError(f"plugin {name!r} ran out of device memory during build: {e}; lower "
                                    f"max_batch_size/max_context_len or use --plugin none") from e
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # sys.exit() in build is contained too
             raise PluginBuildError(f"plugin {name!r} failed to build for {model_config.architecture}: "
                                    f"{type(e).__name__}: {e}") from e
         finally:
             self.binding.release_checkpoint()
             self._retained = {}
+            self._check_unchanged(name, before)
         if not isinstance(forward, PluginForward):
             raise PluginBuildError(f"plugin {name!r}: build returned {type(forward).__name__}, which lacks "
                                    f"supports(batch) and forward(batch)")
@@ -141,6 +178,18 @@ class PluginHost:
                                      general_forward=general_forward, vocab_size=model_config.vocab_size,
                                      tp_size=tp_size, tp_group=agree_group if agree_group is not None else tp_group)
         return self.dispatcher
+
+    def _check_unchanged(self, name: str, before: dict[str, tuple[int, int]]) -> None:
+        """Raise PluginModifiedParameters when check_model/build changed a parameter (even if build raised)."""
+        assert self.binding is not None
+        edited = changed(before, self.binding.params)
+        if edited:
+            raise PluginModifiedParameters(
+                f"plugin {name!r} changed {len(edited)} parameter(s) of the general model in place during "
+                f"check_model/build: {', '.join(edited[:5])}{' ...' if len(edited) > 5 else ''}; parameters are "
+                "read-only to plugins (copy them into alloc_workspace buffers to transform them). The engine "
+                "does not start, since the general path would use the changed weights: fix the plugin or use "
+                "--plugin none")
 
     def install_graph_hooks(self, graph_runner: Any) -> Callable[[ForwardBatch], torch.Tensor]:
         """Record the dispatcher's path per captured shape; return the function the graphs capture.
@@ -172,8 +221,8 @@ class PluginHost:
         if self.binding is not None:
             try:
                 self.binding.attach_kv_pool(kv_pool)
-            except LowlatPluginError:
+            except (LowlatPluginError, KeyboardInterrupt):
                 raise
-            except Exception as e:
+            except BaseException as e:
                 raise PluginBuildError(f"plugin {self.name!r} failed when the KV pool became ready: "
                                        f"{type(e).__name__}: {e}") from e

@@ -1,10 +1,11 @@
 """Choose the plugin an engine runs with: "none", "auto" or an explicit name.
 
 Explicit requests never fall back silently: a missing, broken or incompatible plugin raises, and a
-failing guard raises UnsupportedConfiguration with the whole trace. "auto" takes a usable plugin
-whose spec for the architecture passes — preferring one whose first-listed platform is this machine's kind
-(its primary target), then by name — records why the others did not, and warns once about broken
-plugins without raising.
+failing guard raises UnsupportedConfiguration with the whole trace. "auto" ranks the usable plugins
+whose spec for the architecture passes — those made for this machine's platform kind first (the spec's
+``requirements.made_for``, else its first-listed platform), then by name — records why the others did not,
+and warns once about broken plugins without raising; ``PluginHost.build`` tries the ranked candidates in
+order when one fails to build.
 """
 
 from __future__ import annotations
@@ -65,10 +66,18 @@ def select_plugin(
     return Selection(info, spec, trace, f"requested explicitly; every requirement passes ({platform.describe()})")
 
 
-def _auto(registry: PluginRegistry, platform: Platform, engine: EngineConfig, model: ModelConfig,
-          rejections: list[str]) -> Selection | None:
-    """The first passing plugin, preferring those whose first-listed platform matches (their primary target)."""
+def auto_candidates(registry: PluginRegistry, platform: Platform, engine: EngineConfig, model: ModelConfig,
+                    rejections: list[str]) -> list[Selection]:
+    """Every usable plugin whose spec passes here, best first: those made for this platform kind, then by name.
+
+    A spec is made for the kinds in ``requirements.made_for``; a spec that does not declare it is made for its
+    first-listed platform. Skipped plugins (unusable, not serving the architecture, guard failing) each add
+    one line to ``rejections``.
+    """
     passing = []
+    for info in sorted(registry.plugins.values(), key=lambda i: i.name):
+        if info.status != "ok":
+            rejections.append(f"{info.name}: {info.status}: {info.error}")
     for info in registry.usable():
         spec = info.spec_for(model.architecture)
         if spec is None:
@@ -76,15 +85,29 @@ def _auto(registry: PluginRegistry, platform: Platform, engine: EngineConfig, mo
             continue
         trace = evaluate(info.name, spec, platform, engine, model)
         if trace.passed:
-            primary = spec.requirements.platforms[0].kind == platform.kind
-            passing.append((not primary, info.name, info, spec, trace))
+            passing.append((not made_for_here(spec, platform), info.name, info, spec, trace))
         else:
             rejections.append(f"{info.name}: {trace.summary()}")
     for line in rejections:
         log.info("auto: skipped %s", line)
-    if not passing:
-        return None
-    _, _, info, spec, trace = min(passing, key=lambda p: p[:2])
-    return Selection(info, spec, trace, f"auto: its guard passes on {platform.describe()}, its primary platform"
-                     if spec.requirements.platforms[0].kind == platform.kind else
-                     f"auto: its guard passes on {platform.describe()}")
+    passing.sort(key=lambda p: p[:2])
+    out = []
+    for i, (_, _name, info, spec, trace) in enumerate(passing):
+        why = f"auto: made for {platform.kind} and its guard passes on {platform.describe()}" \
+            if made_for_here(spec, platform) else f"auto: its guard passes on {platform.describe()}"
+        if i == 0 and len(passing) > 1:
+            why += f"; preferred over {', '.join(p[1] for p in passing[1:])}"
+        out.append(Selection(info, spec, trace, why))
+    return out
+
+
+def made_for_here(spec: ModelSpec, platform: Platform) -> bool:
+    """Whether ``spec`` is made for this platform kind (``made_for``, else its first-listed platform)."""
+    req = spec.requirements
+    return platform.kind in (req.made_for or (req.platforms[0].kind,))
+
+
+def _auto(registry: PluginRegistry, platform: Platform, engine: EngineConfig, model: ModelConfig,
+          rejections: list[str]) -> Selection | None:
+    cands = auto_candidates(registry, platform, engine, model, rejections)
+    return cands[0] if cands else None

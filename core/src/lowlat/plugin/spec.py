@@ -89,6 +89,8 @@ class Requirements:
         features_required / features_refused: engine features ("cuda_graph", "speculative").
         libraries: (distribution, PEP 440 specifier) pairs, e.g. ("triton", ">=3.6,<3.10").
         model: (ModelConfig field, accepted values) pairs, e.g. ("head_dim", (64, 128)).
+        made_for: platform kinds the plugin is made for (optional); ``--plugin auto`` prefers a plugin made
+            for this machine's kind over one that merely runs here. Empty: its first-listed platform.
     """
 
     platforms: tuple[PlatformRequirement, ...]
@@ -99,8 +101,15 @@ class Requirements:
     features_refused: frozenset[str] = frozenset()
     libraries: tuple[tuple[str, str], ...] = ()
     model: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    made_for: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.made_for, str):
+            raise SpecError(f"requirements.made_for must be a tuple of platform kinds, got {self.made_for!r}")
+        for kind in self.made_for:
+            if kind not in PLATFORM_KINDS:
+                raise SpecError(f"requirements.made_for names {kind!r}; use platform kinds "
+                                f"{', '.join(PLATFORM_KINDS)}")
         if not self.platforms:
             raise SpecError("requirements.platforms is empty: name at least one platform")
         bad = set(self.dtypes) - set(DTYPES)
@@ -167,6 +176,7 @@ def spec_from_mapping(data: Mapping[str, Any]) -> ModelSpec:
         if req.get(key) is not None:
             req[key] = frozenset(req[key])
     req["libraries"] = tuple(tuple(x) for x in req.get("libraries", ()))
+    req["made_for"] = tuple(req.get("made_for", ()))
     req["model"] = tuple((k, tuple(v)) for k, v in dict(req.get("model", ())).items())
     cov = _check_keys(top.pop("coverage"), Coverage, "coverage")
     try:

@@ -25,6 +25,7 @@ import torch
 from lowlat.config import ConfigError, EngineConfig, ModelConfig
 from lowlat.plugin.errors import LowlatPluginError
 from lowlat.runtime import tp_launch
+from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
 from lowlat.runtime.overlap import OverlapLoop
@@ -32,6 +33,7 @@ from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.speculative.speculator import Speculator
 from lowlat.runtime.stats import StepStats
+from lowlat.runtime.step_guard import check_text, describe_step, laggards, picks_if_finite
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
 INPUT_ERRORS = (ConfigError, LowlatPluginError)
@@ -156,6 +158,8 @@ class Engine:
         if self.speculator is not None:  # VERIFY rows may run past max_new_tokens: promise their KV too
             self.scheduler.slack = self.speculator.k
         self.stats = StepStats()
+        self._watchdog = StepWatchdog(config.resolved_step_timeout_s, self.runner.device)
+        self._steps_run = 0
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
         self.step_observer: Callable[[ScheduledStep], None] | None = None
         self._next_rid = 0
@@ -230,9 +234,11 @@ class Engine:
 
     def close(self, *, abort: bool = False) -> None:
         """Stop TP workers, free the model and KV pool, and tear down the process group (idempotent)."""
-        abort = abort or isinstance(self._failed, tp_launch.WorkerError)
+        abort = abort or isinstance(self._failed, (tp_launch.WorkerError, StepDeadlineExceeded))
         if getattr(self, "overlap", None) is not None:
             self.overlap.discard()
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.close()
         if self._workers is not None:
             self._workers.close()
             self._workers = None
@@ -278,10 +284,7 @@ class Engine:
                 for r in step.requests:
                     if r.t_prefill_start is None:
                         r.t_prefill_start = t0
-            logits = self.runner.forward(step.batch)
-            if self.logits_observer is not None:
-                self.logits_observer(step, logits)
-            toks = (pick or self._pick)(step, logits)
+            toks = self._watchdog.run(lambda: self._forward_pick(step, pick), lambda: self._describe_stuck(step))
             now = time.perf_counter()
             if step.mode is ForwardMode.DECODE:
                 finished = self.scheduler.update_decode(step, toks, now)
@@ -290,15 +293,34 @@ class Engine:
         except BaseException as e:
             self._failed = e
             self.scheduler.abort_all()
+            if isinstance(e, StepDeadlineExceeded) and self._workers is not None:
+                self._workers.close(timeout=1.0)  # stop every rank (frees a thread stuck in a collective)
+                self._workers = None
+                raise
             err = self._worker_error()
             if err is not None:
                 raise err from e
             raise
+        self._steps_run += 1
+        if self._ctx is not None and self._ctx.progress is not None:
+            self._ctx.progress[self.rank] = self._steps_run
         self.stats.record(step.mode, now - t0, step.batch.num_tokens, graphed=self.runner.last_graphed,
                           path=self.runner.last_path)
         if self.step_observer is not None:
             self.step_observer(step)
         return [self._completion(r) for r in finished] if finished else []
+
+    def _forward_pick(self, step: ScheduledStep,
+                      pick: Callable[[ScheduledStep, torch.Tensor], list[int]] | None = None) -> list[int]:
+        """The step's forward and its picks (what runs under the step deadline)."""
+        logits = self.runner.forward(step.batch)
+        if self.logits_observer is not None:
+            self.logits_observer(step, logits)
+        return (pick or self._pick)(step, logits)
+
+    def _describe_stuck(self, step: ScheduledStep) -> str:
+        progress = self._ctx.progress if self._ctx is not None else None
+        return describe_step(step, self.runner, self._steps_run + 1) + laggards(progress, self.rank)
 
     def _pick(self, step: ScheduledStep, logits: torch.Tensor) -> list[int]:
         """The token picked for each of the step's sample rows (argmax alone when every request is greedy)."""
@@ -313,22 +335,12 @@ class Engine:
         else:
             picked = sample(rows, [r.params for r in step.sample_reqs], [r.generator for r in step.sample_reqs])
         self._sync()
-        return picked.tolist()
+        return picks_if_finite(rows, picked, lambda: describe_step(step, self.runner, self._steps_run + 1))
 
     def _sync(self) -> None:
         """On CUDA with spawned workers, wait for the step while watching the workers (never hang on NCCL)."""
-        if self._workers is None or self.runner.device.type != "cuda":
-            return
-        event = torch.cuda.Event()
-        event.record()
-        deadline = time.monotonic() + tp_launch.tp_timeout_s()
-        n = 0
-        while not event.query():
-            n += 1
-            if n % 1000 == 0:
-                self._workers.check()
-                if time.monotonic() > deadline:
-                    raise tp_launch.WorkerError(f"a TP step did not finish within {tp_launch.tp_timeout_s():.0f} s")
+        if self._workers is not None and self.runner.device.type == "cuda":
+            wait_for_device_watching(self._workers)
 
     # -- internals -------------------------------------------------------------------------------------------
 
@@ -398,7 +410,7 @@ class Engine:
             raise TypeError(f"params must be one SamplingParams or one per prompt ({len(prompts)})")
         ids = []
         for i, (p, sp) in enumerate(zip(prompts, plist)):
-            toks = self.tokenizer.encode(p) if isinstance(p, str) else self._as_ids(p, i)
+            toks = self.tokenizer.encode(check_text(p, i)) if isinstance(p, str) else self._as_ids(p, i)
             self._check_ids(toks, f"prompt {i}")
             if len(toks) + sp.max_new_tokens > self.config.max_context_len:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens; with max_new_tokens={sp.max_new_tokens} that "

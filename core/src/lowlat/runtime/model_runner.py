@@ -2,7 +2,9 @@
 
 Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/model_runner.py):
 
-1. resolve the model (checkpoint directory or preset) and build the general model for this TP rank;
+1. resolve the model (checkpoint directory or preset); select the plugin, agreed by every TP rank
+   (``lowlat.plugin.agreement``); refuse when the estimated weights and KV pool cannot fit
+   (``lowlat.runtime.memory_check``); build the general model for this TP rank;
 2. stream the checkpoint (or the preset's seeded random weights) into it, with a progress bar for
    checkpoints of 1 GiB or more;
 3. ``setup_forward()``: the seam where the forward that steps run is chosen (``self.forward_fn``,
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
+from lowlat.plugin.agreement import select_agreed
 from lowlat.plugin.dispatch import GENERAL
 from lowlat.plugin.host import PluginHost
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
@@ -30,6 +33,7 @@ from lowlat.runtime.distributed import SINGLE, TPInfo
 from lowlat.runtime.forward_batch import ForwardBatch, ForwardMode
 from lowlat.runtime.kv_cache import KVPool
 from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
+from lowlat.runtime.memory_check import check_start_memory
 from lowlat.runtime.progress import weights_with_progress
 from lowlat.runtime.scheduler import make_batch
 from lowlat.runtime.step_inputs import StepInputs
@@ -107,7 +111,9 @@ class ModelRunner:
             if config.num_layers is not None:
                 self.model_config = with_layers(self.model_config, config.num_layers)
             self.dtype = config.resolved_dtype(self.model_config)
-            self.plugin_host = PluginHost.select(config, self.model_config)  # the guard: before any weight loads
+            self.plugin_host = select_agreed(config, self.model_config, tp_size=self.tp.size,
+                                             group=self.cpu_group)  # the guard, agreed by all ranks: before any load
+            check_start_memory(config, self.model_config, self.dtype, device=self.device, tp_size=self.tp.size)
             self.load_model()
             self.num_kv_heads = getattr(self.model, "local_kv_heads", None) or kv_heads_per_rank(
                 self.model_config.num_key_value_heads, self.tp.size)

@@ -61,15 +61,27 @@ def under_torchrun() -> bool:
 
 @dataclass
 class TPContext:
-    """One rank's distributed state: its TPInfo, device, host-side group, and whether it owns the group."""
+    """One rank's distributed state: its TPInfo, device, host-side group, and whether it owns the group.
+
+    ``progress`` (spawned mode): shared per-rank counters of finished steps, so a missed step deadline names
+    the ranks that did not finish (``lowlat.runtime.step_guard.laggards``).
+    """
 
     tp: TPInfo
     device: torch.device
     cpu_group: Any
     owns_group: bool
+    progress: Any = None
+    keep: Any = None
 
     def close(self, *, abort: bool = False) -> None:
         """Destroy the process group if this process created it (abort it when a peer has failed)."""
+        try:
+            self._close(abort)
+        finally:
+            self.keep = None  # the rendezvous store (it closes its listening socket)
+
+    def _close(self, abort: bool) -> None:
         if not (self.owns_group and dist.is_initialized()):
             return
         aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -93,8 +105,9 @@ def _device_for(config: EngineConfig, local_rank: int, world_size: int) -> torch
     return torch.device("cuda", local_rank)
 
 
-def init_rank(config: EngineConfig, rank: int, world_size: int, *, local_rank: int, init_method: str) -> TPContext:
-    """Join (or reuse) the default process group as ``rank`` of ``world_size``.
+def init_rank(config: EngineConfig, rank: int, world_size: int, *, local_rank: int, init_method: str,
+              store: Any = None) -> TPContext:
+    """Join (or reuse) the default process group as ``rank`` of ``world_size`` (through ``store`` when given).
 
     Raises:
         ValueError: a reused group's size differs from ``config.tp_size``, or too few GPUs.
@@ -107,8 +120,11 @@ def init_rank(config: EngineConfig, rank: int, world_size: int, *, local_rank: i
                              f"but tp_size={world_size}")
         return TPContext(TPInfo(dist.get_rank(), world_size, None), device, None, owns_group=False)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=tp_timeout_s()))
+    timeout = datetime.timedelta(seconds=tp_timeout_s())
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
     return TPContext(TPInfo(rank, world_size, None), device, None, owns_group=True)
 
 
@@ -121,10 +137,16 @@ def init_from_torchrun(config: EngineConfig) -> TPContext:
                      init_method="env://")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_listener() -> socket.socket:
+    """A TCP socket listening on 127.0.0.1 (a free port): the rendezvous store of spawned mode.
+
+    TCPStore binds every interface when it opens its own socket; handing it this one keeps the store on
+    loopback (and leaves no window in which another process could take the port).
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
 
 
 class WorkerGroup:
@@ -138,9 +160,10 @@ class WorkerGroup:
         self.world_size = config.tp_size
         self.results = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(1, config.tp_size)]
+        self.progress = ctx.Array("q", config.tp_size, lock=False)  # finished steps per rank
         self.procs = [
             ctx.Process(target=_worker_main, args=(config, r, config.tp_size, init_method, q, self.results,
-                                                   torch.get_num_threads()),
+                                                   torch.get_num_threads(), self.progress),
                         name=f"lowlat-tp{r}", daemon=True)
             for r, q in zip(range(1, config.tp_size), self.commands)
         ]
@@ -162,7 +185,9 @@ class WorkerGroup:
             self._drain(block_s=POLL_S)
             self.check()
             if time.monotonic() > deadline:
-                raise WorkerError(f"TP workers did not reach '{stage}' within {timeout:.0f} s (LOWLAT_TP_TIMEOUT)")
+                late = [str(r) for r in range(1, self.world_size) if self._stage.get(r) != stage]
+                raise WorkerError(f"TP worker rank(s) {', '.join(late)} did not reach '{stage}' within {timeout:.0f} s "
+                                  f"(the start-up deadline, LOWLAT_TP_TIMEOUT seconds; raise it for slow loads)")
 
     def send(self, method: str, args: tuple, kwargs: dict, *, ack: bool) -> int:
         """Ask every worker to call ``engine.method(*args, **kwargs)``; returns the call's sequence number."""
@@ -179,7 +204,9 @@ class WorkerGroup:
             self._drain(block_s=POLL_S)
             self.check()
             if time.monotonic() > deadline:
-                raise WorkerError(f"TP workers did not finish call {seq} within {timeout:.0f} s (LOWLAT_TP_TIMEOUT)")
+                late = [str(r) for r in range(1, self.world_size) if r not in self._acks.get(seq, ())]
+                raise WorkerError(f"TP worker rank(s) {', '.join(late)} did not finish call {seq} within "
+                                  f"{timeout:.0f} s (LOWLAT_TP_TIMEOUT seconds)")
         self._acks.pop(seq, None)
 
     def check(self) -> None:
@@ -248,20 +275,27 @@ def start_spawned(config: EngineConfig) -> tuple[TPContext, WorkerGroup]:
     set_multicast_off()
     if config.resolved_device == "cuda":
         _device_for(config, 0, config.tp_size)  # fail before spawning when GPUs are missing
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    listener = _loopback_listener()
+    port = listener.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
     workers = WorkerGroup(config, init_method)
     try:
+        store = dist.TCPStore("127.0.0.1", port, config.tp_size, True, datetime.timedelta(seconds=tp_timeout_s()),
+                              wait_for_workers=False, master_listen_fd=listener.detach())  # the store owns the fd
         workers.start()
         workers.wait_stage("joining", tp_timeout_s())
-        ctx = init_rank(config, 0, config.tp_size, local_rank=0, init_method=init_method)
+        ctx = init_rank(config, 0, config.tp_size, local_rank=0, init_method=init_method, store=store)
+        ctx.progress = workers.progress
+        ctx.keep = store  # it serves the group for its lifetime
     except BaseException:
         workers.close(timeout=2.0)
+        listener.close()  # a no-op once detached
         raise
     return ctx, workers
 
 
 def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: str,
-                 commands: Any, results: Any, num_threads: int) -> None:
+                 commands: Any, results: Any, num_threads: int, progress: Any = None) -> None:
     """A spawned worker: join the group, build an Engine, then run rank 0's mirrored calls until told to stop.
 
     It uses as many intra-op CPU threads as rank 0 (``num_threads``).
@@ -276,7 +310,10 @@ def _worker_main(config: EngineConfig, rank: int, world_size: int, init_method: 
         from lowlat.runtime.engine import Engine
 
         results.put(("joining", rank))
-        ctx = init_rank(config, rank, world_size, local_rank=rank, init_method=init_method)
+        host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world_size, False, datetime.timedelta(seconds=tp_timeout_s()))
+        ctx = init_rank(config, rank, world_size, local_rank=rank, init_method=init_method, store=store)
+        ctx.progress = progress
         engine = Engine(config, _tp_context=ctx)
         results.put(("ready", rank))
         parent = multiprocessing.parent_process()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, Requirements
 from lowlat.runtime.forward_batch import ForwardMode
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile
 MAX_ROWS = 8  # tokens per step the persistent kernels are built for
+
+# --plugin auto prefers a plugin made for the machine's platform kind; cores before 0.2.1 lack the field.
+_MADE_FOR = {"made_for": ("rocm",)} if "made_for" in {f.name for f in fields(Requirements)} else {}
 
 REQUIREMENTS = Requirements(
     platforms=(
@@ -18,9 +23,10 @@ REQUIREMENTS = Requirements(
     dtypes=frozenset({"bfloat16"}),
     tp_sizes=frozenset({1}),
     libraries=(("triton", ">=3.6,<3.10"),),
-    # no q/k/v/o bias in the fused QKV and o_proj kernels: refuse attention_bias=true (the contract suite's
+    # no q/k/v/o or MLP bias in the fused kernels: refuse attention_bias=true and mlp_bias=true (the contract suite's
     # variants contract; logits were off by ~2.7 on tiny-llama with biases)
-    model=(("head_dim", HEAD_DIMS), ("attention_bias", (False,))),
+    model=(("head_dim", HEAD_DIMS), ("attention_bias", (False,)), ("mlp_bias", (False,))),
+    **_MADE_FOR,
 )
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 

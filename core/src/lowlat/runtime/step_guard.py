@@ -1,0 +1,84 @@
+"""Guards of one engine step: non-finite logits on every path, and what to say when a step misses its deadline.
+
+``picks_if_finite`` folds the finiteness check into the device-to-host copy sampling already does: the
+"all finite" flag is computed on the device and read back in the same ``tolist()`` as the picked ids, so the
+check adds one reduction over the sampled rows and no host sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class NonFiniteLogits(RuntimeError):
+    """A step's logits held NaN or inf (bad weights, a nonsense config value, an overflow); nothing was served."""
+
+
+def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor, describe: Callable[[], str]) -> list[int]:
+    """The picked ids as a list, after checking ``rows`` (the sampled logits) are all finite.
+
+    Args:
+        rows: float logits [R, V] the picks came from; picked: int64 [R] on the same device.
+        describe: says what the step was (mode, tokens, requests, path); called only for the error.
+    Raises:
+        NonFiniteLogits: naming the step, how many rows were bad and the usual causes.
+    """
+    flag = torch.isfinite(rows).all(dim=-1)
+    out = torch.cat([picked.view(-1).to(torch.int64), flag.to(torch.int64)]).tolist()
+    n = len(out) // 2
+    bad = [i for i, ok in enumerate(out[n:]) if not ok]
+    if bad:
+        raise NonFiniteLogits(
+            f"the {describe()} produced non-finite logits (NaN or inf) in {len(bad)} of {n} sampled rows "
+            f"(first: row {bad[0]}); the engine stopped rather than serve garbage tokens. Check the checkpoint for "
+            "NaN/inf weights and config.json for nonsense values (e.g. a negative rms_norm_eps), or try "
+            "--dtype float32 if float16 overflows")
+    return out[:n]
+
+
+def describe_step(step: Any, runner: Any, step_no: int) -> str:
+    """One line naming a step: number, mode, tokens, requests, and the plugin that may serve it."""
+    b = step.batch
+    rids = ",".join(str(r.rid) for r in step.requests[:8]) + ("..." if len(step.requests) > 8 else "")
+    host = getattr(runner, "plugin_host", None)
+    d = getattr(host, "dispatcher", None)
+    where = (f"plugin {d.plugin!r} selected, path {d.last_path or 'undecided'}" if d is not None
+             else "general path")
+    rank = f"rank {runner.tp.rank} of {runner.tp.size}: " if runner.tp.size > 1 else ""
+    return (f"{rank}step {step_no} ({step.mode.name}, {b.num_tokens} tokens over {b.batch_size} requests "
+            f"[{rids}], {where})")
+
+
+def laggards(progress: Any, rank: int) -> str:
+    """Which ranks finished the step this rank is on (shared per-rank step counters), for a deadline error."""
+    if progress is None:
+        return ""
+    counts = list(progress)
+    mine = counts[rank]
+    done = [r for r, c in enumerate(counts) if r != rank and c > mine]
+    stuck = [r for r, c in enumerate(counts) if r != rank and c <= mine]
+    parts = []
+    if done:
+        parts.append(f"rank(s) {', '.join(map(str, done))} finished it")
+    if stuck:
+        parts.append(f"rank(s) {', '.join(map(str, stuck))} did not (stuck, stopped or waiting on a peer)")
+    return "; " + " and ".join(parts) if parts else ""
+
+
+def check_text(prompt: str, i: int) -> str:
+    """``prompt`` itself when it is valid text (encodable as UTF-8).
+
+    Raises:
+        ValueError: it holds a lone surrogate (e.g. from bytes decoded with errors="surrogateescape"), naming
+            the prompt, the position and the fix.
+    """
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt {i} is not valid text: character {e.start} is the lone surrogate "
+                         f"U+{ord(prompt[e.start]):04X}, which has no UTF-8 form; decode the input as UTF-8 "
+                         "(errors='replace') or pass token ids") from None
+    return prompt
