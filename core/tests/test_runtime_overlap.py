@@ -205,6 +205,48 @@ def test_logits_observer_sees_kept_rows_only():
     assert rows[True] == rows[False]
 
 
+def test_nan_in_a_decode_step_raises_at_its_read(monkeypatch):
+    """The non-finite guard (step_guard) rides on the late read: a NaN DECODE step fails the engine, naming it."""
+    from lowlat.runtime.step_guard import NonFiniteLogits
+
+    with engine(True) as e:
+        rid = e.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
+        e.step()  # the prompt, plain
+        with torch.no_grad():
+            e.runner.model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+        with pytest.raises(NonFiniteLogits, match=r"DECODE.*non-finite"):
+            e.step()
+        assert not e.has_unfinished() and e.overlap.pending is None and rid is not None
+        with pytest.raises(RuntimeError, match="failed in an earlier step.*NonFiniteLogits"):
+            e.step()
+
+
+def test_stuck_launch_misses_the_step_deadline(tmp_path, monkeypatch):
+    """A plugin forward that blocks in an overlapped launch hits the step deadline (the launch runs under the
+    engine's watchdog, as a plain step's forward does)."""
+    import sys
+    import time
+
+    from fault_fakes import fault_source
+    from lowlat.runtime.deadline import StepDeadlineExceeded
+    from plugin_dists import make_plugin_dist
+
+    site = tmp_path / "site"
+    activate(site, monkeypatch)
+    make_plugin_dist(site, "stuck", fault_source("stuck_forward"))
+    monkeypatch.setenv("LOWLAT_PLUGINS", "stuck")
+    monkeypatch.setenv("LOWLAT_STEP_TIMEOUT", "1.5")
+    e = engine(True, plugin="stuck")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StepDeadlineExceeded, match=r"DECODE.*plugin 'stuck'.*1.5 s"):
+            e.generate(PROMPTS[:2], params(2))
+        assert time.monotonic() - t0 < 10 and e.overlap.pending is None
+    finally:
+        sys.modules["_lowlat_test_stuck"].RELEASE.set()
+        e.close()
+
+
 def test_config_and_cli():
     assert EngineConfig(device="cpu").resolved_overlap is False
     assert EngineConfig(device="cpu", overlap=True).resolved_overlap is True

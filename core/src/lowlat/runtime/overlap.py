@@ -46,10 +46,11 @@ from typing import Any
 
 import torch
 
-from lowlat.runtime import tp_launch
+from lowlat.runtime.deadline import StepDeadlineExceeded
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.sampling import sample
 from lowlat.runtime.scheduler import RequestState, ScheduledStep, make_batch
+from lowlat.runtime.step_guard import checked_picks, describe_step, packed_picks
 
 __all__ = ["OverlapLoop"]
 
@@ -61,7 +62,8 @@ class InFlight:
     Attributes:
         step: the scheduled step (``requests`` in batch order).
         picked: [B] int64 sampled ids on the device (the next step's inputs gather from it).
-        host: [B] int64 host tensor the ids are copied to (pinned on CUDA; ``picked`` itself on CPU).
+        host: [2B] int64 host tensor: the ids, then a "row is all finite" flag each (``step_guard.packed_picks``;
+            pinned on CUDA, where the copy into it is non-blocking).
         event: recorded after the copy (CUDA), None on CPU (the copy is done).
         t0: ``time.perf_counter()`` at launch (s).
         logits: the step's logits (a copy of an eager forward's), kept only while a ``logits_observer`` is set.
@@ -94,7 +96,7 @@ class OverlapLoop:
         self.pending: InFlight | None = None
         device = engine.runner.device
         self._cuda = device.type == "cuda"
-        n = engine.config.max_batch_size
+        n = 2 * engine.config.max_batch_size
         # Two pinned buffers: step N+1's copy may land while the host still reads step N's ids.
         self._host = [torch.zeros(n, dtype=torch.int64, pin_memory=True) for _ in range(2)] if self._cuda else []
         self._flip = 0
@@ -135,12 +137,16 @@ class OverlapLoop:
             self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        """As ``Engine._run`` on a failure: the engine is failed, every request dropped; re-raises (a TP worker's
-        error, when one explains it)."""
+        """As ``Engine._run`` on a failure: the engine is failed, every request dropped; a missed deadline stops
+        every TP rank; re-raises (a TP worker's error, when one explains it)."""
         e = self.engine
         self.pending = None
         e._failed = exc
         e.scheduler.abort_all()
+        if isinstance(exc, StepDeadlineExceeded) and e._workers is not None:
+            e._workers.close(timeout=1.0)  # frees a thread stuck in a collective
+            e._workers = None
+            raise exc
         err = e._worker_error()
         if err is not None:
             raise err from exc
@@ -178,9 +184,20 @@ class OverlapLoop:
                              greedy=all(r.params.greedy for r in live))
 
     def _launch(self, step: ScheduledStep, prev: InFlight | None) -> InFlight:
-        """Run ``step`` on the device without reading anything back; ``prev``'s picks feed its inputs."""
+        """Run ``step`` on the device without reading anything back; ``prev``'s picks feed its inputs.
+
+        The launch runs under the engine's step deadline (``Engine._watchdog``, ``lowlat.runtime.deadline``), as a
+        plain step's forward does: on CPU, or in a blocking collective, the launch is where a step can hang.
+        """
         e = self.engine
         t0 = time.perf_counter()
+        return e._watchdog.run(lambda: self._enqueue(step, prev, t0), lambda: e._describe_stuck(step))
+
+    def _enqueue(self, step: ScheduledStep, prev: InFlight | None, t0: float) -> InFlight:
+        if not torch.is_inference_mode_enabled():  # the watchdog's thread: inference mode is thread-local
+            with torch.inference_mode():
+                return self._enqueue(step, prev, t0)
+        e = self.engine
         if prev is not None:  # the host wrote rows of prev's picks; the device replaces them by the ids
             ids = step.batch.input_ids
             if len(step.requests) == len(prev.step.requests):  # the same requests in the same order
@@ -195,33 +212,39 @@ class OverlapLoop:
         kept = None
         if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
             kept = logits if e.runner.last_graphed else logits.clone()
+        packed = packed_picks(logits, picked)  # the non-finite guard rides on the same read
         if self._cuda:
-            host = self._host[self._flip][:len(step.requests)]
+            host = self._host[self._flip][:packed.numel()]
             self._flip ^= 1
-            host.copy_(picked, non_blocking=True)
+            host.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            host, event = picked, None
+            host, event = packed, None
         return InFlight(step, picked, host, event, t0, kept, e.runner.last_graphed, e.runner.last_path)
 
     def _resolve(self, f: InFlight) -> list[Any]:
         """Read ``f``'s ids and apply them as ``Engine._run`` does, for the requests still decoding."""
         e = self.engine
-        self._wait(f.event)
-        toks = f.host.tolist()
+        self._wait(f)
+        out = f.host.tolist()
         now = time.perf_counter()
         step = f.step
         keep = [i for i, r in enumerate(step.requests) if r.state is RequestState.DECODING]
         if len(keep) != len(step.requests):  # stopped at the step before (EOS) or aborted: discard their rows
+            if not keep:
+                return []
             reqs = [step.requests[i] for i in keep]
             step = replace(step, requests=reqs, sample_rows=keep, sample_reqs=reqs)
-            toks = [toks[i] for i in keep]
-        if not keep:
-            return []
+            n = len(out) // 2
+            out = [out[i] for i in keep] + [out[n + i] for i in keep]
+        toks = checked_picks(out, lambda: describe_step(step, e.runner, e._steps_run + 1))
         if e.logits_observer is not None and f.logits is not None:
             e.logits_observer(step, f.logits)
         finished = e.scheduler.update_decode(step, toks, now)
+        e._steps_run += 1  # as Engine._run: the per-rank step counters a missed deadline reports
+        if e._ctx is not None and e._ctx.progress is not None:
+            e._ctx.progress[e.rank] = e._steps_run
         e.stats.record(ForwardMode.DECODE, now - max(f.t0, self._t_last), len(keep), graphed=f.graphed,
                        path=f.path)
         self._t_last = now
@@ -229,18 +252,20 @@ class OverlapLoop:
             e.step_observer(step)
         return [e._completion(r) for r in finished] if finished else []
 
-    def _wait(self, event: Any) -> None:
-        """Wait for ``event`` (None: nothing to wait for) within ``tp_launch.tp_timeout_s()`` seconds, watching
-        spawned TP workers; yields the GIL while polling (the step after it is already queued on the device).
+    def _wait(self, f: InFlight) -> None:
+        """Wait for ``f``'s event (CPU: none) within the step deadline (``EngineConfig.resolved_step_timeout_s``),
+        watching spawned TP workers; yields the GIL while polling (the step after it is already queued).
 
         Raises:
-            WorkerError: a worker died or the deadline passed with workers; TimeoutError: the deadline passed.
+            WorkerError: a worker failed; StepDeadlineExceeded: the deadline passed (the engine is unusable).
         """
+        event = f.event
         if event is None or event.query():
             return
-        limit = tp_launch.tp_timeout_s()
+        e = self.engine
+        limit = e.config.resolved_step_timeout_s
         deadline = time.monotonic() + limit
-        workers = self.engine._workers
+        workers = e._workers
         n = 0
         while not event.query():
             time.sleep(0)
@@ -249,5 +274,7 @@ class OverlapLoop:
                 if workers is not None:
                     workers.check()
                 if time.monotonic() > deadline:
-                    msg = f"a DECODE step did not finish within {limit:.0f} s (LOWLAT_TP_TIMEOUT)"
-                    raise tp_launch.WorkerError(msg) if workers is not None else TimeoutError(msg)
+                    raise StepDeadlineExceeded(
+                        f"{e._describe_stuck(f.step)} did not finish on the device within {limit:g} s (the step "
+                        "deadline: EngineConfig.step_timeout_s, --step-timeout or LOWLAT_STEP_TIMEOUT); this engine "
+                        "is unusable: close it and create a new one")
