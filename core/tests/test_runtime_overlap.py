@@ -292,3 +292,30 @@ def test_tp2_overlap_equals_tp1_plain(monkeypatch):
             assert res.accepted[rid] == want[0][0][4:6] and [c.request_id for c in res.finished] == [rid]
     finally:
         torch.set_num_threads(n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("plugin", ["none", "reference"])
+def test_cuda_overlap_equals_plain(plugin, request):
+    """On CUDA (graphs, pinned read-back, events): the same tokens, stops and pages as plain steps, batch 1 and 4,
+    general path and the reference plugin, every DECODE step a graph replay. Run by ``gpu_jobs.py gpu-tests``."""
+    if plugin == "reference":
+        request.getfixturevalue("reference_plugin")
+    kw = dict(device="cuda", dtype="bfloat16", plugin=plugin, max_context_len=256)
+    full = run(False, PROMPTS, params(4), **kw)[0]
+    eos = {full[0][2], full[2][5]}
+    for batch in (1, 4):
+        plist = [SamplingParams(max_new_tokens=n) for n in LENGTHS[:batch]]
+        out = {}
+        for overlap in (False, True):
+            with engine(overlap, **kw) as e:
+                e.eos_ids = frozenset(eos)
+                pool = e.runner.kv_pool
+                free = pool.free_pages, pool.free_rows
+                got = e.generate(PROMPTS[:batch], plist)
+                assert (pool.free_pages, pool.free_rows) == free
+                decode = e.stats.by_mode[ForwardMode.DECODE]
+                assert decode.graph_steps == decode.steps > 0
+                out[overlap] = [(c.token_ids, c.finish_reason) for c in got]
+        assert out[True] == out[False]

@@ -196,7 +196,10 @@ class Engine:
         return self._call("_add_ids", ids[0], plist[0])
 
     def step(self) -> list[Completion]:
-        """Run one step over the queued requests; returns those that finished in it ([] when idle)."""
+        """Run one step over the queued requests; returns those that finished in it ([] when idle).
+
+        With ``self.overlap`` a DECODE call launches the next step before it reads this one (runtime/overlap.py).
+        """
         self._check_usable()
         return self._call("_step")
 
