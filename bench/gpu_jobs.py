@@ -6,9 +6,10 @@
 
 Each step runs one command under ``timeout_s * scale`` seconds, its output going to ``$OUT/<file>`` (default
 /tmp/out); the runner prints ``=== STEP`` / ``=== rc=N (S s)`` around the lines of the output that the step
-marks as its summary, and writes ``$OUT/jobs-<jobs>-<UTC time>.json`` (every step's command, rc and seconds). Before the first
-step it installs the four distributions editable without dependencies (the device image has them) and, when
-``.whl/`` holds carried wheels, those into /tmp/site (put on PYTHONPATH); NVLink multicast stays off.
+marks as its summary, and writes ``$OUT/jobs-<jobs>-<UTC time>.json`` (every step's command, rc and seconds).
+Before the first step it installs the four distributions editable without dependencies (the device image has
+them) and, when ``.whl/`` holds carried wheels, those into /tmp/site (put on PYTHONPATH); NVLink multicast stays
+off.
 
 Stdlib only: it runs on the device image as it is.
 """
@@ -187,10 +188,35 @@ def diag_alternating(o: Options) -> list[Step]:
                  r"^===|divergence [0-9]") for p in o.plugins]
 
 
+GENERAL_PATHS = "general,general-fused,general-compiled,hf"
+
+
+def general_tests(o: Options) -> list[Step]:
+    """The fused kernels and general_impl on CUDA (bf16 bits, CUDA graphs, inductor), the sampler's syncs, and each
+    fused piece's device time against plain torch, torch.compile and its byte floor."""
+    return [Step("general tests", 360, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                        "core/tests/test_kernels_fused.py", "core/tests/test_general_impl.py",
+                                        "core/tests/test_runtime_sampling.py"], "general_tests.txt"),
+            Step("fused kernels bench", 200, [PY, "bench/scripts/bench_fused_kernels.py"], "fused_kernels.txt",
+                 r"\||bandwidth")]
+
+
+def general_speed(o: Options) -> list[Step]:
+    """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
+    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default general,general-fused,general-compiled,hf).
+    One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
+    paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
+    out = os.environ.get("OUT", "/tmp/out")
+    return [Step(f"general-speed {m}", 540, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH,
+                                             "--hf-budget-s", "200", "--no-plot", "--out", f"{out}/general_speed_{m}"],
+                 f"general_speed_{m}.txt", r"\|") for m in o.models]
+
+
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants, "e2e-tpot": e2e_tpot,
+    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
+    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"

@@ -72,3 +72,21 @@ def test_mismatched_rows_and_missing_generator_raise():
         sample(x, [SamplingParams()], [None])
     with pytest.raises(ValueError, match="no generator"):
         sample(x, [SamplingParams(temperature=1.0)] * 2, [None, None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the sync check is torch.cuda's")
+def test_sampling_on_cuda_queues_no_host_sync():
+    """Greedy and top-k/top-p rows: no synchronising call until the caller reads the tokens back."""
+    x = _logits(rows=4, vocab=1000).cuda()
+    params = [SamplingParams(), SamplingParams(temperature=0.7, top_k=50), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.3, top_k=20, top_p=0.8)]
+    gens = [None] + [make_generator(i, "cuda") for i in range(3)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sample(x, params, gens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    again = sample(x, params, [None] + [make_generator(i, "cuda") for i in range(3)])
+    assert out.tolist() == again.tolist()  # the same seeds, the same tokens

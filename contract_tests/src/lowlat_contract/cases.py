@@ -169,6 +169,8 @@ class ContractCase:
                                   tp_size=1, page_size=self.page_size, max_batch_size=self.max_batch_size,
                                   max_context_len=CONTEXT_LEN, max_verify_tokens=self.max_verify_tokens,
                                   cuda_graph=False, seed=0)
+        if "general_impl" in EngineConfig.__dataclass_fields__:  # core >= 0.2.1: the oracle is the plain forward
+            kw["general_impl"] = "reference"
         kw.update(overrides)
         return EngineConfig(**kw)
 

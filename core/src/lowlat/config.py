@@ -278,6 +278,9 @@ class EngineConfig:
         step_timeout_s: deadline of one step, and of each cross-rank wait within it, in seconds; None reads
             LOWLAT_STEP_TIMEOUT, else 60 (below a typical serving watchdog). A missed deadline raises
             StepDeadlineExceeded and leaves the engine unusable (``lowlat.runtime.deadline``).
+        general_impl: how the general forward runs (``lowlat.models.general_impl``): "reference" (plain torch,
+            the oracle), "fused" (core Triton kernels for norm, RoPE + KV write, SiLU-and-mul, decode MoE) or "compiled"
+            (torch.compile of the same pieces, before CUDA-graph capture).
     """
 
     model: str = "tiny-llama"
@@ -303,6 +306,7 @@ class EngineConfig:
     num_layers: int | None = None
     strict_max_position: bool = False
     step_timeout_s: float | None = None
+    general_impl: str = "reference"
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -321,6 +325,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.plugin:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
+        if self.general_impl not in ("reference", "fused", "compiled"):
+            raise ConfigError(f"general_impl must be reference, fused or compiled, got {self.general_impl!r}")
         if self.speculative_method is not None or self.speculative:
             self._check_speculative()
 

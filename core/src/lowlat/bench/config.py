@@ -2,8 +2,9 @@
 
 A row of the benchmark is one (model, path, Shape); a Shape is a forward mode, a batch size and the new
 tokens per request (1 for DECODE, ``verify_tokens`` for VERIFY). Paths are "general" (the general forward,
-``plugin="none"``), a plugin name (that plugin, ``plugin=NAME``) and "hf" (HF transformers with a static cache
-and ``torch.compile(mode="reduce-overhead")``); "plugins" expands to every discovered plugin.
+``plugin="none"``; "general-fused" and "general-compiled" run it with ``general_impl`` fused / compiled), a plugin
+name (that plugin, ``plugin=NAME``) and "hf" (HF transformers with a static cache and
+``torch.compile(mode="reduce-overhead")``); "plugins" expands to every discovered plugin.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from lowlat.runtime.cuda_graph_runner import GraphKey
 from lowlat.runtime.forward_batch import ForwardMode
 
 GENERAL_PATH = "general"
+# Paths that run the general forward (``plugin="none"``), by ``EngineConfig.general_impl``.
+GENERAL_VARIANTS = {GENERAL_PATH: "reference", "general-fused": "fused", "general-compiled": "compiled"}
 HF_PATH = "hf"
 ALL_PLUGINS = "plugins"
 

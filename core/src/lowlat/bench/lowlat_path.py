@@ -1,4 +1,7 @@
-"""Measure a lowlat path ("general" or a plugin) at one decoder-layer count through a ModelRunner.
+"""Measure a lowlat path (a general variant or a plugin) at one decoder-layer count through a ModelRunner.
+
+General variants (``lowlat.bench.config.GENERAL_VARIANTS``): "general" (``general_impl="reference"``),
+"general-fused" and "general-compiled"; each gets its own row and launches per layer.
 
 The runner is built as ``lowlat run`` builds it (EngineConfig with ``plugin="none"`` or the plugin's name,
 ``num_layers`` for the second depth), so its CUDA graphs, KV pool and plugin dispatch are the real ones. A
@@ -20,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from lowlat.bench.config import GENERAL_PATH, BenchConfig, Shape
+from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
 from lowlat.bench.measure import (
     DepthResult,
     Measurement,
@@ -47,8 +50,8 @@ def engine_config(cfg: BenchConfig, model: str, path: str, depth: int | None) ->
     return EngineConfig(
         model=model, device=cfg.device, dtype=cfg.dtype, page_size=cfg.page_size,
         max_batch_size=cfg.max_batch_size * cfg.input_sets, max_context_len=cfg.context + cfg.max_tokens_per_req,
-        cuda_graph=True, max_verify_tokens=cfg.max_tokens_per_req, plugin="none" if path == GENERAL_PATH else path,
-        seed=cfg.seed, num_layers=depth,
+        cuda_graph=True, max_verify_tokens=cfg.max_tokens_per_req, plugin="none" if path in GENERAL_VARIANTS else path,
+        seed=cfg.seed, num_layers=depth, general_impl=GENERAL_VARIANTS.get(path, "reference"),
     )
 
 

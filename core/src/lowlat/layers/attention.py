@@ -130,6 +130,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layer_
         ValueError: for a DECODE/VERIFY batch without ``tokens_per_req``.
     """
     write_kv(kv_pool, layer_id, batch.out_cache_loc, k, v)
+    return attend_cached(q, layer_id=layer_id, batch=batch, kv_pool=kv_pool, sm_scale=sm_scale, backend=backend,
+                         lens=lens)
+
+
+def attend_cached(q: torch.Tensor, *, layer_id: int, batch: ForwardBatch, kv_pool: KVPool, sm_scale: float,
+                  backend: str, lens: tuple[list[int], list[int]] | None) -> torch.Tensor:
+    """Attend with q [T, Hq, D] over the KV pool, this step's K/V already written (``paged_attention``'s second
+    half; the fused general path writes K/V in its RoPE kernel). Same arguments, result and errors."""
     kb, vb = kv_pool.k_buffers[layer_id], kv_pool.v_buffers[layer_id]
     if batch.forward_mode is ForwardMode.PREFILL:
         assert lens is not None, "PREFILL attention needs host_lens(batch)"

@@ -95,6 +95,7 @@ class ModelRunner:
         self.device = device or _default_device(config)
         self.show_progress = show_progress and self.tp.rank == 0
         self.model: torch.nn.Module | None = None
+        self.general_step: Callable[[ForwardBatch, KVPool], torch.Tensor] | None = None
         self.kv_pool: KVPool | None = None
         self.kv_plan: KVPoolPlan | None = None
         self.step_inputs: StepInputs | None = None
@@ -146,6 +147,9 @@ class ModelRunner:
             self.model.load_weights(weights_with_progress(
                 self.plugin_host.retain(weights), total_bytes=total, elem_size=elem,
                 enabled=self.show_progress and total >= BIG_CHECKPOINT_BYTES))
+        from lowlat.models.general_impl import make_general_step
+
+        self.general_step = make_general_step(self.model, self.config.general_impl)
 
     def setup_forward(self) -> None:
         """Choose the forward steps run: the seam for lowlat.plugin's dispatcher.
@@ -214,8 +218,8 @@ class ModelRunner:
     # -- steps -----------------------------------------------------------------------------------------------
 
     def general_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The general model's forward: float32 logits ``[R, vocab]`` (see ForwardBatch for R)."""
-        return self.model(batch, self.kv_pool)
+        """The general model's forward (``config.general_impl``): float32 logits ``[R, vocab]`` (see ForwardBatch)."""
+        return self.general_step(batch, self.kv_pool)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step (in inference mode): replay a CUDA graph when one fits, else ``forward_fn`` eagerly.
@@ -255,7 +259,7 @@ class ModelRunner:
         self.graph_runner = None
         self.kv_pool = None
         self.step_inputs = None
-        self.model = None
+        self.model = self.general_step = None
         self.plugin_host = PluginHost(None)
         self.forward_fn = self.general_forward
         gc.collect()  # plugin objects may hold weights in reference cycles; free them before the next runner

@@ -90,18 +90,18 @@ def sample(
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled_rows:
         return greedy_ids
-    idx = torch.tensor(sampled_rows, device=logits.device)
+    idx = _to_device(sampled_rows, torch.int64, logits.device)
     sub = logits.index_select(0, idx)
-    temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device, dtype=torch.float32)
+    temps = _to_device([params[i].temperature for i in sampled_rows], torch.float32, logits.device)
     sub = sub / temps[:, None]
     top_ks = [params[i].top_k for i in sampled_rows]
     if any(0 < k < vocab for k in top_ks):
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        ks = _to_device([k if 0 < k < vocab else vocab for k in top_ks], torch.int64, logits.device)
         kth = torch.sort(sub, dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
         sub = sub.masked_fill(sub < kth, float("-inf"))
     top_ps = [params[i].top_p for i in sampled_rows]
     if any(p < 1.0 for p in top_ps):
-        sub = _top_p_mask(sub, torch.tensor(top_ps, device=logits.device, dtype=torch.float32))
+        sub = _top_p_mask(sub, _to_device(top_ps, torch.float32, logits.device))
     log_probs = torch.log_softmax(sub, dim=-1)
     noise = []
     for i in sampled_rows:
@@ -115,6 +115,13 @@ def sample(
     out = greedy_ids.clone()
     out[idx] = picked
     return out
+
+
+def _to_device(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync: ``torch.tensor(..., device=cuda)`` copies with
+    ``non_blocking=False``, which waits for the stream (the whole forward) before the sampler's kernels are queued.
+    A non-blocking copy from pageable memory is staged by the driver before it returns, so the list may go."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
