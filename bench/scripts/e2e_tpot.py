@@ -2,7 +2,8 @@
 
     python bench/scripts/e2e_tpot.py --model llama-3.2-1b --paths general,nvidia_mega --batch-sizes 1,8
 
-One engine per path (``general`` = plugin "none", else the plugin's name), bf16 on CUDA, DECODE graphs only. Per
+One engine per path (``general``, ``general-fused``, ``general-compiled``: plugin "none" with that general
+implementation, as ``lowlat bench`` names them; else a plugin's name), bf16 on CUDA, DECODE graphs only. Per
 batch size B:
 
 * step ms: ``ModelRunner.forward`` of a DECODE batch of B requests at ``--context`` cached tokens each, timed as
@@ -30,7 +31,7 @@ import time
 
 import torch
 from lowlat import Engine, EngineConfig, SamplingParams
-from lowlat.bench.config import BenchConfig, Shape
+from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
 from lowlat.bench.lowlat_path import fill_kv_random, free_rows, input_sets, measure_shape
 from lowlat.runtime.forward_batch import ForwardMode
 from lowlat.runtime.overlap import OverlapLoop
@@ -71,8 +72,9 @@ def tpot_ms(engine: Engine, batch: int, overlap: bool, args: argparse.Namespace)
 
 
 def measure_path(path: str, args: argparse.Namespace) -> list[dict]:
-    plugin = "none" if path == "general" else path
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, plugin=plugin,
+    general = GENERAL_VARIANTS.get(path)  # "general", "general-fused", ...: plugin none and that general_impl
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, plugin="none" if general else path,
+                       general_impl=general or "reference",
                        max_batch_size=max(args.batch_sizes) * args.input_sets, page_size=args.page_size,
                        max_context_len=args.context + args.new_tokens, max_verify_tokens=1, overlap=True)
     t0 = time.perf_counter()
@@ -100,7 +102,8 @@ def measure_path(path: str, args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
-    ap.add_argument("--paths", default="general,nvidia_mega", help="general and/or plugin names, comma-separated")
+    ap.add_argument("--paths", default="general,nvidia_mega",
+                    help="general variants (general, general-fused, general-compiled) and/or plugin names")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--context", type=int, default=1024, help="mean KV length of the DECODE steps (tokens)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")

@@ -33,9 +33,8 @@ Where it does not apply, ``step`` runs the plain ``Engine._run`` (after resolvin
   step (VERIFY acceptance needs the host values);
 * ``Engine.verify`` resolves the step in flight first (``drain``).
 
-Sampled (temperature > 0) requests overlap too, but ``sampling.sample`` uploads small host lists
-(``torch.tensor(..., device=...)``), which synchronize a CUDA stream; only greedy steps are free of host syncs
-until device-side sampling lands there.
+Sampled (temperature > 0) requests overlap too: ``sampling.sample`` queues its kernels without a host sync (its
+small host lists go up with non-blocking copies).
 """
 
 from __future__ import annotations
