@@ -197,7 +197,8 @@ def _print_json(engine: Any, prompts: list[str], completions: list[Any]) -> None
                         "decode_tokens": c.decode_tokens, "decode_tokens_per_s": c.decode_tokens_per_s},
         }, ensure_ascii=False))
     print(json.dumps({"type": "stats", "model": engine.config.model, "by_mode": engine.stats.as_dict(),
-                      "by_path": engine.stats.paths_as_dict()}))
+                      "by_path": engine.stats.paths_as_dict(),
+                      "overlap": getattr(engine, "overlap", None) is not None}))
 
 
 def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, texts: bool = True) -> None:
