@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lowlat.config import EngineConfig
+from lowlat.config import ConfigError, EngineConfig
 from lowlat.runtime import Engine, ForwardMode, SamplingParams
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
 from plugin_dists import activate
@@ -251,6 +251,8 @@ def test_config_and_cli():
     assert EngineConfig(device="cpu").resolved_overlap is False
     assert EngineConfig(device="cpu", overlap=True).resolved_overlap is True
     assert EngineConfig(device="cpu", overlap=True, speculative_method="ngram").resolved_overlap is False
+    with pytest.raises(ConfigError, match="overlap must be a bool or None"):
+        EngineConfig(overlap="yes")
     import argparse
 
     from lowlat.cli.run import add_arguments, engine_config_from_args

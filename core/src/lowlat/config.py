@@ -227,6 +227,8 @@ def _check_types(cfg: EngineConfig) -> None:
     for name in _BOOL_FIELDS:
         if not isinstance(getattr(cfg, name), bool):
             raise bad(name, "a bool")
+    if cfg.overlap is not None and not isinstance(cfg.overlap, bool):
+        raise bad("overlap", "a bool or None")
     for name in _STR_FIELDS:
         if not isinstance(getattr(cfg, name), str):
             raise bad(name, "a str")
