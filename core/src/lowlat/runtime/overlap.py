@@ -23,7 +23,10 @@ the host and is left out of step N+1. A request that emits EOS at step N was alr
 computed and discarded (its token never reaches ``output_ids`` or an observer), and its KV slot goes back to the
 pool with the rest of the request when it finishes (``KVPool.free_req``), so pages and outputs match plain
 decoding. Aborted requests are dropped the same way. Greedy ids are identical; sampled ones too, because each
-request draws from its own generator (``lowlat.runtime.sampling``) whatever else is in the batch.
+request draws from its own generator (``lowlat.runtime.sampling``) whatever else is in the batch. One caveat: the
+step after an EOS stop holds one row more than the plain step does, and where kernels are not batch-invariant
+(bf16 GEMMs pick tiles by batch size) a near-tie in that step may resolve differently, as it may whenever
+continuous batching changes a batch.
 
 Where it does not apply, ``step`` runs the plain ``Engine._run`` (after resolving the step in flight):
 
