@@ -86,7 +86,8 @@ def _contract_in_parallel(session: nox.Session, plugins: list[str], env: dict[st
         proc.wait()
         thread.join()
         text = open(log_path).read()
-        summary = text[text.rfind("lowlat contract") - 40:] if "lowlat contract" in text else text[-6000:]
+        at = text.rfind("= lowlat contract =")
+        summary = text[text.rfind("\n", 0, at) + 1:] if at >= 0 else text  # the report, or everything on a crash
         sys.stdout.write(f"\n--- contract suite for {plugin} ({time.monotonic() - start:.0f} s) ---\n{summary[-6000:]}")
         if proc.returncode != 0:
             failed.append(plugin)

@@ -35,8 +35,8 @@ def test_one_wrong_row_in_eight_fails_in_a_dense_model() -> None:
 def test_a_row_drifting_within_the_element_bound_fails_on_its_mean() -> None:
     want = _logits()
     got = want.clone()
-    got[5] += 0.3  # 3.75% of the scale 8: under the element bound (5.1%), over the mean bound (1%)
-    assert "worst row 5" in (BF16.check(got, want, "logits") or "")
+    got[7] += 0.3  # row 7's scale is 8: 3.75% of it, under the element bound (5.1%), over the mean bound (1%)
+    assert "worst row 7" in (BF16.check(got, want, "logits") or "")
     assert BF16.check(want + 0.01, want, "logits") is None, "a drift of 0.1% of the scale is rounding"
 
 
@@ -44,7 +44,7 @@ def test_rows_are_bounded_by_their_own_scale() -> None:
     want = _logits()
     want[0] = want[0] / 100  # a row of small logits (scale 1, not 8)
     got = want.clone()
-    got[0] += 0.2  # 2.5% of the tensor's scale, 20% of that row's
+    got[0, 0] += 0.2  # one element: 2.5% of the tensor's scale (8), 20% of that row's (1)
     assert "worst row 0" in (BF16.check(got, want, "logits") or "")
 
 

@@ -2,7 +2,8 @@
 
 "tp" shards the model over the ranks like an Engine does; "replicas" is what plugins limited to TP size 1 get:
 whole models per rank and a Dispatcher over the two-process group. In both, rank 1's refusal on the third step
-must move both ranks to the general path, and the ranks' logits must agree.
+must move both ranks to the general path, the VERIFY step after it must take the plugin's again, and the ranks'
+logits must agree. A third rank (the 4-rank check the contract runs for specs allowing TP 4) agrees too.
 """
 
 from __future__ import annotations
@@ -37,7 +38,17 @@ def test_ranks_agree_when_one_refuses(reference_case, mode: str) -> None:  # typ
     assert [r["error"] for r in reports] == [None, None], reports
     rank0, rank1 = reports[0]["steps"], reports[1]["steps"]
     assert [s["name"] for s in rank0] == list(STEPS)
-    assert [(a["path"], b["path"]) for a, b in zip(rank0, rank1)] == [("plugin", "plugin")] * 2 + [("general",) * 2]
+    want = [("plugin", "plugin")] * 2 + [("general",) * 2] + [("plugin", "plugin")]  # the last: VERIFY 2 x 2
+    assert [(a["path"], b["path"]) for a, b in zip(rank0, rank1)] == want
     assert (rank0[2]["local"], rank1[2]["local"]) == (True, False)  # without agreement they would diverge
     for a, b in zip(rank0, rank1):
         assert torch.equal(a["logits"], b["logits"])
+
+
+def test_four_replicas_agree(reference_case) -> None:  # type: ignore[no-untyped-def]
+    from lowlat_contract.tp_check import run_tp_check
+
+    reports = run_tp_check(reference_case, "cpu", "replicas", world=4)
+    assert [r["error"] for r in reports] == [None] * 4, reports
+    paths = [[s["path"] for s in r["steps"]] for r in reports]
+    assert all(p == paths[0] for p in paths) and paths[0][2] == "general", paths

@@ -17,7 +17,8 @@ import torch
 
 TINY_PRESETS = {"LlamaForCausalLM": "tiny-llama", "Qwen3ForCausalLM": "tiny-qwen3",
                 "Qwen3MoeForCausalLM": "tiny-qwen3-moe"}
-CONTEXT_LEN = 128  # max_context_len of every contract engine: prefixes of 1..33 plus 16 new tokens fit
+CONTEXT_LEN = 128  # max_context_len of the CPU contract engines: prefixes of 1..33 plus 16 new tokens fit
+CUDA_CONTEXT_LEN = 4096 + 128  # on CUDA the case's engine also serves the shape sweep's contexts up to 4096
 MAX_BATCH = 64  # never more requests than this in one engine, whatever the coverage
 PREFIX_LENS = (1, 17, 33)  # odd context lengths the steps run on top of (request i gets PREFIX_LENS[i % 3] + i)
 
@@ -167,7 +168,8 @@ class ContractCase:
 
         kw: dict[str, Any] = dict(model=self.model, device=self.device, dtype=self.dtype, plugin=self.plugin,
                                   tp_size=1, page_size=self.page_size, max_batch_size=self.max_batch_size,
-                                  max_context_len=CONTEXT_LEN, max_verify_tokens=self.max_verify_tokens,
+                                  max_context_len=CUDA_CONTEXT_LEN if self.device == "cuda" else CONTEXT_LEN,
+                                  max_verify_tokens=self.max_verify_tokens,
                                   cuda_graph=False, seed=0)
         if "general_impl" in EngineConfig.__dataclass_fields__:  # core >= 0.2.1: the oracle is the plain forward
             kw["general_impl"] = "reference"

@@ -21,6 +21,11 @@ FIXTURE_PLUGINS: dict[str, str] = {
     "broken_verify": "lowlat_contract.plugins.broken:VERIFY_HOOKS",
     "broken_dtype": "lowlat_contract.plugins.broken:DTYPE_HOOKS",
     "broken_rank": "lowlat_contract.plugins.broken:RANK_HOOKS",
+    "broken_input_edit": "lowlat_contract.plugins.broken:INPUT_EDIT_HOOKS",
+    "broken_late_state": "lowlat_contract.plugins.broken:LATE_STATE_HOOKS",
+    "broken_bias": "lowlat_contract.plugins.broken:BIAS_HOOKS",
+    "broken_one_row": "lowlat_contract.plugins.broken:ONE_ROW_HOOKS",
+    "broken_leak": "lowlat_contract.plugins.broken:LEAK_HOOKS",
 }
 """Plugin name -> entry point value (an object whose ``lowlat_model_specs`` hook returns its specs)."""
 

@@ -135,7 +135,7 @@ def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "gen
         except Exception as e:  # PluginStepError: name the step, keep the cache usable for the next check
             restore(pool, snap)
             raise AssertionError(f"{what}: the plugin step raised {type(e).__name__}: {e}") from e
-        plugin_routing = plugin_routing(d.plugin_forward)
+        routing = plugin_routing(d.plugin_forward)
         edited = input_edits(batch, pristine)
         if edited:
             problems.append(f"{what}: the plugin changed its inputs in place: {', '.join(edited)}")
@@ -143,7 +143,7 @@ def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "gen
         got_kv = kv_rows(pool, loc).clone()
         restore(pool, snap)
         want, excused = routing_excuses(runner.model, lambda: runner.general_forward(copy_batch(pristine)),
-                                        pristine.num_tokens, plugin_routing)
+                                        pristine.num_tokens, routing)
         want = want.clone()
         want_kv = kv_rows(pool, loc).clone()
         if keep == "plugin":

@@ -12,8 +12,8 @@ dtype and TP size, so the sweep crosses each boundary:
 - every page size and dtype the spec declares (``settings``); TP sizes are the fallback contract's TP check.
 
 ``covering`` (the default under the Triton interpreter, where a step costs seconds) keeps only the boundary
-points: DECODE at 1, 2, the powers of two up to M, M-1 and M; VERIFY n in {2, 3, M} at batch 1, n = 2 and
-M // 2 at batch 2, n = 2 at the largest batch; every context still reached once per mode; other page sizes
+points: DECODE at 1, 2, M-1 and M; VERIFY n in {2, M} at batch 1, n = 2 and M // 2 at batch 2, n = 2 at the
+largest batch; every context still reached once per mode; other page sizes
 and dtypes get one DECODE and one VERIFY step each, on contexts straddling their page boundaries.
 """
 
@@ -67,7 +67,7 @@ def max_context(device: str) -> int:
 def decode_sizes(m: int, mode: str) -> list[int]:
     if mode == "full":
         return list(range(1, m + 1))
-    return sorted({1, min(2, m), m - 1 if m > 1 else 1, m, *(1 << i for i in range(m.bit_length()) if 1 << i <= m)})
+    return sorted({1, min(2, m), m - 1 if m > 1 else 1, m})
 
 
 def verify_shapes(m: int, max_verify: int, mode: str) -> list[tuple[int, int]]:
@@ -80,7 +80,7 @@ def verify_shapes(m: int, max_verify: int, mode: str) -> list[tuple[int, int]]:
         for n in range(2, top + 1):
             out.update((b, n) for b in {1, 2, m // n} if 1 <= b and b * n <= m)
     else:
-        out.update((1, n) for n in {2, min(3, top), top})
+        out.update((1, n) for n in {2, top})
         out.update((2, n) for n in {2, max(2, min(top, m // 2))} if 2 * n <= m)
         out.add((max(1, m // 2), 2))
     return sorted(out)

@@ -1,6 +1,6 @@
-"""Two processes that check TP agreement for the fallback contract: both ranks take one path, same logits.
+"""Processes that check TP agreement for the fallback contract: all ranks take one path, same logits.
 
-``run_tp_check(case, device, mode)`` starts two ranks (gloo on CPU; NCCL plus gloo on two GPUs).
+``run_tp_check(case, device, mode, world=N)`` starts N ranks, 2 to 4 (gloo on CPU; NCCL plus gloo on GPUs).
 
 - "tp" (the spec allows ``tp_size`` 2): each rank joins the group exactly as an Engine rank does
   (``lowlat.runtime.tp_launch.init_rank``) and builds ``ModelRunner(config, tp=..., cpu_group=...)`` with
@@ -9,9 +9,9 @@
   the two-process group decides the path, which exercises the same agreement with the plugin's real forward.
 
 Each rank runs three DECODE steps: one request; two requests; two requests with rank 1's ``supports()``
-wrapped to refuse. Before each step it reports its own answer and the agreed path (so a rank that later fails
-in a mismatched collective still leaves the evidence); after it, its logits and, when the plugin ran, the
-general path's logits for the same step.
+wrapped to refuse; then, when coverage has it, a VERIFY step of two requests x 2 tokens. Before each step it
+reports its own answer and the agreed path (so a rank that later fails in a mismatched collective still leaves
+the evidence); after it, its logits and, when the plugin ran, the general path's logits for the same step.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-STEPS = ("one request", "two requests", "two requests, rank 1 refuses")
+STEPS = ("one request", "two requests", "two requests, rank 1 refuses", "verify, two requests x 2 tokens")
+"""The steps each rank runs: DECODE except the last, a VERIFY of 2 tokens per request (when coverage has it)."""
 RANK_TIMEOUT_S = 60  # collectives of a rank whose peer went another way fail after this
 
 
@@ -54,8 +55,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_tp_check(case: Any, device: str, mode: str, timeout_s: float = 240.0) -> list[dict[str, Any]]:
-    """Run the two ranks; returns each rank's report, rank 0 first.
+def run_tp_check(case: Any, device: str, mode: str, timeout_s: float = 240.0, world: int = 2) -> list[dict[str, Any]]:
+    """Run ``world`` ranks (2 to 4); returns each rank's report, rank 0 first.
 
     A report is ``{"steps": [{"name", "local", "path", "logits", "general"}...], "error": str | None}``; a
     step that did not finish lacks "logits". Never raises for a rank's failure: it is in "error".
@@ -67,8 +68,8 @@ def run_tp_check(case: Any, device: str, mode: str, timeout_s: float = 240.0) ->
     ctx = mp.get_context(method)
     results = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, init, case, device, mode, results), daemon=True)
-             for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, init, case, device, mode, results, world), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     reports: list[dict[str, Any]] = [{"steps": [], "error": None, "done": False} for _ in procs]
@@ -103,7 +104,7 @@ def run_tp_check(case: Any, device: str, mode: str, timeout_s: float = 240.0) ->
     return reports
 
 
-def _rank_main(rank: int, init: str, case: Any, device: str, mode: str, results: Any) -> None:
+def _rank_main(rank: int, init: str, case: Any, device: str, mode: str, results: Any, world: int = 2) -> None:
     import torch.distributed as dist
 
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -111,7 +112,7 @@ def _rank_main(rank: int, init: str, case: Any, device: str, mode: str, results:
     try:
         if device == "cpu":
             torch.set_num_threads(1)
-        _steps(rank, init, case, device, mode, results)
+        _steps(rank, init, case, device, mode, results, world)
         results.put((rank, "done", None))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -120,7 +121,7 @@ def _rank_main(rank: int, init: str, case: Any, device: str, mode: str, results:
             dist.destroy_process_group()
 
 
-def _runner(rank: int, init: str, case: Any, device: str, mode: str) -> tuple[Any, Any]:
+def _runner(rank: int, init: str, case: Any, device: str, mode: str, world: int = 2) -> tuple[Any, Any]:
     import torch.distributed as dist
     from lowlat.plugin.dispatch import Dispatcher
     from lowlat.runtime import ModelRunner
@@ -129,33 +130,35 @@ def _runner(rank: int, init: str, case: Any, device: str, mode: str) -> tuple[An
     from lowlat_contract.harness import dispatcher_of
 
     if mode == "tp":
-        config = case.engine_config(tp_size=2, device=device)
-        ctx = init_rank(config, rank, 2, local_rank=rank, init_method=init)
+        config = case.engine_config(tp_size=world, device=device)
+        ctx = init_rank(config, rank, world, local_rank=rank, init_method=init)
         runner = ModelRunner(config, tp=ctx.tp, device=ctx.device, cpu_group=ctx.cpu_group, show_progress=False)
         return runner, dispatcher_of(runner)
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", init_method=init, rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+                            world_size=world, timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     runner = ModelRunner(case.engine_config(device=device), device=dev, show_progress=False)
     base = dispatcher_of(runner)
     return runner, Dispatcher(plugin=base.plugin, coverage=base.coverage, plugin_forward=base.plugin_forward,
                               general_forward=runner.general_forward, vocab_size=base.vocab_size,
-                              tp_size=2, tp_group=dist.group.WORLD)
+                              tp_size=world, tp_group=dist.group.WORLD)
 
 
-def _steps(rank: int, init: str, case: Any, device: str, mode: str, results: Any) -> None:
+def _steps(rank: int, init: str, case: Any, device: str, mode: str, results: Any, world: int = 2) -> None:
     from lowlat.runtime.forward_batch import ForwardMode
 
     from lowlat_contract.harness import Requests, prefix_lens
 
-    runner, d = _runner(rank, init, case, device, mode)
+    runner, d = _runner(rank, init, case, device, mode, world)
     try:
         with Requests.with_prefixes(runner, prefix_lens(1), seed=21) as one, \
                 Requests.with_prefixes(runner, prefix_lens(2), seed=22) as two:
-            for name, reqs in zip(STEPS, (one, two, two)):
-                batch = reqs.step(ForwardMode.DECODE, 1)
+            verify = d.coverage.covers(ForwardMode.VERIFY, 4) and case.max_verify_tokens >= 2
+            for name, reqs in zip(STEPS if verify else STEPS[:3], (one, two, two, two)):
+                fm = ForwardMode.VERIFY if name.startswith("verify") else ForwardMode.DECODE
+                batch = reqs.step(fm, 2 if fm is ForwardMode.VERIFY else 1)
                 inner = d.plugin_forward
                 if name.endswith("refuses") and rank == 1:
                     d.plugin_forward = _Refusing(inner)

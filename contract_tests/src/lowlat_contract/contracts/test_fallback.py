@@ -135,19 +135,47 @@ def _tp_device(case: Any) -> str:
 
 
 def test_tp_ranks_agree(case: Any, case_trace: Any) -> None:
-    """Two ranks take the same path on every step (general on both when one rank refuses) and return the
-    same logits; plugin steps match the general path's logits on each rank."""
+    """All ranks (2, and 4 where declared: gloo on CPU) take the same path on every step (general on all when
+    rank 1 refuses) and return the same logits, DECODE and VERIFY; plugin steps match the general path's."""
     from lowlat_contract.tp_check import run_tp_check
 
     sizes = case.spec.requirements.tp_sizes
     mode = "tp" if sizes is None or 2 in sizes else "replicas"
-    reports = run_tp_check(case, _tp_device(case), mode)
+    device = _tp_device(case)
+    worlds = [2] if mode == "replicas" else sorted({w for w in (2, 3, 4) if sizes is None and w != 3 or
+                                                    sizes is not None and w in sizes})
+    if device == "cuda":
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
     problems = []
-    for a, b in zip(reports[0]["steps"], reports[1]["steps"]):
+    for world in worlds:
+        problems += [f"TP {world}: {p}" for p in _tp_problems(case, run_tp_check(case, device, mode, world=world),
+                                                               mode)]
+    assert not problems, f"TP ranks disagree ({mode}, {worlds} ranks):\n" + "\n".join(problems)
+
+
+def _tp_problems(case: Any, reports: list[dict], mode: str) -> list[str]:
+    """Problems of one TP check: each rank against rank 0, rank failures, nothing exercised."""
+    problems: list[str] = []
+    for other in range(1, len(reports)):
+        problems += _pair_problems(case, reports[0], reports[other], other, mode)
+    for r, rep in enumerate(reports):
+        if rep["error"]:
+            tail = "\n    ".join(rep["error"].strip().splitlines()[-6:])
+            problems.append(f"rank {r} failed (the end of its traceback):\n    {tail}")
+    if not problems and not any(s["path"] == "plugin" for s in reports[0]["steps"]):
+        problems.append(f"no step took the plugin path on every rank (own answers: "
+                        f"{[(s['name'], s['local']) for s in reports[0]['steps']]}); the check exercised nothing")
+    return problems
+
+
+def _pair_problems(case: Any, rep0: dict, rep1: dict, other: int, mode: str) -> list[str]:
+    """Rank 0 against rank ``other``: same path every step, same logits, plugin logits near the general's."""
+    problems: list[str] = []
+    for a, b in zip(rep0["steps"], rep1["steps"]):
         name = a["name"]
         if a["path"] != b["path"]:
-            problems.append(f"{name}: rank 0 took the {a['path']} path, rank 1 the {b['path']} path (own answers: "
-                            f"{a['local']}, {b['local']}); the dispatcher did not make them agree")
+            problems.append(f"{name}: rank 0 took the {a['path']} path, rank {other} the {b['path']} path (own "
+                            f"answers: {a['local']}, {b['local']}); the dispatcher did not make them agree")
         elif name.endswith("refuses") and a["path"] != "general":
             problems.append(f"{name}: rank 1's supports() refused, but both ranks took the {a['path']} path")
         if "logits" not in a or "logits" not in b:
@@ -156,18 +184,11 @@ def test_tp_ranks_agree(case: Any, case_trace: Any) -> None:
             case.tolerance.check(b["logits"], a["logits"], name) is None
         if not same:
             diff = float((a["logits"] - b["logits"]).abs().max())
-            problems.append(f"{name} ({a['path']} path): rank 1's logits differ from rank 0's (max {diff:.4g}); "
+            problems.append(f"{name} ({a['path']} path): rank {other}'s logits differ from rank 0's (max {diff:.4g}); "
                             f"each rank samples on its own, so the ranks would pick different tokens")
-        for r, rep in enumerate((a, b)):
+        for r, rep in ((0, a), (other, b)):
             if rep["general"] is not None:
                 bad = case.tolerance.check(rep["logits"], rep["general"], f"{name}, rank {r}, plugin vs general")
                 if bad:
                     problems.append(bad)
-    for r, rep in enumerate(reports):
-        if rep["error"]:
-            tail = "\n    ".join(rep["error"].strip().splitlines()[-6:])
-            problems.append(f"rank {r} failed (the end of its traceback):\n    {tail}")
-    if not problems and not any(s["path"] == "plugin" for s in reports[0]["steps"]):
-        problems.append(f"no step took the plugin path on both ranks (own answers: "
-                        f"{[(s['name'], s['local']) for s in reports[0]['steps']]}); the check exercised nothing")
-    assert not problems, f"TP ranks disagree ({mode}, 2 ranks):\n" + "\n".join(problems)
+    return problems

@@ -19,7 +19,7 @@ PROMISE = "Replaying a captured CUDA graph of the plugin step equals eager execu
 pytestmark = pytest.mark.lowlat_contract("graph_execution", PROMISE)
 
 SHAPES = ("DECODE-b1", "DECODE-b3", "VERIFY-t2")
-REPLAYS = 3
+REPLAYS = 6  # a value frozen on the host at capture shows once the inputs move on
 
 
 def test_replay_equals_eager(case: Any, cuda_only: None, runner: Any, dispatcher: Any) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowlat_contract.harness import Requests, kv_at, kv_restore, kv_state, prefix_lens, resolve_shape
-from lowlat_contract.oracle import plugin_routing, copy_batch
+from lowlat_contract.oracle import copy_batch, plugin_routing
 from lowlat_contract.router_ties import routing_excuses
 
 PROMISE = ("A plugin step writes K/V at exactly the slots in out_cache_loc, in every layer, with the general "

@@ -4,14 +4,15 @@ after its first step.
 
 The run (``SCHEDULE``): requests join at different steps with different prompt lengths and leave at different
 steps (their rows and pages are reused by later ones); each step is DECODE, or VERIFY of 2 tokens every 7th
-step when covered; a seeded coin picks the path of each step. Plugin steps go through the isolated oracle
-with ``keep="plugin"``: what the plugin stored stays in the cache, so later steps on either path read it,
-as in serving. Next tokens are the general path's greedy picks. Damage that surfaces late (a wrong stored K
-read many steps later, state kept between calls, a workspace reused after N calls) shows as a logit or K/V
-mismatch at that step, not only as a flipped argmax.
+step when covered; a seeded coin picks the path of each step (``covering``: a fixed pattern, about 13 plugin
+steps). Plugin steps go through the isolated oracle with ``keep="plugin"``: what the plugin stored stays in
+the cache, so later steps on either path read it, as in serving. Next tokens are the general path's greedy
+picks. Damage that surfaces late (a wrong stored K read many steps later, state kept between calls, a
+workspace reused after N calls) shows as a logit or K/V mismatch at that step, not only as a flipped argmax.
 
-Memory: after the first and the last plugin step, the tensors reachable from the plugin's forward object
-(count and bytes, CPU and GPU) and, on CUDA, ``torch.cuda.memory_allocated`` must not have grown. On CUDA
+Memory: the tensors reachable from the plugin's forward object (count and bytes, CPU and GPU) and, on CUDA,
+``torch.cuda.memory_allocated`` after each plugin step must not exceed what they were after the first plugin
+step of the same shape (mode, tokens): what a plugin keeps of its last step may depend on the step's shape. On CUDA
 the workspace test also checks that building the plugin allocates no more device memory than it obtained
 through ``binding.alloc_workspace`` (plus the RoPE tables and 1 MiB).
 """
@@ -35,7 +36,9 @@ pytestmark = pytest.mark.lowlat_contract("long_run", PROMISE)
 SCHEDULE = ((0, 3, 40), (0, 17, None), (5, 30, 52), (12, 1, None), (41, 9, None), (53, 24, None))
 """(join step, prompt tokens, leave step or None) per request: up to 4 at once, 6 in all, rows reused."""
 STEPS = {"full": 128, "covering": 64}
-PLUGIN_SHARE = {"full": 0.85, "covering": 0.2}  # covering: a plugin step costs ~1.5 s under the interpreter
+PLUGIN_SHARE = 0.85
+"""full: a seeded coin sends this share of the steps to the plugin; covering (a plugin step costs 1.5-10 s under
+the interpreter): pairs of consecutive plugin steps every 16 steps and every other VERIFY step, about 13."""
 MEMORY_SLACK_BYTES = 1 << 20
 
 
@@ -68,7 +71,9 @@ def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, reque
     gen = torch.Generator().manual_seed(77)
     active: dict[int, dict[str, Any]] = {}  # request id -> {"row", "len", "next"}
     problems: list[str] = []
-    plugin_steps, first_mem, last_mem = 0, None, None
+    plugin_steps = 0
+    first_mem: dict[tuple[str, int], tuple[tuple[int, int], int, int]] = {}  # step shape -> (held, device, step)
+    grown: list[str] = []
     try:
         for step in range(STEPS[mode]):
             for rid, (join, n, leave) in enumerate(SCHEDULE):
@@ -81,17 +86,20 @@ def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, reque
             fm = ForwardMode.VERIFY if tpr == 2 else ForwardMode.DECODE
             toks = [[active[r]["next"]] + torch.randint(0, vocab, (tpr - 1,), generator=gen).tolist() for r in ids]
             batch = runner.prepare_batch(fm, [active[r]["row"] for r in ids], [active[r]["len"] for r in ids], toks)
-            use_plugin = cov.covers(fm, batch.num_tokens) and coin.random() < PLUGIN_SHARE[mode] and \
-                dispatcher.plugin_forward.supports(batch)
+            pick = coin.random() < PLUGIN_SHARE if mode == "full" else step % 16 in (0, 1) or step % 14 == 6
+            use_plugin = pick and cov.covers(fm, batch.num_tokens) and dispatcher.plugin_forward.supports(batch)
             if use_plugin:
                 res = check_step(runner, batch, case.tolerance, f"step {step} ({fm.name} {len(ids)}x{tpr}, contexts "
                                  f"{[active[r]['len'] for r in ids]})", keep="plugin")
                 problems += res.problems
                 logits = res.want
                 plugin_steps += 1
-                mem = (_reachable(dispatcher.plugin_forward), _allocated(runner.device))
-                first_mem = first_mem or mem
-                last_mem = mem
+                held, dev = _reachable(dispatcher.plugin_forward), _allocated(runner.device)
+                key = (fm.name, batch.num_tokens)  # what a plugin keeps of its last step may depend on its shape
+                (n0, b0), d0, s0 = first_mem.setdefault(key, (held, dev, step))
+                if held[0] > n0 or held[1] > b0 or dev > d0 + MEMORY_SLACK_BYTES:
+                    grown.append(f"{key[0]} {key[1]} tokens: after step {s0} the plugin held {n0} tensors ({b0} "
+                                 f"bytes; device {d0}), after step {step} {held[0]} ({held[1]} bytes; device {dev})")
             else:
                 with torch.inference_mode():
                     logits = dispatcher.run("general", batch).clone()
@@ -109,12 +117,8 @@ def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, reque
     contract_notes.append(f"long_run  {case.id} ({mode}): {STEPS[mode]} steps, {plugin_steps} on the plugin")
     assert not problems, "the long run diverged from the general path:\n" + "\n".join(problems[:10])
     assert plugin_steps >= 8, f"only {plugin_steps} plugin steps ran (supports() refused the others)"
-    (n0, b0), a0 = first_mem
-    (n1, b1), a1 = last_mem
-    assert n1 <= n0 and b1 <= b0, (f"the plugin holds more tensors after {plugin_steps} steps than after its first: "
-                                   f"{n0} ({b0} bytes) -> {n1} ({b1} bytes)")
-    assert a1 <= a0 + MEMORY_SLACK_BYTES, (f"device memory grew over the run: {a0} -> {a1} bytes after "
-                                           f"{plugin_steps} plugin steps")
+    assert not grown, ("the plugin's memory grew over the run (tensors reachable from its forward object; CUDA: "
+                       "memory_allocated), compared after steps of the same shape:\n" + "\n".join(grown[:5]))
 
 
 def _join(runner: Any, n: int, gen: torch.Generator) -> dict[str, Any]:

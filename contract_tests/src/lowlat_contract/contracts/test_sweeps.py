@@ -88,12 +88,16 @@ def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: l
     steps = plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
                  ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, case.max_batch_size)
     steps = [s for s in steps if s.expect == "general" or cov.covers(ForwardMode[s.mode], s.num_tokens)]
-    runner = _runner(case, case.dtype, case.page_size)
+    # CUDA: the case's engine already fits every context (cases.CUDA_CONTEXT_LEN) and a second copy of a real
+    # model might not fit the device; CPU: an engine of its own (the case's is kept short for the other tests)
+    own = case.device != "cuda"
+    runner = _runner(case, case.dtype, case.page_size) if own else request.getfixturevalue("runner")
     try:
         problems, checked, refused = run_steps(runner, steps, case.tolerance,
                                                f"{case.dtype} page {case.page_size}")
     finally:
-        runner.close()
+        if own:
+            runner.close()
     contract_notes.append(f"shape_sweeps  {case.id} ({mode}): {checked} plugin steps checked, {len(refused)} refused "
                           f"by supports(){': ' + ', '.join(refused[:6]) if refused else ''}")
     assert checked, f"supports() refused every step of the sweep ({refused[:5]}...): nothing was checked"

@@ -18,6 +18,16 @@ broken_rank            supports() depends on the TP rank (refuses batches of mor
                        agreement absorbs; but its forward is rank-dependent too:
                        ranks other than 0 concatenate the vocab shards with their
                        own first, so the ranks' logits (and sampled tokens) differ
+broken_input_edit      advances ``batch.positions`` in place after its step (a      shape_sweeps (inputs)
+                       "helpful" update for the next step); its logits stay right
+broken_late_state      after 100 calls per engine its workspace "wraps": the K it   long_run
+                       stores is scaled by 1.01 (stale state surfacing late)
+broken_bias            never adds the q/k/v bias (serves attention_bias=true        variants
+                       checkpoints as if it had none)
+broken_one_row         in steps of 8 or more tokens the last row's logits are       shape_sweeps (per-row bound)
+                       off by 10% of their scale (excused in 0.2 as 1 row in 8)
+broken_leak            keeps every step's hidden states in a list (memory that      long_run (memory)
+                       grows with each call); its outputs stay right
 =====================  ==========================================================  ===========================
 
 None is registered by an installed distribution; ``lowlat_contract.fixtures.install_fixture_plugins``
@@ -83,6 +93,80 @@ class RankDependentForward(ReferenceForward):
         return torch.cat([parts[r] for r in order], dim=-1)
 
 
+class InputEditForward(ReferenceForward):
+    """broken_input_edit: advances positions (and seq_lens) in place after the step."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        out = super().forward(batch)
+        batch.positions.add_(batch.tokens_per_req or 1)
+        return out
+
+
+class LateStateForward(ReferenceForward):
+    """broken_late_state: from its 101st call on, the K it stores is scaled by 1.01."""
+
+    calls = 0
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(batch)
+
+    def _store_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        super()._store_kv(layer, loc, k * 1.01 if self.calls > 100 else k, v)
+
+
+class NoBiasForward(ReferenceForward):
+    """broken_bias: drops the q/k/v bias at build."""
+
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        for w in self.layers:
+            w.qkv_bias = None
+
+
+class OneRowForward(ReferenceForward):
+    """broken_one_row: the last logit row of steps of 8+ tokens is off by 10% of its scale."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        out = super().forward(batch)
+        if out.shape[0] >= 8:
+            out[-1] += 0.1 * out[-1].abs().max().clamp_min(1.0)
+        return out
+
+
+class LeakForward(ReferenceForward):
+    """broken_leak: keeps a copy of each step's embeddings forever."""
+
+    def __init__(self, binding: Any) -> None:
+        super().__init__(binding)
+        self.history: list[torch.Tensor] = []
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super()._embed(ids)
+        self.history.append(x.clone())
+        return x
+
+
+def build_leak(binding: Any) -> ReferenceForward:
+    return LeakForward(binding)
+
+
+def build_input_edit(binding: Any) -> ReferenceForward:
+    return InputEditForward(binding)
+
+
+def build_late_state(binding: Any) -> ReferenceForward:
+    return LateStateForward(binding)
+
+
+def build_bias(binding: Any) -> ReferenceForward:
+    return NoBiasForward(binding)
+
+
+def build_one_row(binding: Any) -> ReferenceForward:
+    return OneRowForward(binding)
+
+
 def build_kv_slot(binding: Any) -> ReferenceForward:
     return KVSlotOffForward(binding)
 
@@ -112,3 +196,8 @@ IGNORES_WEIGHT_HOOKS = _hooks("build_ignores_weight")
 VERIFY_HOOKS = _hooks("build_verify")
 DTYPE_HOOKS = _hooks("build_dtype")
 RANK_HOOKS = _hooks("build_rank")
+INPUT_EDIT_HOOKS = _hooks("build_input_edit")
+LATE_STATE_HOOKS = _hooks("build_late_state")
+BIAS_HOOKS = _hooks("build_bias")
+ONE_ROW_HOOKS = _hooks("build_one_row")
+LEAK_HOOKS = _hooks("build_leak")
