@@ -33,7 +33,7 @@ import torch
 from lowlat import Engine, EngineConfig, SamplingParams
 from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
 from lowlat.bench.lowlat_path import fill_kv_random, free_rows, input_sets, measure_shape
-from lowlat.runtime.forward_batch import ForwardMode
+from lowlat.runtime import ForwardMode
 from lowlat.runtime.overlap import OverlapLoop
 
 
