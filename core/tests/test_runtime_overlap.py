@@ -84,6 +84,8 @@ def test_continuous_batching_identity():
 def test_seeded_sampling_identity():
     plist = params(4, temperature=0.8, top_k=50, seed=5)
     assert run(True, PROMPTS, plist) == run(False, PROMPTS, plist)
+    mixed = [params(1)[0], *params(4, temperature=1.0, top_p=0.9)[1:3], params(4)[3]]  # greedy and sampled rows
+    assert run(True, PROMPTS, mixed) == run(False, PROMPTS, mixed)
 
 
 def test_eos_and_length_stops_identical():
