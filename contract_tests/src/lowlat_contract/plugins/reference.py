@@ -89,6 +89,8 @@ class LayerWeights:
     ln_post: torch.Tensor
     gate_up_t: torch.Tensor | None = None  # dense: [H, 2 * I_l]
     down_t: torch.Tensor | None = None  # dense: [I_l, H]
+    gate_up_bias: torch.Tensor | None = None  # dense with mlp_bias: [2 * I_l]
+    down_bias: torch.Tensor | None = None  # dense with mlp_bias: [H], added once after the TP sum
     router_t: torch.Tensor | None = None  # MoE: [H, E]
     experts_w13_t: torch.Tensor | None = None  # MoE: [E, H, 2 * I_l]
     experts_w2_t: torch.Tensor | None = None  # MoE: [E, I_l, H]
@@ -142,6 +144,7 @@ class ReferenceForward:
             w.experts_w2_t = p[pre + "mlp.experts.w2_weight"].detach().transpose(1, 2)
         else:
             w.gate_up_t, w.down_t = t("mlp.gate_up_proj.weight"), t("mlp.down_proj.weight")
+            w.gate_up_bias, w.down_bias = opt("mlp.gate_up_proj.bias"), opt("mlp.down_proj.bias")
         return w
 
     def _set_pool(self, pool: Any) -> None:
@@ -238,8 +241,12 @@ class ReferenceForward:
         return o.transpose(1, 2).reshape(t, hq, d).to(q.dtype)
 
     def _dense(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gate, up = (h @ w.gate_up_t).chunk(2, dim=-1)  # type: ignore[operator]
-        return self._sum_ranks((F.silu(gate) * up) @ w.down_t)
+        gate_up = h @ w.gate_up_t  # type: ignore[operator]
+        if w.gate_up_bias is not None:
+            gate_up = gate_up + w.gate_up_bias
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = self._sum_ranks((F.silu(gate) * up) @ w.down_t)
+        return out if w.down_bias is None else out + w.down_bias
 
     def _moe(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         c = self.config
