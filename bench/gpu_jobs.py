@@ -169,6 +169,20 @@ def mutants(o: Options) -> list[Step]:
     return steps
 
 
+def e2e_tpot(o: Options) -> list[Step]:
+    """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model and
+    path (general and each plugin), plain and overlapped loop (issue 17: overlapped within 1.03 of the step), with
+    a token identity check of the two loops; one step per (model, path); ``E2E_PATHS`` overrides the paths
+    (e.g. general,general-fused,nvidia_mega)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    paths = os.environ.get("E2E_PATHS", ",".join(["general", *o.plugins])).split(",")
+    return [Step(f"e2e tpot {m} {p}", 300, [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", p,
+                                           "--batch-sizes", os.environ.get("BATCH_SIZES", "1,8"), "--json",
+                                           f"{out}/e2e_tpot_{_slug(m)}_{p}.json"],
+                 f"e2e_tpot_{_slug(m)}_{p}.txt", r"^\||error|warning")
+            for m in o.models for p in paths]
+
+
 def diag_alternating(o: Options) -> list[Step]:
     """Per-step logit differences and router gaps of each plugin on tiny-qwen3-moe (router near-tie diagnosis)."""
     return [Step(f"diag alternating {p}", 150, [PY, "bench/scripts/diag_alternating.py", "--plugin", p, "--device",
@@ -204,7 +218,7 @@ JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
-    "general-tests": general_tests, "general-speed": general_speed,
+    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"

@@ -53,3 +53,18 @@ def test_unknown_job_is_an_error_naming_the_jobs(jobs, capsys):
     with pytest.raises(SystemExit):
         jobs.main(["no-such-job"])
     assert "smoke" in capsys.readouterr().err
+
+
+def test_e2e_tpot_script_runs_on_cpu(tmp_path):
+    """The e2e-tpot job's script end to end on a tiny preset (CPU smoke: both loops give the same tokens)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "scripts" / "e2e_tpot.py"), "--model", "tiny-llama", "--device", "cpu",
+           "--dtype", "float32", "--context", "40", "--new-tokens", "8", "--batch-sizes", "1,2", "--iters", "2",
+           "--warmup", "1", "--repeats", "1", "--paths", "general", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["identical"] and r["step_ms"] > 0 for r in rows)

@@ -9,9 +9,10 @@ import pytest
 from _serve_util import MODEL, running_server, wait_for
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server() as s:
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])
+def server(request):
+    """One server per loop: plain steps, and the overlapped loop (lowlat.runtime.overlap), which must serve alike."""
+    with running_server(overlap=request.param) as s:
         yield s
 
 

@@ -131,7 +131,7 @@ def run_suite(name: str, site_dir: str | Path, work_dir: str | Path, *, arch: st
 
     args = ["-p", "lowlat_contract.pytest_plugin", "-p", "no:cacheprovider", "-q", "--no-header", "-rN", "--tb=short",
             "--pyargs", "lowlat_contract", "--lowlat-plugin", name, "--lowlat-arch", arch, "--lowlat-device", device,
-            *extra]
+            "--lowlat-sweep", "full", *extra]  # mutants are plain torch: the full sweep, as for the reference
     if first_failure:
         args.append("-x")
     collector = _Collector(contracts)

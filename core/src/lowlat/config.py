@@ -223,6 +223,8 @@ def _check_types(cfg: EngineConfig) -> None:
     for name in _BOOL_FIELDS:
         if not isinstance(getattr(cfg, name), bool):
             raise bad(name, "a bool")
+    if cfg.overlap is not None and not isinstance(cfg.overlap, bool):
+        raise bad("overlap", "a bool or None")
     for name in _STR_FIELDS:
         if not isinstance(getattr(cfg, name), str):
             raise bad(name, "a str")
@@ -247,6 +249,9 @@ class EngineConfig:
         kv_cache_fraction: fraction of device memory left after weights and plugin workspaces
             that the KV pool may take (CUDA); on CPU the pool is sized for max_batch_size x max_context_len.
         cuda_graph: capture DECODE and VERIFY steps in CUDA graphs (CUDA only).
+        overlap: run DECODE steps overlapped (``lowlat.runtime.overlap``: the host schedules step N+1 while the
+            device runs step N; sampled ids stay on the device and are read one step late); None (default):
+            on for CUDA, off for CPU. Speculative engines never overlap. ``resolved_overlap`` is the decision.
         max_verify_tokens: largest k+1 a VERIFY step may carry (graphs are captured for it).
         chunked_prefill_size: prompts longer than this are prefilled in chunks (tokens).
         plugin: "none", "auto" or a plugin name.
@@ -285,6 +290,7 @@ class EngineConfig:
     max_context_len: int = 2048
     kv_cache_fraction: float = 0.85
     cuda_graph: bool = True
+    overlap: bool | None = None
     max_verify_tokens: int = 8
     chunked_prefill_size: int = 4096
     plugin: str = "auto"
@@ -386,6 +392,13 @@ class EngineConfig:
         if not 0 < value < float("inf"):
             raise ConfigError(f"{STEP_TIMEOUT_ENV}={raw!r} must be a finite number of seconds > 0")
         return value
+
+    @property
+    def resolved_overlap(self) -> bool:
+        """Whether DECODE steps run overlapped: ``overlap``, or (None) on CUDA only; never when speculative."""
+        if self.speculative:
+            return False
+        return self.resolved_device == "cuda" if self.overlap is None else bool(self.overlap)
 
     @property
     def resolved_device(self) -> str:

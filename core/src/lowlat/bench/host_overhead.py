@@ -11,9 +11,12 @@ graph replays). Two paths are measured:
 * ``eager``: no graphs; the Dispatcher's general forward is a stub returning a slice of a preallocated logits
   tensor.
 
-``python -m lowlat.bench.host_overhead [--baseline REV]`` prints a table; with ``--baseline`` the same
-measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change) and the table
-shows before, after and the ratio. Times are medians of per-step ``time.perf_counter`` wall times in ms.
+``python -m lowlat.bench.host_overhead [--baseline REV] [--overlap]`` prints a table; with ``--baseline`` the same
+measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change, always with plain
+steps) and the table shows before, after and the ratio. ``--overlap`` measures this tree's overlapped loop
+(``EngineConfig(overlap=True)``, ``lowlat.runtime.overlap``): on CPU nothing runs concurrently, so its figure is
+the host work per step that a GPU step has to cover (on a GPU it runs while the previous step computes). Times
+are medians of per-step ``time.perf_counter`` wall times in ms.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class _NoopGraph:
         pass
 
 
-def _stub_engine(model: str, max_batch_size: int, max_context_len: int, path: str):  # type: ignore[no-untyped-def]
+def _stub_engine(model: str, max_batch_size: int, max_context_len: int, path: str,  # type: ignore[no-untyped-def]
+                 overlap: bool = False):
     """A CPU Engine whose forward is a stub; ``path`` "graph" installs the emulated graph runner."""
     from lowlat.config import EngineConfig
     from lowlat.runtime import Engine
@@ -52,7 +56,7 @@ def _stub_engine(model: str, max_batch_size: int, max_context_len: int, path: st
 
     cfg = EngineConfig(model=model, device="cpu", dtype="float32", plugin="none", cuda_graph=False,
                        max_batch_size=max_batch_size, max_context_len=max_context_len, page_size=16,
-                       max_verify_tokens=4)
+                       max_verify_tokens=4, **({"overlap": True} if overlap else {}))  # older trees lack it
     engine = Engine(cfg)
     runner = engine.runner
     vocab = runner.model_config.vocab_size
@@ -103,7 +107,8 @@ def _time_decode_steps(engine, batch_size: int, steps: int, warmup: int) -> list
 
 
 def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] = (1, 8), steps: int = 200, *,
-                          warmup: int = 20, repeats: int = 3, paths: Sequence[str] = PATHS) -> dict:
+                          warmup: int = 20, repeats: int = 3, paths: Sequence[str] = PATHS,
+                          overlap: bool = False) -> dict:
     """Host milliseconds per DECODE step of ``Engine.step()`` with a stub forward (no model compute), on CPU.
 
     Args:
@@ -112,10 +117,11 @@ def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] 
         steps: timed DECODE steps per repeat; ``warmup`` untimed steps run first.
         repeats: independent runs (fresh requests) per batch size and path; the best median is kept.
         paths: "graph" (emulated CUDA-graph replay) and/or "eager" (stub ``forward_fn``).
+        overlap: measure the overlapped loop (``EngineConfig(overlap=True)``) instead of plain steps.
 
     Returns:
-        ``{"model", "steps", "torch", "host_ms": {path: {batch_size: ms}}}`` where ms is the median wall time of
-        one step in milliseconds (best of ``repeats``).
+        ``{"model", "steps", "torch", "overlap", "host_ms": {path: {batch_size: ms}}}`` where ms is the median wall
+        time of one step in milliseconds (best of ``repeats``).
     """
     bad = [p for p in paths if p not in PATHS]
     if bad or not batch_sizes or min(batch_sizes) < 1 or steps < 1:
@@ -127,7 +133,7 @@ def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] 
         ctx = 4 + steps + warmup + 16
         result: dict[str, dict[int, float]] = {}
         for path in paths:
-            engine = _stub_engine(model, max(batch_sizes), ctx, path)
+            engine = _stub_engine(model, max(batch_sizes), ctx, path, overlap)
             try:
                 for b in batch_sizes:
                     medians = [statistics.median(_time_decode_steps(engine, b, steps, warmup))
@@ -137,7 +143,7 @@ def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] 
                 engine.close()
     finally:
         torch.set_num_threads(threads)
-    return {"model": model, "steps": steps, "torch": torch.__version__, "host_ms": result}
+    return {"model": model, "steps": steps, "torch": torch.__version__, "overlap": overlap, "host_ms": result}
 
 
 def measure_baseline(rev: str, model: str, batch_sizes: Sequence[int], steps: int, paths: Sequence[str],
@@ -195,15 +201,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the best median is kept (default 3)")
     ap.add_argument("--baseline", metavar="REV", help="also measure git revision REV and print the ratio")
+    ap.add_argument("--overlap", action="store_true", help="measure the overlapped loop (the baseline stays plain)")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = ap.parse_args(argv)
-    after = measure_host_overhead(args.model, args.batch_sizes, args.steps, repeats=args.repeats, paths=args.paths)
+    after = measure_host_overhead(args.model, args.batch_sizes, args.steps, repeats=args.repeats, paths=args.paths,
+                                  **({"overlap": True} if args.overlap else {}))
     before = measure_baseline(args.baseline, args.model, args.batch_sizes, args.steps, args.paths, args.repeats) \
         if args.baseline else None
     if args.json:
         print(json.dumps({"after": after, "before": before} if before else after))
         return 0
     title = f"host ms per DECODE step, {args.model}, stub forward on CPU, torch {after['torch']}"
+    title += ", overlapped loop" if args.overlap else ""
     print(title + (f" (before = {args.baseline})" if before else ""))
     print(format_table(after, before))
     return 0

@@ -43,6 +43,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
     p.add_argument("--max-context-len", type=int, default=d.max_context_len, help=f"default {d.max_context_len}")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"KV page size (default {d.page_size})")
     p.add_argument("--no-cuda-graph", action="store_true", help="run every step eagerly")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run DECODE steps one after another, reading each step's tokens before scheduling the "
+                        "next (default: overlapped on CUDA, lowlat.runtime.overlap)")
     p.add_argument("--plugin", default="auto",
                    help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
@@ -81,8 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=resolve_model_path(args.model), device=args.device, dtype=args.dtype, tp_size=args.tp,
         page_size=args.page_size, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
-        cuda_graph=not args.no_cuda_graph, seed=args.seed, plugin=args.plugin,
-        step_timeout_s=getattr(args, "step_timeout", None), **speculative_config(args),
+        cuda_graph=not args.no_cuda_graph, overlap=False if args.no_overlap else None, seed=args.seed,
+        plugin=args.plugin, step_timeout_s=getattr(args, "step_timeout", None), **speculative_config(args),
     )
 
 
@@ -194,7 +197,8 @@ def _print_json(engine: Any, prompts: list[str], completions: list[Any]) -> None
                         "decode_tokens": c.decode_tokens, "decode_tokens_per_s": c.decode_tokens_per_s},
         }, ensure_ascii=False))
     print(json.dumps({"type": "stats", "model": engine.config.model, "by_mode": engine.stats.as_dict(),
-                      "by_path": engine.stats.paths_as_dict()}))
+                      "by_path": engine.stats.paths_as_dict(),
+                      "overlap": getattr(engine, "overlap", None) is not None}))
 
 
 def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, texts: bool = True) -> None:
@@ -206,7 +210,8 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
     runner = engine.runner
     console.print(Text(f"model {engine.config.model} ({engine.model_config.architecture}) on {runner.device}, "
                        f"{str(runner.dtype).removeprefix('torch.')}, tp={engine.config.tp_size}, "
-                       f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}"))
+                       f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
+                       f"overlapped loop {'on' if getattr(engine, 'overlap', None) is not None else 'off'}"))
     sel = runner.plugin_host.selection
     console.print(Text(f"plugin {sel.plugin.name} ({sel.plugin.distribution} {sel.plugin.version}): {sel.reason}"
                        if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))

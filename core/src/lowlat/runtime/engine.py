@@ -4,6 +4,8 @@
 finish). ``generate`` adds requests and steps until they finish; ``verify`` runs one VERIFY step (the step a
 speculative-decoding verifier runs) for given draft tokens. With ``EngineConfig.speculative`` the engine's
 ``Speculator`` (``lowlat.runtime.speculative``) takes each step after prompt work: drafts, VERIFY, acceptance.
+Otherwise, with ``EngineConfig.resolved_overlap``, DECODE steps run overlapped (``lowlat.runtime.overlap``): each
+``step()`` launches the next DECODE step on the device before it reads the tokens of the one before it.
 
 With ``tp_size > 1`` the engine is one rank of an SPMD group (``lowlat.runtime.tp_launch``): under torchrun
 every rank runs the caller's program; otherwise rank 0 spawns the other ranks and mirrors each public call to
@@ -26,6 +28,7 @@ from lowlat.runtime import tp_launch
 from lowlat.runtime.completion import Completion, VerifyResult
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
 from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
+from lowlat.runtime.overlap import OverlapLoop
 from lowlat.runtime.prompts import as_token_ids, check_token_ids
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
@@ -55,6 +58,9 @@ class Engine:
         runner: this rank's ModelRunner; ``tokenizer``: the checkpoint's tokenizer (or the byte tokenizer);
         stats: StepStats by forward mode and path; ``rank``: this TP rank.
         speculator: the speculative step (``lowlat.runtime.speculative``; its ``stats``), None unless speculative.
+        overlap: the overlapped DECODE loop (``lowlat.runtime.overlap.OverlapLoop``), None: plain steps. While it
+            is on, ``step()`` returns the requests finished by the step before the one it launched, and
+            observers see a step's tokens when they are read, one ``step()`` call after its launch.
         logits_observer: optional ``fn(step, logits)`` called after each forward with the step's float32
             logits (``lowlat run --compare`` records them); None by default.
         step_observer: optional ``fn(step)`` called after each step's tokens are appended: the step's requests
@@ -116,6 +122,7 @@ class Engine:
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
         self.step_observer: Callable[[ScheduledStep], None] | None = None
         self._next_rid = 0
+        self.overlap = OverlapLoop(self) if config.resolved_overlap and self.speculator is None else None
 
     # -- public API (mirrored to spawned TP workers) ---------------------------------------------------------
 
@@ -148,7 +155,10 @@ class Engine:
         return self._call("_add_ids", ids[0], plist[0])
 
     def step(self) -> list[Completion]:
-        """Run one step over the queued requests; returns those that finished in it ([] when idle)."""
+        """Run one step over the queued requests; returns those that finished in it ([] when idle).
+
+        With ``self.overlap`` a DECODE call launches the next step before it reads this one (runtime/overlap.py).
+        """
         self._check_usable()
         return self._call("_step")
 
@@ -174,8 +184,12 @@ class Engine:
         clean = {int(rid): [int(t) for t in toks] for rid, toks in drafts.items()}
         for rid, toks in clean.items():
             check_token_ids(toks, f"draft of request {rid}", self.model_config.vocab_size, self.config.model)
+        # VERIFY is a plain step: the DECODE step in flight is read first (its finished requests are reported here)
+        drained = self._call("_drain") if self.overlap is not None and self.overlap.pending is not None else []
         self.scheduler.check_verify(clean, self.config.max_verify_tokens)
-        return self._call("_verify", clean)
+        res = self._call("_verify", clean)
+        res.finished[:0] = drained
+        return res
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -183,6 +197,8 @@ class Engine:
     def close(self, *, abort: bool = False) -> None:
         """Stop TP workers, free the model and KV pool, and tear down the process group (idempotent)."""
         abort = abort or isinstance(self._failed, (tp_launch.WorkerError, StepDeadlineExceeded))
+        if getattr(self, "overlap", None) is not None:
+            self.overlap.discard()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.close()
         if self._workers is not None:
@@ -214,6 +230,8 @@ class Engine:
             done = self.speculator.step(self)
             if done is not None:
                 return done
+        if self.overlap is not None:  # DECODE overlapped; PREFILL through _run after the step in flight
+            return self.overlap.step()
         step = self.scheduler.schedule()
         if step is None:
             return []
@@ -337,6 +355,9 @@ class Engine:
         before = {r.rid: len(r.output_ids) for r in reqs}
         finished = self._run(step)
         return VerifyResult({r.rid: r.output_ids[before[r.rid]:] for r in reqs}, finished)
+
+    def _drain(self) -> list[Completion]:
+        return self.overlap.drain() if self.overlap is not None else []
 
     def _prepare(self, prompts: object, params: object) -> tuple[list[list[int]], list[SamplingParams]]:
         """Tokenize and validate on the calling rank, before anything is mirrored or queued."""

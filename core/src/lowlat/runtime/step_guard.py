@@ -26,8 +26,17 @@ def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor, describe: Callable
     Raises:
         NonFiniteLogits: naming the step, how many rows were bad and the usual causes.
     """
+    return checked_picks(packed_picks(rows, picked).tolist(), describe)
+
+
+def packed_picks(rows: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """[2R] int64 on the device: the R picked ids, then R "row is all finite" flags (1/0); one read gets both."""
     flag = torch.isfinite(rows).all(dim=-1)
-    out = torch.cat([picked.view(-1).to(torch.int64), flag.to(torch.int64)]).tolist()
+    return torch.cat([picked.view(-1).to(torch.int64), flag.to(torch.int64)])
+
+
+def checked_picks(out: list[int], describe: Callable[[], str]) -> list[int]:
+    """The ids of a ``packed_picks`` read back as a list. Raises NonFiniteLogits as ``picks_if_finite``."""
     n = len(out) // 2
     bad = [i for i, ok in enumerate(out[n:]) if not ok]
     if bad:

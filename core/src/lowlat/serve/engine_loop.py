@@ -8,7 +8,9 @@ hands the loop the step's requests; their new token ids (checked for stop token 
 all streams' deltas with one wake-up of the event loop. Text is made on the reading side: ``RequestStream.get``
 detokenizes incrementally (``IncrementalDetokenizer``) and applies stop strings (a hit aborts the request, one
 step late at most), so the loop thread's host work per step stays O(1) per request while the reader's runs
-during the next GPU step (``.tolist()`` releases the GIL while it waits for the device).
+during the next GPU step (``.tolist()`` releases the GIL while it waits for the device). With the overlapped loop
+(``lowlat.runtime.overlap``, on by default on CUDA) the observer, the command drain and the deltas run while the
+device computes the step after the one they report; an abort then also drops that step's row of the request.
 
 Bounds: at most ``max_queued`` requests wait for a batch slot (``submit`` raises ``Overloaded`` beyond it);
 each request may carry a deadline (it is aborted and its stream ends with ``finish_reason="timeout"``);
