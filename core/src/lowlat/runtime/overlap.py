@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from lowlat.runtime.deadline import StepDeadlineExceeded
 from lowlat.forward_batch import ForwardMode
+from lowlat.runtime.deadline import StepDeadlineExceeded
 from lowlat.runtime.sampling import sample
 from lowlat.runtime.scheduler import RequestState, ScheduledStep, make_batch
 from lowlat.runtime.step_guard import checked_picks, describe_step, packed_picks
