@@ -222,9 +222,14 @@ def test_bad_engine_config_values_name_the_field(kw, field):
 
 def test_huge_layer_count_is_refused_before_allocating():
     t0 = time.monotonic()
-    with pytest.raises(InsufficientMemory, match=r"10000000 layers.*GiB are free.*nothing was allocated"):
-        Engine(EngineConfig(plugin="none", num_layers=10_000_000, **KW))
+    with pytest.raises(InsufficientMemory, match=r"9000 layers.*GiB are free.*nothing was allocated"):
+        Engine(EngineConfig(model="llama-3.2-1b", device="cpu", plugin="none", num_layers=9000))
     assert time.monotonic() - t0 < 10
+
+
+def test_absurd_layer_count_is_a_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"num_hidden_layers=10000000 exceeds 10000"):
+        Engine(EngineConfig(plugin="none", num_layers=10_000_000, **KW))
 
 
 def test_huge_max_context_len_on_cpu_is_refused_with_the_numbers():

@@ -327,6 +327,9 @@ class EngineConfig:
             raise ConfigError(f"general_impl must be reference, fused or compiled, got {self.general_impl!r}")
         if self.speculative_method is not None or self.speculative:
             self._check_speculative()
+        if self.step_timeout_s is not None and not 0 < self.step_timeout_s < float("inf"):
+            raise ConfigError(f"step_timeout_s must be a finite number of seconds > 0 or None, "
+                              f"got {self.step_timeout_s}")
 
     def _check_speculative(self) -> None:
         method = self.speculative_method or "ngram"
@@ -369,9 +372,6 @@ class EngineConfig:
         if self.strict_max_position:
             raise ConfigError(msg + f"; pass max_context_len <= {model.max_position_embeddings}")
         warnings.warn(msg + "; outputs there may be poor (strict_max_position=True refuses this)", stacklevel=2)
-        if self.step_timeout_s is not None and not 0 < self.step_timeout_s < float("inf"):
-            raise ConfigError(f"step_timeout_s must be a finite number of seconds > 0 or None, "
-                              f"got {self.step_timeout_s}")
 
     @property
     def resolved_step_timeout_s(self) -> float:
