@@ -88,7 +88,7 @@ def _run_suite(plugin: str, expect: Expect, site: Path, work: Path) -> tuple[int
                PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     cmd = [sys.executable, "-m", "pytest", "-p", "lowlat_contract.pytest_plugin", "-p", "no:cacheprovider",
            "--pyargs", "lowlat_contract", "--lowlat-plugin", expect.plugin or plugin, "--lowlat-arch", ARCH, "-q",
-           "-rA", f"--junitxml={xml}", *expect.args]
+           "-rA", f"--junitxml={xml}", "--lowlat-sweep", "full", *expect.args]  # plain torch: the full sweep
     if expect.select:
         cmd += ["-k", expect.select]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
