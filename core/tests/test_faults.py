@@ -318,7 +318,7 @@ def test_prompt_that_is_not_valid_text_is_refused():
 def test_the_suite_sees_a_child_process_left_behind():
     import subprocess
 
-    from conftest import child_processes
+    from _procs import child_processes
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import wait_no_children
+from _procs import wait_no_children
 from fault_fakes import fault_source
 from lowlat import Engine, EngineConfig, SamplingParams
 from lowlat.errors import LowlatPluginError
