@@ -94,6 +94,10 @@ def _check_run(run: SuiteRun, expect: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("name", [_param(n) for n in DEFECTIVE])
 def test_mutant_fails_the_suite(suite_runs: dict[str, SuiteRun], name: str) -> None:
     """The suite fails the mutant (pytest exit 1) in one of its expected contracts."""
+    from lowlat_contract.plugins.mutants.registry import CUDA_ONLY
+
+    if name in CUDA_ONLY and not torch.cuda.is_available():
+        pytest.skip(CUDA_ONLY[name])  # its contract runs on CUDA only: bench/gpu_jobs.py mutants
     m = MUTANTS[name]
     run = suite_runs[name]
     if m.expect != (EXIT,):
