@@ -44,7 +44,30 @@ def near_tie_rows(router_logits: torch.Tensor, top_k: int, ulps: int = TIE_ULPS)
     return (router_gap_ulps(router_logits, top_k) <= ulps).nonzero().flatten().tolist()
 
 
-class RouterTieRecorder:
+class _GateHooks:
+    """A forward hook on every general-path MoE router (``SparseMoeBlock.gate``) while the context is active;
+    subclasses give ``_hook(block)``."""
+
+    def __init__(self, model: Any) -> None:
+        from lowlat.layers.moe import SparseMoeBlock
+
+        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)] if model is not None else []
+        self._handles: list[Any] = []
+
+    def _hook(self, block: Any) -> Any:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        self._handles = [b.gate.register_forward_hook(self._hook(b)) for b in self.blocks]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class RouterTieRecorder(_GateHooks):
     """Context manager: while active, ``ties[request]`` = the steps with a router near-tie for that request.
 
     ``begin_step(step, rows_per_request)`` must be called before each forward: ``rows_per_request[i]`` = router
@@ -52,13 +75,10 @@ class RouterTieRecorder:
     """
 
     def __init__(self, model: Any) -> None:
-        from lowlat.layers.moe import SparseMoeBlock
-
-        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)] if model is not None else []
+        super().__init__(model)
         self.ties: dict[int, list[int]] = {}
         self._step = 0
         self._owner: list[int] = []
-        self._handles: list[Any] = []
 
     def begin_step(self, step: int, rows_per_request: list[int]) -> None:
         self._step = step
@@ -74,14 +94,6 @@ class RouterTieRecorder:
                     steps.append(self._step)
         return hook
 
-    def __enter__(self) -> RouterTieRecorder:
-        self._handles = [b.gate.register_forward_hook(self._hook(b)) for b in self.blocks]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def tie_rows(model: Any, forward: Any, num_tokens: int) -> tuple[Any, frozenset[int]]:
@@ -94,17 +106,14 @@ def tie_rows(model: Any, forward: Any, num_tokens: int) -> tuple[Any, frozenset[
     return out, frozenset(rec.ties)
 
 
-class RoutingRecorder:
+class RoutingRecorder(_GateHooks):
     """Context manager: records each general-path MoE layer's top-k expert ids ``topk[layer]`` (int64 [T, k],
     CPU) and the rows at a near-tie (``near_ties``) of the one forward run inside it."""
 
     def __init__(self, model: Any) -> None:
-        from lowlat.layers.moe import SparseMoeBlock
-
-        self.blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)] if model is not None else []
+        super().__init__(model)
         self.topk: list[torch.Tensor] = []
         self.near_ties: set[int] = set()
-        self._handles: list[Any] = []
 
     def _hook(self, block: Any) -> Any:
         def hook(_mod: Any, _inp: Any, out: torch.Tensor) -> None:
@@ -113,14 +122,6 @@ class RoutingRecorder:
             self.near_ties.update(near_tie_rows(lg, block.top_k))
         return hook
 
-    def __enter__(self) -> RoutingRecorder:
-        self._handles = [b.gate.register_forward_hook(self._hook(b)) for b in self.blocks]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def routing_diff_rows(general: list[torch.Tensor], plugin: list[torch.Tensor]) -> set[int]:
