@@ -74,7 +74,7 @@ def tpot_ms(engine: Engine, batch: int, overlap: bool, args: argparse.Namespace)
 def measure_path(path: str, args: argparse.Namespace) -> list[dict]:
     general = GENERAL_VARIANTS.get(path)  # "general", "general-fused", ...: plugin none and that general_impl
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, plugin="none" if general else path,
-                       general_impl=general or "reference",
+                       general_impl=general or "auto",
                        max_batch_size=max(args.batch_sizes) * args.input_sets, page_size=args.page_size,
                        max_context_len=args.context + args.new_tokens, max_verify_tokens=1, overlap=True)
     t0 = time.perf_counter()

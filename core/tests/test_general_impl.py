@@ -125,10 +125,11 @@ def test_bench_paths_name_the_general_variants():
     from lowlat.bench.lowlat_path import engine_config
 
     cfg = BenchConfig.with_defaults("cpu", paths=("general", "general-fused", "general-compiled"))
-    for path, impl in (("general", "reference"), ("general-fused", "fused"), ("general-compiled", "compiled")):
+    for path, impl in (("general", "auto"), ("general-reference", "reference"), ("general-fused", "fused"),
+                       ("general-compiled", "compiled")):
         ecfg = engine_config(cfg, "tiny-llama", path, None)
         assert (ecfg.plugin, ecfg.general_impl) == ("none", impl)
-    assert engine_config(cfg, "tiny-llama", "amd_mono", None).general_impl == "reference"
+    assert engine_config(cfg, "tiny-llama", "amd_mono", None).general_impl == "auto"  # its fallback: the default
 
 
 def test_engine_greedy_tokens_are_the_same_with_fused():
@@ -144,3 +145,22 @@ def test_engine_greedy_tokens_are_the_same_with_fused():
         tokens.append([c.token_ids for c in out])
         engine.close()
     assert tokens[0] == tokens[1]
+
+
+def test_auto_is_fused_on_cuda_and_reference_elsewhere():
+    cfg = EngineConfig()
+    assert cfg.general_impl == "auto"
+    assert cfg.resolved_general_impl(torch.device("cuda", 0)) == "fused"
+    assert cfg.resolved_general_impl(torch.device("cpu")) == "reference"
+    for impl in ("reference", "fused", "compiled"):  # an explicit choice is kept on every device
+        assert EngineConfig(general_impl=impl).resolved_general_impl(torch.device("cpu")) == impl
+        assert EngineConfig(general_impl=impl).resolved_general_impl(torch.device("cuda", 0)) == impl
+
+
+def test_a_cpu_runner_with_the_default_runs_the_reference_forward():
+    r = ModelRunner(EngineConfig(model="tiny-llama", device="cpu", dtype="float32", max_batch_size=1,
+                                 max_context_len=32, plugin="none"))
+    try:
+        assert r.general_step is r.model  # make_general_step("reference") is the model itself
+    finally:
+        r.close()

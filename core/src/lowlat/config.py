@@ -19,6 +19,8 @@ from lowlat.errors import ConfigError
 from lowlat.hf_config import MAX_LAYERS, SUPPORTED_ROPE_TYPES, hf_config_fields
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# How the general forward may run (EngineConfig.general_impl; lowlat.models.general_impl has the three kinds).
+GENERAL_IMPLS = ("auto", "reference", "fused", "compiled")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -276,9 +278,12 @@ class EngineConfig:
         step_timeout_s: deadline of one step, and of each cross-rank wait within it, in seconds; None reads
             LOWLAT_STEP_TIMEOUT, else 60 (below a typical serving watchdog). A missed deadline raises
             StepDeadlineExceeded and leaves the engine unusable (``lowlat.runtime.deadline``).
-        general_impl: how the general forward runs (``lowlat.models.general_impl``): "reference" (plain torch,
-            the oracle), "fused" (core Triton kernels for norm, RoPE + KV write, SiLU-and-mul, decode MoE) or "compiled"
-            (torch.compile of the same pieces, before CUDA-graph capture).
+        general_impl: how the general forward runs (``lowlat.models.general_impl``): "auto" (the default:
+            "fused" on CUDA, "reference" elsewhere; ``resolved_general_impl``), "reference" (plain torch, the
+            oracle the differential tests and the contract suite use), "fused" (core Triton kernels for norm,
+            RoPE + KV write, SiLU-and-mul, decode MoE) or "compiled" (torch.compile of the same pieces, before
+            CUDA-graph capture). Why fused on CUDA: it measured fastest of the three on the H200 (llama-3.2-1b
+            and qwen3-30b-a3b, every batch 1-8 and VERIFY x6; bench/results/2026-12-01-h200-general-speed).
     """
 
     model: str = "tiny-llama"
@@ -304,7 +309,7 @@ class EngineConfig:
     num_layers: int | None = None
     strict_max_position: bool = False
     step_timeout_s: float | None = None
-    general_impl: str = "reference"
+    general_impl: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -323,8 +328,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if not self.plugin:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
-        if self.general_impl not in ("reference", "fused", "compiled"):
-            raise ConfigError(f"general_impl must be reference, fused or compiled, got {self.general_impl!r}")
+        if self.general_impl not in GENERAL_IMPLS:
+            raise ConfigError(f"general_impl must be one of {', '.join(GENERAL_IMPLS)}, got {self.general_impl!r}")
         if self.speculative_method is not None or self.speculative:
             self._check_speculative()
         if self.step_timeout_s is not None and not 0 < self.step_timeout_s < float("inf"):
@@ -372,6 +377,13 @@ class EngineConfig:
         if self.strict_max_position:
             raise ConfigError(msg + f"; pass max_context_len <= {model.max_position_embeddings}")
         warnings.warn(msg + "; outputs there may be poor (strict_max_position=True refuses this)", stacklevel=2)
+
+    def resolved_general_impl(self, device: torch.device) -> str:
+        """``general_impl`` with "auto" made concrete for ``device``: "fused" on CUDA, else "reference" (a CPU has
+        no compiled Triton, and the interpreter is far slower than plain torch there)."""
+        if self.general_impl != "auto":
+            return self.general_impl
+        return "fused" if device.type == "cuda" else "reference"
 
     @property
     def resolved_step_timeout_s(self) -> float:

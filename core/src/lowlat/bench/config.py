@@ -2,7 +2,8 @@
 
 A row of the benchmark is one (model, path, Shape); a Shape is a forward mode, a batch size and the new
 tokens per request (1 for DECODE, ``verify_tokens`` for VERIFY). Paths are "general" (the general forward,
-``plugin="none"``; "general-fused" and "general-compiled" run it with ``general_impl`` fused / compiled), a plugin
+``plugin="none"``, as the engine runs it by default: ``general_impl="auto"``, fused on CUDA; "general-reference",
+"general-fused" and "general-compiled" pin ``general_impl``), a plugin
 name (that plugin, ``plugin=NAME``) and "hf" (HF transformers with a static cache and
 ``torch.compile(mode="reduce-overhead")``); "plugins" expands to every discovered plugin.
 """
@@ -18,7 +19,8 @@ from lowlat.runtime.cuda_graph_runner import GraphKey
 
 GENERAL_PATH = "general"
 # Paths that run the general forward (``plugin="none"``), by ``EngineConfig.general_impl``.
-GENERAL_VARIANTS = {GENERAL_PATH: "reference", "general-fused": "fused", "general-compiled": "compiled"}
+GENERAL_VARIANTS = {GENERAL_PATH: "auto", "general-reference": "reference", "general-fused": "fused",
+                    "general-compiled": "compiled"}
 HF_PATH = "hf"
 ALL_PLUGINS = "plugins"
 

@@ -1,7 +1,8 @@
 """Measure a lowlat path (a general variant or a plugin) at one decoder-layer count through a ModelRunner.
 
-General variants (``lowlat.bench.config.GENERAL_VARIANTS``): "general" (``general_impl="reference"``),
-"general-fused" and "general-compiled"; each gets its own row and launches per layer.
+General variants (``lowlat.bench.config.GENERAL_VARIANTS``): "general" (``general_impl="auto"``, the engine's
+default: fused on CUDA), "general-reference", "general-fused" and "general-compiled"; each gets its own row and
+launches per layer.
 
 The runner is built as ``lowlat run`` builds it (EngineConfig with ``plugin="none"`` or the plugin's name,
 ``num_layers`` for the second depth), so its CUDA graphs, KV pool and plugin dispatch are the real ones. A
@@ -51,7 +52,7 @@ def engine_config(cfg: BenchConfig, model: str, path: str, depth: int | None) ->
         model=model, device=cfg.device, dtype=cfg.dtype, page_size=cfg.page_size,
         max_batch_size=cfg.max_batch_size * cfg.input_sets, max_context_len=cfg.context + cfg.max_tokens_per_req,
         cuda_graph=True, max_verify_tokens=cfg.max_tokens_per_req, plugin="none" if path in GENERAL_VARIANTS else path,
-        seed=cfg.seed, num_layers=depth, general_impl=GENERAL_VARIANTS.get(path, "reference"),
+        seed=cfg.seed, num_layers=depth, general_impl=GENERAL_VARIANTS.get(path, "auto"),
     )
 
 

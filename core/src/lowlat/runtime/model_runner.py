@@ -141,7 +141,7 @@ class ModelRunner:
                 enabled=self.show_progress and total >= BIG_CHECKPOINT_BYTES))
         from lowlat.models.general_impl import make_general_step
 
-        self.general_step = make_general_step(self.model, self.config.general_impl)
+        self.general_step = make_general_step(self.model, self.config.resolved_general_impl(self.device))
 
     def setup_forward(self) -> None:
         """Build the selected plugin (if any) and install its Dispatcher, before the KV pool is sized.
@@ -204,7 +204,7 @@ class ModelRunner:
     # -- steps -----------------------------------------------------------------------------------------------
 
     def general_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The general model's forward (``config.general_impl``): float32 logits ``[R, vocab]`` (see ForwardBatch)."""
+        """The general model's forward (``config.resolved_general_impl``): float32 logits ``[R, vocab]`` (see ForwardBatch)."""
         return self.general_step(batch, self.kv_pool)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
