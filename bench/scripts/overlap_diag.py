@@ -8,10 +8,15 @@ Per path and batch size, after a warm-up ``Engine.generate`` with the overlapped
    call (``.item()``, a blocking copy, ``tolist()`` of a device tensor, ...) is printed once with the lowlat
    frames of its stack and how many times it fired. The overlapped loop must have none on the step path (its one
    read is the non-blocking copy into pinned memory, waited on through an event).
-2. **device gaps**: ``torch.profiler`` over 32 DECODE steps; the device kernels and copies are sorted by start,
-   and the idle time between consecutive ones is summed: busy and idle µs per step, and the five largest gaps with
-   the names of the operations on each side. Idle time per step is what separates Engine.generate's TPOT from
-   ``lowlat bench``'s step latency (issue 17).
+2. **device gaps**: ``torch.profiler`` over 32 overlapped DECODE steps (``Engine.step`` after every request has
+   decoded; no prefill in the trace); the device kernels and copies are sorted by start, and the idle time
+   between consecutive ones is summed: busy and idle µs per step, the five largest gaps with the operations on
+   each side, and the costliest device operations per step;
+3. **epilogue**: device µs of the per-step work after the forward (argmax, finiteness flags, pack, copy to the
+   host) on random logits, by CUDA events without the profiler.
+
+Idle time and epilogue per step are what separate Engine.generate's TPOT from ``lowlat bench``'s step latency
+(issue 17).
 
 Diagnostic only (no pass/fail); bf16 on CUDA.
 """
@@ -52,34 +57,75 @@ def _syncs(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> 
     return seen
 
 
+def _decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParams, steps: int, fn) -> None:
+    """Admit ``prompts``, step until every request decodes, run ``fn(n)`` around ``steps`` steps, then drain."""
+    for p in prompts:
+        engine.add_request(p, params)
+    run = engine.scheduler.running
+    while len(run) < len(prompts) or any(len(r.output_ids) < 2 for r in run):
+        engine.step()
+    fn(lambda: [engine.step() for _ in range(steps)])
+    while engine.has_unfinished():
+        engine.step()
+
+
 def _gaps(engine: Engine, prompts: list[list[int]], params: SamplingParams, steps: int) -> dict:
-    """Device busy/idle µs per step and the largest gaps, from a profiler trace of one generate."""
+    """Device busy/idle µs per DECODE step, the largest gaps and the costliest device operations per step, from a
+    profiler trace of ``steps`` overlapped DECODE steps (prefill excluded)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, params)
+    box = {}
+
+    def traced(run) -> None:
         torch.cuda.synchronize()
-    dev = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        box["prof"] = prof
+
+    _decode_steps(engine, prompts, params, steps, traced)
+    dev = sorted((e for e in box["prof"].events() if e.device_type == torch.autograd.DeviceType.CUDA),
                  key=lambda e: e.time_range.start)
     if len(dev) < 2:
-        return {"busy_us": 0.0, "idle_us": 0.0, "top": []}
-    # The decode part only: skip the prefill (the first 10% of device time), end at the last event.
-    t_first, t_last = dev[0].time_range.start, dev[-1].time_range.end
-    start = t_first + 0.1 * (t_last - t_first)
-    dev = [e for e in dev if e.time_range.start >= start]
+        return {"busy_us": 0.0, "idle_us": 0.0, "top": [], "ops": []}
     busy = idle = 0.0
     gaps = []
+    per_op: collections.Counter = collections.Counter()
     end = dev[0].time_range.start
     for prev, e in zip([None, *dev[:-1]], dev):
         s, f = e.time_range.start, e.time_range.end
+        per_op[e.name[:70]] += f - s
         if s > end:
             idle += s - end
             gaps.append((s - end, prev.name if prev else "-", e.name))
         busy += max(0.0, f - max(s, end))
         end = max(end, f)
-    n = max(1, int(steps * 0.9))
     gaps.sort(reverse=True)
-    return {"busy_us": busy / n, "idle_us": idle / n, "top": gaps[:5]}
+    return {"busy_us": busy / steps, "idle_us": idle / steps, "top": gaps[:5],
+            "ops": [(name, us / steps) for name, us in per_op.most_common(12)]}
+
+
+def _epilogue_us(engine: Engine, batch: int, reps: int = 200) -> float:
+    """Device µs of the overlapped loop's per-step work after the forward (greedy argmax, the finiteness flags,
+    the pack and the non-blocking copy to pinned memory) on ``[batch, vocab]`` float32 logits."""
+    from lowlat.runtime.step_guard import packed_picks
+
+    logits = torch.randn(batch, engine.model_config.vocab_size, device="cuda")
+    host = torch.empty(2 * batch, dtype=torch.int64, pin_memory=True)
+
+    def once() -> None:
+        picked = torch.argmax(logits, dim=-1)
+        host.copy_(packed_picks(logits, picked), non_blocking=True)
+
+    for _ in range(10):
+        once()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        once()
+    b.record()
+    b.synchronize()
+    return 1e3 * a.elapsed_time(b) / reps
 
 
 def main() -> int:
@@ -95,18 +141,21 @@ def main() -> int:
         bss = [int(b) for b in args.batch_sizes.split(",")]
         cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none" if general else path,
                            general_impl=general or "auto", max_batch_size=max(bss),
-                           max_context_len=args.context + args.steps + 8, max_verify_tokens=1, overlap=True)
+                           max_context_len=args.context + 2 * args.steps + 16, max_verify_tokens=1, overlap=True)
         with Engine(cfg) as e:
             vocab = e.model_config.vocab_size
             for b in bss:
                 prompts = torch.randint(0, vocab, (b, args.context), generator=torch.Generator().manual_seed(b))
                 prompts = prompts.tolist()
-                params = SamplingParams(max_new_tokens=args.steps, stop_at_eos=False)
+                params = SamplingParams(max_new_tokens=2 * args.steps + 8, stop_at_eos=False)
                 e.generate(prompts, params)  # warm-up
                 syncs = _syncs(e, prompts, params)
                 g = _gaps(e, prompts, params, args.steps)
                 print(f"== {args.model} {path} batch={b}: device busy {g['busy_us']:.1f} us/step, idle "
-                      f"{g['idle_us']:.1f} us/step; {sum(syncs.values())} host syncs", flush=True)
+                      f"{g['idle_us']:.1f} us/step (profiled); epilogue {_epilogue_us(e, b):.1f} us/step "
+                      f"(unprofiled); {sum(syncs.values())} host syncs", flush=True)
+                for name, us in g["ops"]:
+                    print(f"   op {us:8.1f} us/step  {name}")
                 for (msg, where), k in syncs.most_common(8):
                     print(f"   sync x{k}: {msg} at {where}")
                 for us, a, z in g["top"]:
