@@ -10,9 +10,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-SAMPLING_VARIANTS = ("greedy", "sample", "filter")
-
 import torch
+
+SAMPLING_VARIANTS = ("greedy", "sample", "filter")
 
 
 class ForwardMode(enum.Enum):

@@ -126,7 +126,7 @@ class Dispatcher:
         if self.plugin_forward is None:
             raise ValueError("the plugin path was asked for, but no plugin is installed")
         ids = self.serves_ids(batch, path)
-        if not ids and getattr(batch, "wants_ids", False):  # parameters outside coverage.sampling: ask the plugin for logits
+        if not ids and getattr(batch, "wants_ids", False):  # outside coverage.sampling: ask the plugin for logits
             batch = replace(batch, logits_required=True)
         try:
             out = self.plugin_forward.forward(batch)

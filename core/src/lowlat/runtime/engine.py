@@ -34,8 +34,15 @@ from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.speculative.speculator import Speculator
 from lowlat.runtime.stats import StepStats
-from lowlat.runtime.step_guard import check_text, checked_picks, describe_step, is_ids, laggards, packed_ids
-from lowlat.runtime.step_guard import picks_if_finite
+from lowlat.runtime.step_guard import (
+    check_text,
+    checked_picks,
+    describe_step,
+    is_ids,
+    laggards,
+    packed_ids,
+    picks_if_finite,
+)
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
 INPUT_ERRORS = (ConfigError, LowlatPluginError)

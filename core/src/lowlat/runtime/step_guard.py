@@ -57,7 +57,8 @@ def checked_picks(out: list[int], describe: Callable[[], str]) -> list[int]:
     if bad:
         raise NonFiniteLogits(
             f"the {describe()} produced non-finite logits (NaN or inf; from a sampling plugin: an id of -1 or "
-            f"outside the vocabulary) in {len(bad)} of {n} sampled rows (first: row {bad[0]}); the engine stopped rather than serve garbage tokens. Check the checkpoint for "
+            f"outside the vocabulary) in {len(bad)} of {n} sampled rows (first: row {bad[0]}); the engine stopped "
+            "rather than serve garbage tokens. Check the checkpoint for "
             "NaN/inf weights and config.json for nonsense values (e.g. a negative rms_norm_eps), or try "
             "--dtype float32 if float16 overflows")
     return out[:n]
