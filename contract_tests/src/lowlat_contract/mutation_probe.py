@@ -41,6 +41,7 @@ class Evidence:
     held: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     unaccounted: dict[str, int] = field(default_factory=dict)
     raised: dict[str, list[str]] = field(default_factory=dict)
+    ids: dict[str, str | None] = field(default_factory=dict)
 
     def defect(self, check: str, path: str) -> bool:
         """Whether ``path`` ("mutant" or "reference") shows the defect ``check`` looks for."""
@@ -57,6 +58,8 @@ class Evidence:
             return path == "mutant" and self.unaccounted[path] - self.unaccounted["reference"] > 64 * 1024
         if check == "raises":
             return bool(self.raised.get(path))
+        if check == "ids":
+            return self.ids.get(path) is not None
         raise ValueError(f"unknown check {check!r}")
 
 
@@ -235,6 +238,12 @@ def probe(name: str) -> Evidence:
         for path, (fwd, binding) in built.items():
             ev.unaccounted[path] = held(fwd, exclude)[1] - binding.workspace_bytes
         if trig.check == "unaccounted":
+            return ev
+        if trig.check == "ids":
+            from lowlat_contract.ids_probe import probe_ids
+
+            for path, fwd in plugins.items():
+                ev.ids[path] = probe_ids(fwd, runner.device)
             return ev
         mode, tpr = _step_args(trig)
         tol = TOLERANCES[trig.dtype]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+SAMPLING_VARIANTS = ("greedy", "sample", "filter")
+
 
 class ForwardMode(enum.Enum):
     """The kind of step.
@@ -37,6 +39,49 @@ class ForwardMode(enum.Enum):
 
 
 @dataclass
+class SamplingInfo:
+    """The sampling parameters of a step's logit rows as device tensors (plugin API 3), R rows.
+
+    A plugin whose spec declares ``Coverage.sampling`` may return the step's sampled ids instead of logits
+    (``ForwardBatch.wants_ids``); these are its inputs. Semantics are those of ``lowlat.runtime.sampling.sample``
+    (HF order: temperature, top-k, top-p; docs/writing-a-plugin.md, "Sampled ids"):
+
+    Attributes:
+        temperature: [R] float32; 0 makes the row greedy (argmax, the lowest index among equal maxima).
+        top_k: [R] int32; 0 is off (the runtime writes 0 for a top_k >= vocab).
+        top_p: [R] float32 in (0, 1]; 1.0 is off.
+        seeds: [R] int64, the request's seed (the same every step).
+        offsets: [R] int64 counter base: the draw for token i of row r uses the counter-based RNG stream
+            (seeds[r], offsets[r] + i); the runtime writes ``position * vocab``, so every (request, position,
+            token) draws its own number. A plugin's draws need not equal the general path's (which come from the
+            request's torch.Generator), only follow the same distribution and be reproducible for a seed.
+        all_greedy / max_top_k / any_top_p / top_p_alone: host-side summary (no device read): every row greedy;
+            the largest top_k of a sampled row (0: none uses top-k); some sampled row has top_p < 1; some
+            sampled row has top_p < 1 and no top-k.
+
+    A plugin picks its kernel variant from ``variant`` (host side) only, never from the tensors' values: a CUDA
+    graph captured for a variant replays every step of that variant.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    all_greedy: bool = True
+    max_top_k: int = 0
+    any_top_p: bool = False
+    top_p_alone: bool = False
+
+    @property
+    def variant(self) -> str:
+        """"greedy" (every row), "sample" (temperature only) or "filter" (some row uses top-k or top-p)."""
+        if self.all_greedy:
+            return "greedy"
+        return "filter" if self.max_top_k > 0 or self.any_top_p else "sample"
+
+
+@dataclass
 class ForwardBatch:
     """One step's inputs.
 
@@ -52,10 +97,15 @@ class ForwardBatch:
         tokens_per_req: new tokens per request when uniform (DECODE: 1, VERIFY: k+1); None for PREFILL.
         seq_lens_cpu: host copy of ``seq_lens`` (list of ints), None inside a captured graph.
         extend_lens_cpu: host copy of ``extend_lens``, None inside a captured graph.
+        sampling: the rows' sampling parameters on the device (plugin API 3), None when the runtime samples
+            itself (PREFILL, VERIFY, tests and the contract suite's logits checks).
+        logits_required: the caller needs this step's logits (an observer, logprobs); with ``sampling`` set and
+            this False a sampling plugin returns ids (``wants_ids``).
 
     Output convention of every forward (general or plugin): float32 logits ``[R, vocab]`` where
     R = T for DECODE and VERIFY (one row per new token) and R = B for PREFILL (last token of each
-    request).
+    request). When ``wants_ids`` and the plugin's ``Coverage.sampling`` covers ``sampling``, a plugin forward
+    returns int64 ids ``[R]`` instead: row r's sampled token, or -1 when row r's logits were not all finite.
     """
 
     forward_mode: ForwardMode
@@ -69,6 +119,13 @@ class ForwardBatch:
     tokens_per_req: int | None = None
     seq_lens_cpu: list[int] | None = None
     extend_lens_cpu: list[int] | None = None
+    sampling: SamplingInfo | None = None
+    logits_required: bool = True
+
+    @property
+    def wants_ids(self) -> bool:
+        """Whether the step asks for sampled ids (``sampling`` set and ``logits_required`` False)."""
+        return self.sampling is not None and not self.logits_required
 
     @property
     def batch_size(self) -> int:

@@ -24,7 +24,15 @@ from collections.abc import Callable
 from typing import Any
 
 from lowlat.forward_batch import ForwardMode
-from lowlat.plugin import Coverage, ModelSpec, PlatformRequirement, ReferenceStep, Requirements, hookimpl
+from lowlat.plugin import (
+    Coverage,
+    ModelSpec,
+    PlatformRequirement,
+    ReferenceStep,
+    Requirements,
+    SamplingCoverage,
+    hookimpl,
+)
 from lowlat.plugin.reference_step import LayerWeights, neox_rotate, rms
 
 __all__ = ["ARCHITECTURES", "BUILD", "HOOKS", "MAX_TOKENS", "LayerWeights", "ReferenceForward", "SpecHooks", "build",
@@ -36,10 +44,13 @@ BUILD = "lowlat_contract.plugins.reference:build"
 
 
 def reference_specs(build: str = BUILD) -> list[ModelSpec]:
-    """One spec per architecture: CPU or CUDA, float32 or bfloat16, TP 1 or 2, DECODE+VERIFY up to 16 tokens."""
+    """One spec per architecture: CPU or CUDA, float32 or bfloat16, TP 1 or 2, DECODE+VERIFY up to 16 tokens;
+    sampled ids (plugin API 3) for every sampling setting (``ReferenceStep.sample``: ``lowlat.plugin.sample_ids``)."""
     req = Requirements(platforms=(PlatformRequirement("cpu"), PlatformRequirement("cuda")),
                        dtypes=frozenset({"float32", "bfloat16"}), tp_sizes=frozenset({1, 2}))
-    cov = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_TOKENS)
+    modes = frozenset({ForwardMode.DECODE, ForwardMode.VERIFY})
+    cov = Coverage(modes=modes, max_tokens=MAX_TOKENS,
+                   sampling=SamplingCoverage(modes=modes, max_top_k=1 << 30, top_p="any"))
     return [ModelSpec(architecture=a, requirements=req, coverage=cov, build=build) for a in ARCHITECTURES]
 
 

@@ -4,7 +4,9 @@ A vendor imports from here only: specs and requirements (``ModelSpec``, ``Requir
 ``PlatformRequirement``), the hook marker (``hookimpl``), what ``build`` gets and returns (``PluginBinding``,
 ``PluginForward``), the reference step to override stage by stage (``ReferenceStep``, ``STAGES``), the
 parameter binder (``bind_params``, ``ModelParams``, ``LayerParams``), ``rope_tables``, the runtime types a step
-sees (``ForwardBatch``, ``ForwardMode``, ``KVPool``, ``ModelConfig``, ``EngineConfig``) and the errors.
+sees (``ForwardBatch``, ``ForwardMode``, ``KVPool``, ``ModelConfig``, ``EngineConfig``), sampled ids
+(``SamplingCoverage`` in a spec's coverage, ``SamplingInfo`` in a batch, ``sample_ids`` the torch reference)
+and the errors.
 Discovery, the guard and selection are ``lowlat.runtime.plugin_host``; the dispatcher ``lowlat.runtime.dispatch``.
 Public names are re-exported here once; the modules beside this file are the implementation.
 """
@@ -23,13 +25,21 @@ from lowlat.errors import (
     SpecError,
     UnsupportedConfiguration,
 )
-from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from lowlat.kv_cache import KVPool
 from lowlat.plugin.binding import PluginBinding, PluginForward, rope_tables
 from lowlat.plugin.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl, hookspec
 from lowlat.plugin.params import LayerParams, ModelParams, bind_params
 from lowlat.plugin.reference_step import STAGES, LayerWeights, ReferenceStep
-from lowlat.plugin.spec import Coverage, ModelSpec, PlatformRequirement, Requirements, spec_from_mapping
+from lowlat.plugin.sampling import counter_uniform, sample_ids
+from lowlat.plugin.spec import (
+    Coverage,
+    ModelSpec,
+    PlatformRequirement,
+    Requirements,
+    SamplingCoverage,
+    spec_from_mapping,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -57,12 +67,16 @@ __all__ = [
     "PluginStepError",
     "ReferenceStep",
     "Requirements",
+    "SamplingCoverage",
+    "SamplingInfo",
     "SpecError",
     "UnsupportedConfiguration",
     "bind_params",
+    "counter_uniform",
     "hookimpl",
     "hookspec",
     "rope_tables",
+    "sample_ids",
     "spec_from_mapping",
 ]
 

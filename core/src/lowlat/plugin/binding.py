@@ -23,7 +23,10 @@ class PluginForward(Protocol):
 
     ``supports(batch)`` may refuse a covered step (e.g. a context longer than its kernels handle);
     ``forward(batch)`` returns float32 logits [R, vocab] (ForwardBatch's convention, full vocab on every
-    TP rank) and writes every layer's K and V at exactly ``batch.out_cache_loc``. Optional hooks:
+    TP rank) and writes every layer's K and V at exactly ``batch.out_cache_loc``. With ``coverage.sampling`` in its
+    spec (plugin API 3), when ``batch.wants_ids`` it returns int64 ids [R] instead: each row's token sampled
+    as ``batch.sampling`` says, or -1 for a row whose logits were not all finite (the runtime only sets
+    ``wants_ids`` for steps ``coverage.sampling.covers``). Optional hooks:
     ``prepare_for_capture(batch)`` before a CUDA graph records ``forward`` for that shape, and
     ``prepare_for_replay(batch)`` before each replay (host-side only; it must not launch device work
     that the graph does not also contain).

@@ -11,6 +11,7 @@ contract suite from its first line (docs/writing-a-plugin.md, "One kernel"). The
     x, h     = add_norm(x, delta, w.ln_post)
     delta    = moe(i, w, h) or mlp(i, w, h)           sparse MoE block or dense SwiGLU MLP (TP all-reduce)
     logits   = lm_head(x + delta)                     final norm, LM head, vocab all-gather: float32 [T, V]
+    ids      = sample(logits, batch.sampling)          only when batch.wants_ids (plugin API 3): int64 [T]
 
 Stage arguments: ``x`` the residual stream [T, H] in the model dtype; ``w`` the layer's ``LayerWeights``
 (the reference's transposed views ``*_t`` = [in, out], plus ``w.params``: the same tensors in the general
@@ -31,10 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lowlat.forward_batch import ForwardBatch, ForwardMode
+from lowlat.forward_batch import ForwardBatch, ForwardMode, SamplingInfo
 from lowlat.plugin.params import LayerParams, bind_params
+from lowlat.plugin.sampling import sample_ids
 
-STAGES = ("norm", "add_norm", "qkv_rope_store", "attention", "o_proj", "mlp", "moe", "lm_head")
+STAGES = ("norm", "add_norm", "qkv_rope_store", "attention", "o_proj", "mlp", "moe", "lm_head", "sample")
 """The overridable stages of ReferenceStep, in the order one layer runs them."""
 
 
@@ -132,7 +134,8 @@ class ReferenceStep:
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """One DECODE/VERIFY step: float32 logits [T, vocab]; writes every layer's K/V at ``out_cache_loc``.
+        """One DECODE/VERIFY step: float32 logits [T, vocab] (int64 ids [T] when ``batch.wants_ids``: the
+        ``sample`` stage); writes every layer's K/V at ``out_cache_loc``.
 
         Raises:
             ValueError: a PREFILL batch (outside the spec's coverage) or no KV pool yet.
@@ -154,7 +157,8 @@ class ReferenceStep:
             delta = self._attention(i, w, h, cos, sin, batch)
             x, h = self.add_norm(x, delta, w.ln_post)
             delta = self.moe(i, w, h) if w.router_t is not None else self.mlp(i, w, h)
-        return self.lm_head(x + delta)
+        logits = self.lm_head(x + delta)
+        return self.sample(logits, batch.sampling) if batch.wants_ids else logits  # type: ignore[arg-type]
 
     def last_routing(self) -> list[torch.Tensor]:
         """The latest step's top-k expert ids per MoE layer (int64 [T, k], layer order), which the contract
@@ -211,6 +215,11 @@ class ReferenceStep:
         """Final RMSNorm and LM head of the residual x [T, H]: float32 logits [T, V], full vocab on every rank."""
         local = (self.norm(x, self.final_norm) @ self.lm_head_t).float()
         return self._gather_logits(local)[:, :self.vocab]
+
+    def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+        """The step's sampled ids from its logits [T, V]: int64 [T], -1 for a non-finite row
+        (``lowlat.plugin.sampling.sample_ids``; only for specs whose coverage declares ``sampling``)."""
+        return sample_ids(logits, info)
 
     # -- helpers of the default stages -----------------------------------------------------------------------
 

@@ -13,10 +13,11 @@ from typing import Any
 
 from lowlat.config import DTYPES, SUPPORTED_ARCHITECTURES
 from lowlat.errors import SpecError
-from lowlat.forward_batch import ForwardMode
+from lowlat.forward_batch import ForwardMode, SamplingInfo
 
 PLATFORM_KINDS = ("cuda", "rocm", "cpu")
 FEATURES = ("cuda_graph", "speculative")
+TOP_P_SUPPORT = ("none", "with_top_k", "any")
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,86 @@ class PlatformRequirement:
 
 
 @dataclass(frozen=True)
+class SamplingCoverage:
+    """The steps in which a plugin returns sampled ids instead of logits (plugin API 3; ``ForwardBatch.sampling``).
+
+    Greedy rows are always served. A step is served only when every row of it is:
+
+    Attributes:
+        modes: the forward modes it samples in (the runtime asks for ids in DECODE steps today).
+        temperature: rows with temperature > 0 (plain softmax sampling) are served.
+        max_top_k: rows with ``0 < top_k <= max_top_k`` are served exactly (0: rows using top-k need logits).
+        top_p: rows with top_p < 1: "none" (need logits), "with_top_k" (served when the row's top_k is served
+            too: the nucleus is then drawn from at most max_top_k tokens), "any".
+
+    Raises:
+        SpecError: an unknown mode or top_p value, a negative max_top_k, or filtering without temperature.
+    """
+
+    modes: frozenset[ForwardMode] = frozenset({ForwardMode.DECODE})
+    temperature: bool = True
+    max_top_k: int = 0
+    top_p: str = "none"
+
+    def __post_init__(self) -> None:
+        if not self.modes or ForwardMode.PREFILL in self.modes:
+            raise SpecError("coverage.sampling.modes must name DECODE and/or VERIFY")
+        if self.top_p not in TOP_P_SUPPORT:
+            raise SpecError(f"coverage.sampling.top_p is {self.top_p!r}; use one of {', '.join(TOP_P_SUPPORT)}")
+        if self.max_top_k < 0:
+            raise SpecError(f"coverage.sampling.max_top_k must be >= 0, got {self.max_top_k}")
+        if not self.temperature and (self.max_top_k or self.top_p != "none"):
+            raise SpecError("coverage.sampling serves top-k/top-p only with temperature=True")
+
+    def covers(self, mode: ForwardMode, info: SamplingInfo) -> bool:
+        """Whether ids may be asked for a ``mode`` step with these rows (host-side summary only, no device read)."""
+        if mode not in self.modes:
+            return False
+        if info.all_greedy:
+            return True
+        if not self.temperature or info.max_top_k > self.max_top_k:
+            return False
+        if info.any_top_p and (self.top_p == "none" or (self.top_p == "with_top_k" and info.top_p_alone)):
+            return False
+        return True
+
+    def variants(self) -> tuple[str, ...]:
+        """The ``SamplingInfo.variant`` values it can serve (a CUDA graph is captured for each)."""
+        out = ["greedy"]
+        if self.temperature:
+            out.append("sample")
+        if self.max_top_k or self.top_p != "none":
+            out.append("filter")
+        return tuple(out)
+
+    def describe(self) -> str:
+        parts = ["greedy"] + (["temperature"] if self.temperature else [])
+        if self.max_top_k:
+            parts.append(f"top_k <= {self.max_top_k}")
+        if self.top_p != "none":
+            parts.append("top_p" + (" with top_k" if self.top_p == "with_top_k" else ""))
+        return f"sampled ids in {','.join(sorted(m.name for m in self.modes))} ({', '.join(parts)})"
+
+
+@dataclass(frozen=True)
 class Coverage:
-    """The steps a spec serves: forward modes, and tokens per step T (all requests together)."""
+    """The steps a spec serves: forward modes, and tokens per step T (all requests together).
+
+    ``sampling`` (plugin API 3, optional): the steps in which the plugin returns sampled ids instead of logits.
+    """
 
     modes: frozenset[ForwardMode]
     max_tokens: int
     min_tokens: int = 1
+    sampling: SamplingCoverage | None = None
 
     def __post_init__(self) -> None:
         if not self.modes:
             raise SpecError("coverage.modes is empty: a spec must serve at least one forward mode")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise SpecError(f"coverage needs 1 <= min_tokens <= max_tokens, got {self.min_tokens}..{self.max_tokens}")
+        if self.sampling is not None and not self.sampling.modes <= self.modes:
+            raise SpecError("coverage.sampling.modes must be among coverage.modes")
 
     def covers(self, mode: ForwardMode, num_tokens: int) -> bool:
         """Whether a step of ``mode`` with ``num_tokens`` tokens is inside coverage."""
@@ -74,7 +143,8 @@ class Coverage:
 
     def describe(self) -> str:
         modes = ",".join(sorted(m.name for m in self.modes))
-        return f"{modes} with {self.min_tokens}..{self.max_tokens} tokens per step"
+        extra = f"; {self.sampling.describe()}" if self.sampling is not None else ""
+        return f"{modes} with {self.min_tokens}..{self.max_tokens} tokens per step{extra}"
 
 
 @dataclass(frozen=True)
@@ -179,11 +249,20 @@ def spec_from_mapping(data: Mapping[str, Any]) -> ModelSpec:
     req["made_for"] = tuple(req.get("made_for", ()))
     req["model"] = tuple((k, tuple(v)) for k, v in dict(req.get("model", ())).items())
     cov = _check_keys(top.pop("coverage"), Coverage, "coverage")
-    try:
-        cov["modes"] = frozenset(m if isinstance(m, ForwardMode) else ForwardMode.parse(m) for m in cov["modes"])
-    except ValueError as e:
-        raise SpecError(f"coverage.modes: {e}") from None
+    cov["modes"] = _modes(cov["modes"], "coverage.modes")
+    if isinstance(cov.get("sampling"), Mapping):
+        samp = _check_keys(cov["sampling"], SamplingCoverage, "coverage.sampling")
+        if "modes" in samp:
+            samp["modes"] = _modes(samp["modes"], "coverage.sampling.modes")
+        cov["sampling"] = SamplingCoverage(**samp)
     return ModelSpec(requirements=Requirements(**req), coverage=Coverage(**cov), **top)
+
+
+def _modes(names: Any, where: str) -> frozenset[ForwardMode]:
+    try:
+        return frozenset(m if isinstance(m, ForwardMode) else ForwardMode.parse(m) for m in names)
+    except ValueError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 def _check_keys(data: Any, cls: type, where: str) -> dict[str, Any]:

@@ -12,13 +12,15 @@ them is replayed without any copy, its padding rows already in place.
 Captured set: DECODE at batch sizes ``capture_batch_sizes(max_batch_size)`` (every size 1..8, then
 multiples of 8, then max_batch_size), and VERIFY at the same batch sizes for every tokens-per-request
 count 2..``max_verify_tokens``. A VERIFY step with one token per request, or any step outside the set,
-runs eagerly.
+runs eagerly. Sampled ids (plugin API 3): for each shape whose graph took a sampling plugin's path, one more graph
+per ``SamplingInfo.variant`` the plugin serves (``ids_variants``), captured with the ``SamplingInputs`` buffers as
+the static batch's ``sampling``; a step that ``wants_ids`` of that variant replays it and gets int64 ids [T].
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,11 +32,18 @@ ForwardFn = Callable[[ForwardBatch], torch.Tensor]
 
 
 class GraphKey(NamedTuple):
-    """One captured shape: ``batch_size`` (padded) requests of ``tokens_per_req`` new tokens each."""
+    """One captured shape: ``batch_size`` (padded) requests of ``tokens_per_req`` new tokens each; ``sampling``
+    "" for the logits graph, else the ``SamplingInfo.variant`` of an ids graph."""
 
     mode: ForwardMode
     batch_size: int
     tokens_per_req: int
+    sampling: str = ""
+
+    @property
+    def base(self) -> GraphKey:
+        """The logits graph's key of this shape."""
+        return GraphKey(self.mode, self.batch_size, self.tokens_per_req)
 
     @property
     def num_tokens(self) -> int:
@@ -114,13 +123,17 @@ class CudaGraphRunner:
         return sorted(keys, key=lambda k: (k.num_tokens, k.mode is ForwardMode.DECODE, k.batch_size), reverse=True)
 
     def capture(self, forward_fn: ForwardFn | None = None, *, function_for: FunctionFor | None = None,
-                progress: bool = False) -> None:
+                progress: bool = False, ids_variants: Callable[[GraphKey], tuple[str, ...]] | None = None,
+                sampling: Any = None, max_top_k: int = 0) -> None:
         """Capture every key (each warmed up twice eagerly first, as SGLang does).
 
         Args:
             forward_fn: the one function every shape captures; or
             function_for: ``fn(key, static_batch) -> forward`` asked once per shape for the function that
                 shape captures (the Dispatcher's ``function_for``: it picks the path of the shape there).
+            ids_variants: ``fn(key) -> variants`` asked after a shape's logits graph (the Dispatcher's): an ids
+                graph is captured for each, with ``sampling`` (a SamplingInputs) giving the static SamplingInfo
+                (``max_top_k``: the plugin's, for the "filter" variant).
 
         Raises:
             ValueError: the buffers are not on a CUDA device.
@@ -135,33 +148,47 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.device)
         with task_progress("capturing CUDA graphs", len(keys), enabled=progress) as advance:
             for key in keys:
-                batch = self._fill_dummy(key)
-                for hook in self.capture_hooks:
-                    hook(key, batch)
-                fn = function_for(key, batch) if function_for is not None else forward_fn
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        fn(batch)
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = fn(batch)
-                if out.dtype != torch.float32 or tuple(out.shape) != (key.num_tokens, self.vocab_size):
-                    raise RuntimeError(f"the forward captured for {key} returned {out.dtype} {tuple(out.shape)}; "
-                                       f"expected float32 ({key.num_tokens}, {self.vocab_size}) logits")
-                self.graphs[key] = graph
-                self.outputs[key] = out
+                self._capture_one(key, function_for, forward_fn, stream, None)
+                for variant in ids_variants(key) if ids_variants is not None else ():
+                    info = sampling.static(key.num_tokens, variant, max_top_k)
+                    self._capture_one(key._replace(sampling=variant), function_for, forward_fn, stream, info)
                 advance()
         torch.cuda.synchronize(self.device)
 
-    def key_for(self, batch: ForwardBatch) -> GraphKey | None:
-        """The captured key that can run ``batch`` (smallest padded batch size), or None."""
+    def _capture_one(self, key: GraphKey, function_for: FunctionFor | None, forward_fn: ForwardFn | None,
+                     stream: torch.cuda.Stream, sampling: Any) -> None:
+        batch = self._fill_dummy(key)
+        if sampling is not None:
+            batch.sampling, batch.logits_required = sampling, False
+        for hook in self.capture_hooks:
+            hook(key, batch)
+        fn = function_for(key, batch) if function_for is not None else forward_fn
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(batch)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = fn(batch)
+        want = ((key.num_tokens,), torch.int64) if key.sampling else ((key.num_tokens, self.vocab_size), torch.float32)
+        if out.dtype != want[1] or tuple(out.shape) != want[0]:
+            what = "int64 ids" if key.sampling else "float32 logits"
+            raise RuntimeError(f"the forward captured for {key} returned {out.dtype} {tuple(out.shape)}; "
+                               f"expected {what} of shape {want[0]}")
+        self.graphs[key] = graph
+        self.outputs[key] = out
+
+    def key_for(self, batch: ForwardBatch, sampling: str = "") -> GraphKey | None:
+        """The captured key that can run ``batch`` (smallest padded batch size), or None; ``sampling``: the ids
+        variant wanted ("" logits); without an ids graph of it, the logits graph's key."""
         tpr = batch.tokens_per_req
         b = batch.batch_size
         if batch.forward_mode is ForwardMode.PREFILL or tpr is None or b > self.max_bs:
             return None
-        key = GraphKey(batch.forward_mode, self._padded[b], tpr)
+        key = GraphKey(batch.forward_mode, self._padded[b], tpr, sampling)
+        if sampling and key not in self.graphs:
+            key = key.base
         return key if key in self.graphs else None
 
     def can_run(self, batch: ForwardBatch) -> bool:
@@ -175,7 +202,7 @@ class CudaGraphRunner:
             key: ``key_for(batch)`` when the caller already has it.
 
         Returns:
-            float32 logits ``[T, vocab]`` (a fresh tensor, not the graph's buffer).
+            float32 logits ``[T, vocab]``, or int64 ids ``[T]`` for an ids key (a fresh tensor, not the graph's).
 
         Raises:
             ValueError: no captured graph fits ``batch`` (check ``can_run`` first).
@@ -189,7 +216,7 @@ class CudaGraphRunner:
         if self.inputs.layout != (b, tpr) or batch.input_ids.data_ptr() != self.input_ids.data_ptr():
             self._copy_in(batch, key)
         for hook in self.replay_hooks:
-            hook(key, batch)
+            hook(key.base, batch)
         self.graphs[key].replay()
         return self.outputs[key][:b * tpr].clone()
 

@@ -9,13 +9,19 @@ plugin that raises, returns the wrong shape or dtype, or returns non-finite logi
 it: never a silent retry elsewhere. Graph capture asks ``function_for(key, batch)`` once per captured shape
 (the path is chosen there, TP ranks agree there) and each replay reports to ``replayed(key, batch)``, so
 replays run without Python dispatch.
+
+Sampled ids (plugin API 3): a step whose batch ``wants_ids`` gets int64 ids [R] from the plugin path when the
+spec's ``coverage.sampling`` covers its ``SamplingInfo`` (``serves_ids``); otherwise (the general path, or
+parameters outside that coverage) the step returns logits and the caller samples. A plugin that is not asked
+for ids sees ``logits_required=True``. Ids are checked for dtype and shape; on eager steps (``check_outputs``)
+also for range, a -1 (the plugin's "non-finite logits" flag) being a PluginStepError as non-finite logits are.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -92,12 +98,26 @@ class Dispatcher:
             ok = bool(flag.item())
         return PLUGIN if ok else GENERAL
 
+    @property
+    def samples(self) -> bool:
+        """Whether the installed plugin's coverage declares sampled ids (``Coverage.sampling``)."""
+        return self.coverage is not None and self.coverage.sampling is not None
+
+    def serves_ids(self, batch: ForwardBatch, path: str = PLUGIN) -> bool:
+        """Whether ``path`` returns sampled ids for ``batch``: the plugin path, the batch ``wants_ids`` and the
+        spec's ``coverage.sampling`` covers its mode and SamplingInfo (host-side values only)."""
+        if path != PLUGIN or not self.samples or not getattr(batch, "wants_ids", False):
+            return False
+        return self.coverage.sampling.covers(batch.forward_mode, batch.sampling)  # type: ignore[union-attr, arg-type]
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        """Choose the path and run it (an eager step)."""
+        """Choose the path and run it (an eager step): float32 logits [R, V], or int64 ids [R] (``serves_ids``)."""
         return self.run(self.choose(batch), batch, check=self.check_outputs)
 
     def run(self, path: str, batch: ForwardBatch, *, check: bool = False, record: bool = True) -> torch.Tensor:
-        """Run ``path`` for ``batch``; plugin errors become PluginStepError. ``record`` counts the step."""
+        """Run ``path`` for ``batch``; plugin errors become PluginStepError. ``record`` counts the step.
+
+        Returns float32 logits [R, V], or int64 ids [R] when ``serves_ids(batch, path)``."""
         self.last_path = path
         if record:
             self.stats.record(path, batch.forward_mode)
@@ -105,6 +125,9 @@ class Dispatcher:
             return self.general_forward(batch)
         if self.plugin_forward is None:
             raise ValueError("the plugin path was asked for, but no plugin is installed")
+        ids = self.serves_ids(batch, path)
+        if not ids and getattr(batch, "wants_ids", False):  # outside coverage.sampling: ask the plugin for logits
+            batch = replace(batch, logits_required=True)
         try:
             out = self.plugin_forward.forward(batch)
         except (PluginStepError, KeyboardInterrupt):
@@ -112,6 +135,11 @@ class Dispatcher:
         except BaseException as e:  # SystemExit from plugin code is contained
             raise PluginStepError(f"plugin {self.plugin!r} failed during a {_describe(batch)}: "
                                   f"{type(e).__name__}: {e}") from e
+        if ids:
+            self.check_ids_shape(out, batch)
+            if check:
+                self.check_ids(out, batch)
+            return out
         self.check_shape(out, batch)
         if check:
             self.check_finite(out, batch)
@@ -121,11 +149,20 @@ class Dispatcher:
 
     def function_for(self, key: Any, batch: ForwardBatch) -> ForwardFn:
         """The function a CUDA graph of shape ``key`` captures: the path chosen now for ``batch`` (its static
-        batch), recorded in ``graph_paths``; runs the plugin's ``prepare_for_capture`` for a plugin shape."""
+        batch), recorded in ``graph_paths``; runs the plugin's ``prepare_for_capture`` for a plugin shape.
+        A static batch that ``wants_ids`` (an ids graph, ``ids_variants``) captures the plugin's ids."""
         path = self.graph_paths[key] = self.choose(batch)
         if path == PLUGIN and hasattr(self.plugin_forward, "prepare_for_capture"):
             self.plugin_forward.prepare_for_capture(batch)  # type: ignore[union-attr]
         return lambda b: self.run(path, b, record=False)
+
+    def ids_variants(self, key: Any) -> tuple[str, ...]:
+        """The ``SamplingInfo.variant`` values to capture an ids graph for, beside the logits graph of ``key``
+        (captured before): those of ``coverage.sampling`` when that graph took the plugin path in a sampled mode."""
+        if not self.samples or self.graph_paths.get(key) != PLUGIN:
+            return ()
+        sc = self.coverage.sampling  # type: ignore[union-attr]
+        return sc.variants() if key.mode in sc.modes else ()
 
     def replayed(self, key: Any, batch: ForwardBatch) -> None:
         """A graph of shape ``key`` is about to replay ``batch``: count it, and run ``prepare_for_replay``."""
@@ -153,6 +190,22 @@ class Dispatcher:
             got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise PluginStepError(f"plugin {self.plugin!r} returned {got} for a {_describe(batch)}; "
                                   f"the contract is float32 logits of shape {want}")
+
+    def check_ids_shape(self, out: Any, batch: ForwardBatch) -> None:
+        """Raise PluginStepError unless ``out`` is int64 ids [R] (a step that asked for sampled ids)."""
+        want = (batch.num_logit_rows,)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != torch.int64:
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise PluginStepError(f"plugin {self.plugin!r} returned {got} for a {_describe(batch)} that asked for "
+                                  f"sampled ids; the contract is int64 ids of shape {want}")
+
+    def check_ids(self, out: torch.Tensor, batch: ForwardBatch) -> None:
+        """Raise PluginStepError when an id is -1 (non-finite logits) or outside [0, vocab) (one host sync)."""
+        lo, hi = (int(v) for v in torch.stack((out.min(), out.max())).tolist())
+        if lo < 0 or hi >= self.vocab_size:
+            what = "flagged non-finite logits (id -1)" if lo == -1 else f"returned ids in [{lo}, {hi}]"
+            raise PluginStepError(f"plugin {self.plugin!r} {what} for a {_describe(batch)}; ids must lie in "
+                                  f"[0, {self.vocab_size}); the engine stopped rather than serve them")
 
     def check_finite(self, out: torch.Tensor, batch: ForwardBatch) -> None:
         """Raise PluginStepError when plugin logits hold NaN or inf (one host sync)."""

@@ -34,7 +34,15 @@ from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.speculative.speculator import Speculator
 from lowlat.runtime.stats import StepStats
-from lowlat.runtime.step_guard import check_text, describe_step, laggards, picks_if_finite
+from lowlat.runtime.step_guard import (
+    check_text,
+    checked_picks,
+    describe_step,
+    is_ids,
+    laggards,
+    packed_ids,
+    picks_if_finite,
+)
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
 INPUT_ERRORS = (ConfigError, LowlatPluginError)
@@ -62,7 +70,10 @@ class Engine:
             is on, ``step()`` returns the requests finished by the step before the one it launched, and
             observers see a step's tokens when they are read, one ``step()`` call after its launch.
         logits_observer: optional ``fn(step, logits)`` called after each forward with the step's float32
-            logits (``lowlat run --compare`` records them); None by default.
+            logits (``lowlat run --compare`` records them); None by default. While it is set, DECODE steps ask a
+            sampling plugin for logits, not ids, unless ``logits_needed(step)`` says False for the step.
+        logits_needed: optional ``fn(step) -> bool`` (the server's: some request wants logprobs); None: every step
+            with a ``logits_observer`` needs logits. A step that got sampled ids is not shown to the observer.
         step_observer: optional ``fn(step)`` called after each step's tokens are appended: the step's requests
             (finished ones included) hold this step's new tokens at the end of ``output_ids`` (streaming
             reads them); None by default.
@@ -120,6 +131,7 @@ class Engine:
         self._watchdog = StepWatchdog(config.resolved_step_timeout_s, self.runner.device)
         self._steps_run = 0
         self.logits_observer: Callable[[ScheduledStep, torch.Tensor], None] | None = None
+        self.logits_needed: Callable[[ScheduledStep], bool] | None = None
         self.step_observer: Callable[[ScheduledStep], None] | None = None
         self._next_rid = 0
         self.overlap = OverlapLoop(self) if config.resolved_overlap and self.speculator is None else None
@@ -275,10 +287,21 @@ class Engine:
     def _forward_pick(self, step: ScheduledStep,
                       pick: Callable[[ScheduledStep, torch.Tensor], list[int]] | None = None) -> list[int]:
         """The step's forward and its picks (what runs under the step deadline)."""
+        if pick is None:  # a speculative acceptance reads logits: no ids for it
+            self.attach_sampling(step)
         logits = self.runner.forward(step.batch)
-        if self.logits_observer is not None:
+        if self.logits_observer is not None and not is_ids(logits):
             self.logits_observer(step, logits)
         return (pick or self._pick)(step, logits)
+
+    def attach_sampling(self, step: ScheduledStep) -> None:
+        """Let a sampling plugin return this DECODE step's ids (plugin API 3): its rows' SamplingInfo, and whether
+        logits are needed (an observer that wants them). No-op without a sampling plugin."""
+        if self.runner.sampling_inputs is None or step.mode is not ForwardMode.DECODE:
+            return
+        needed = self.logits_observer is not None and (self.logits_needed is None or self.logits_needed(step))
+        self.runner.attach_sampling(step.batch, [r.params for r in step.requests], [r.seed for r in step.requests],
+                                    logits_required=needed)
 
     def _describe_stuck(self, step: ScheduledStep) -> str:
         progress = self._ctx.progress if self._ctx is not None else None
@@ -292,6 +315,10 @@ class Engine:
                 torch.cuda.current_stream(logits.device).synchronize()
             return []
         rows = logits if len(step.sample_rows) == logits.shape[0] else logits[step.sample_rows]
+        if is_ids(rows):  # a sampling plugin's ids: -1 flags non-finite logits (step_guard)
+            self._sync()
+            return checked_picks(packed_ids(rows, self.model_config.vocab_size).tolist(),
+                                 lambda: describe_step(step, self.runner, self._steps_run + 1))
         if step.greedy:
             picked = torch.argmax(rows, dim=-1)
         else:
@@ -343,7 +370,8 @@ class Engine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + rid
             gen = make_generator(seed, self.runner.device)
-        self.scheduler.add(Request(rid, list(ids), params, gen, self.eos_ids, t_added=time.perf_counter()))
+        self.scheduler.add(Request(rid, list(ids), params, gen, self.eos_ids, t_added=time.perf_counter(),
+                                   seed=seed if gen is not None else 0))
         return rid
 
     def _abort(self, rid: int) -> bool:

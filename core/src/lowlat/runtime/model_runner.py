@@ -13,7 +13,9 @@ Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/mod
 5. capture CUDA graphs (CUDA with ``cuda_graph``): the Dispatcher gives the function of each captured shape.
 
 One step: ``forward(batch)`` replays a captured graph when one fits, else calls ``self.dispatcher(batch)``;
-either way the Dispatcher (``lowlat.runtime.dispatch``) decides and records the path.
+either way the Dispatcher (``lowlat.runtime.dispatch``) decides and records the path. With a sampling plugin
+(plugin API 3, ``Coverage.sampling``) the engine first attaches the step's ``SamplingInfo``
+(``attach_sampling``), and the step may return the plugin's sampled ids instead of logits.
 
 A failure at any point frees what was allocated before re-raising.
 """
@@ -38,6 +40,7 @@ from lowlat.runtime.memory_check import check_start_memory
 from lowlat.runtime.plugin_host.agreed_selection import select_agreed
 from lowlat.runtime.plugin_host.host import PluginHost
 from lowlat.runtime.progress import weights_with_progress
+from lowlat.runtime.sampling_inputs import SamplingInputs
 from lowlat.runtime.scheduler import make_batch
 from lowlat.runtime.step_inputs import StepInputs
 
@@ -66,6 +69,8 @@ class ModelRunner:
         kv_pool, kv_plan: the KV pool and its sizing decision; ``dummy_row`` is its padding row.
         step_inputs: the preallocated DECODE/VERIFY inputs (``lowlat.runtime.step_inputs``) the scheduler builds
             batches into; the CUDA graphs' fixed input buffers are these same tensors.
+        sampling_inputs: the preallocated SamplingInfo buffers (``lowlat.runtime.sampling_inputs``), only with a
+            plugin whose coverage declares sampled ids; else None.
         graph_runner: the CudaGraphRunner, or None when steps run eagerly.
         last_graphed: whether the latest ``forward`` replayed a graph.
         plugin_host: the plugin's selection and binding (``lowlat.runtime.plugin_host.PluginHost``).
@@ -90,6 +95,7 @@ class ModelRunner:
         self.kv_pool: KVPool | None = None
         self.kv_plan: KVPoolPlan | None = None
         self.step_inputs: StepInputs | None = None
+        self.sampling_inputs: SamplingInputs | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.reserved_bytes = 0
         self.kv_pool_ready: list[Callable[[KVPool], None]] = []
@@ -186,6 +192,9 @@ class ModelRunner:
         self.dummy_row = self.kv_pool.alloc_req()  # never gets slots: req_to_token stays slot 0
         self.step_inputs = StepInputs(device=self.device, max_batch_size=cfg.max_batch_size,
                                       max_tokens_per_req=cfg.max_verify_tokens, dummy_row=self.dummy_row)
+        if self.dispatcher is not None and self.dispatcher.samples:
+            self.sampling_inputs = SamplingInputs(device=self.device, vocab=self.model_config.vocab_size,
+                                                  max_rows=cfg.max_batch_size * cfg.max_verify_tokens)
         for callback in self.kv_pool_ready:
             callback(self.kv_pool)
 
@@ -198,8 +207,12 @@ class ModelRunner:
                                             vocab_size=self.model_config.vocab_size, inputs=self.step_inputs)
         assert self.dispatcher is not None
         self.graph_runner.replay_hooks.append(self.dispatcher.replayed)  # replays: no Python dispatch
+        d = self.dispatcher
+        max_top_k = d.coverage.sampling.max_top_k if d.samples else 0  # type: ignore[union-attr]
         with torch.inference_mode():
-            self.graph_runner.capture(function_for=self.dispatcher.function_for, progress=self.show_progress)
+            self.graph_runner.capture(function_for=d.function_for, progress=self.show_progress,
+                                      ids_variants=d.ids_variants if self.sampling_inputs is not None else None,
+                                      sampling=self.sampling_inputs, max_top_k=max_top_k)
 
     # -- steps -----------------------------------------------------------------------------------------------
 
@@ -207,11 +220,27 @@ class ModelRunner:
         """The general model's forward (``config.resolved_general_impl``): float32 logits ``[R, vocab]`` (see ForwardBatch)."""
         return self.general_step(batch, self.kv_pool)
 
+    def attach_sampling(self, batch: ForwardBatch, params: list, seeds: list[int], *,
+                        logits_required: bool) -> None:
+        """Give a DECODE ``batch`` its rows' SamplingInfo (one SamplingParams, seed per row), so that a sampling
+        plugin may return ids (``batch.wants_ids`` unless ``logits_required``). Without a sampling plugin, for
+        other modes, or when ``logits_required``, nothing is written (the step returns logits)."""
+        si = self.sampling_inputs
+        if si is None or logits_required or batch.forward_mode is not ForwardMode.DECODE or batch.seq_lens_cpu is None:
+            return
+        rows = len(params)
+        graphs = self.graph_runner
+        pad = graphs._padded[rows] if graphs is not None and rows <= graphs.max_bs else rows
+        batch.sampling = si.fill(params, seeds, [n - 1 for n in batch.seq_lens_cpu], pad_to=min(pad, si.max_rows))
+        batch.logits_required = False
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step (in inference mode): replay a CUDA graph when one fits, else the Dispatcher eagerly.
 
         Returns:
-            float32 logits ``[R, vocab]``: R = T for DECODE/VERIFY, B (last token per request) for PREFILL.
+            float32 logits ``[R, vocab]``: R = T for DECODE/VERIFY, B (last token per request) for PREFILL; or
+            int64 sampled ids ``[R]`` (-1: non-finite logits) when the batch ``wants_ids`` and the plugin path
+            serves them (``Dispatcher.serves_ids``).
         """
         if torch.is_inference_mode_enabled():  # the engine's loop already is: skip the context manager
             return self._forward(batch)
@@ -220,9 +249,17 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self.graph_runner
-        key = graphs.key_for(batch) if graphs is not None else None
+        key = graphs.key_for(batch, self._ids_variant(batch)) if graphs is not None else None
         self.last_graphed = key is not None
         return graphs.replay(batch, key) if key is not None else self.dispatcher(batch)  # type: ignore[misc]
+
+    def _ids_variant(self, batch: ForwardBatch) -> str:
+        """The ids graph variant for ``batch`` ("" when it replays the logits graph): only for a SamplingInfo in
+        this runner's buffers (an ids graph reads those) that the plugin serves."""
+        info, si = batch.sampling, self.sampling_inputs
+        if info is None or si is None or not self.dispatcher.serves_ids(batch):  # type: ignore[union-attr]
+            return ""
+        return info.variant if info.temperature.data_ptr() == si.info(1).temperature.data_ptr() else ""
 
     @property
     def last_path(self) -> str:
@@ -248,7 +285,7 @@ class ModelRunner:
             self.graph_runner.close()
         self.graph_runner = None
         self.kv_pool = None
-        self.step_inputs = None
+        self.step_inputs = self.sampling_inputs = None
         self.model = self.general_step = None
         self.plugin_host = PluginHost(None)
         self.dispatcher = None

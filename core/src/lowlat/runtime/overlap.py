@@ -52,7 +52,7 @@ from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.deadline import StepDeadlineExceeded
 from lowlat.runtime.sampling import sample
 from lowlat.runtime.scheduler import RequestState, ScheduledStep, make_batch
-from lowlat.runtime.step_guard import checked_picks, describe_step, packed_picks
+from lowlat.runtime.step_guard import checked_picks, describe_step, is_ids, packed_ids, packed_picks
 
 __all__ = ["OverlapLoop"]
 
@@ -206,15 +206,20 @@ class OverlapLoop:
                 ids.copy_(prev.picked)
             else:
                 ids.copy_(prev.picked.index_select(0, ids))
+        e.attach_sampling(step)  # a sampling plugin may return the ids (plugin API 3)
         logits = e.runner.forward(step.batch)
-        if step.greedy:
-            picked = torch.argmax(logits, dim=-1)
-        else:
-            picked = sample(logits, [r.params for r in step.requests], [r.generator for r in step.requests])
         kept = None
-        if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
-            kept = logits if e.runner.last_graphed else logits.clone()
-        packed = packed_picks(logits, picked)  # the non-finite guard rides on the same read
+        if is_ids(logits):  # its -1 flags non-finite logits: the guard rides on the same read
+            # the next step feeds on the picks: a flagged row feeds 0 (never an id the embedding cannot index)
+            picked, packed = logits.clamp(min=0), packed_ids(logits, e.model_config.vocab_size)
+        else:
+            if step.greedy:
+                picked = torch.argmax(logits, dim=-1)
+            else:
+                picked = sample(logits, [r.params for r in step.requests], [r.generator for r in step.requests])
+            if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
+                kept = logits if e.runner.last_graphed else logits.clone()
+            packed = packed_picks(logits, picked)  # the non-finite guard rides on the same read
         if self._cuda:
             host = self._host[self._flip][:packed.numel()]
             self._flip ^= 1

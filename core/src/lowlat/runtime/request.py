@@ -30,6 +30,7 @@ class Request:
         prompt_ids: prompt token ids.
         params: its sampling parameters.
         generator: its seeded generator (None when greedy).
+        seed: the generator's seed (a sampling plugin's ``SamplingInfo.seeds``; 0 when greedy).
         eos_ids: token ids that end it when ``params.stop_at_eos``.
         output_ids: generated ids so far.
         row: its ``req_to_token`` row while admitted.
@@ -52,6 +53,7 @@ class Request:
     t_prefill_start: float | None = None
     t_first_token: float | None = None
     t_finish: float | None = None
+    seed: int = 0
 
     @property
     def max_cached_tokens(self) -> int:

@@ -2,7 +2,10 @@
 
 ``picks_if_finite`` folds the finiteness check into the device-to-host copy sampling already does: the
 "all finite" flag is computed on the device and read back in the same ``tolist()`` as the picked ids, so the
-check adds one reduction over the sampled rows and no host sync.
+check adds one reduction over the sampled rows and no host sync. When a sampling plugin returned the step's ids
+(plugin API 3), its logits never reach the host or the runtime: the plugin flags a row whose logits were not all
+finite with id -1 (a contract the suite checks), and ``packed_ids`` turns "id in [0, vocab)" into the same flag,
+so the guard holds on that path too, in the same read.
 """
 
 from __future__ import annotations
@@ -35,14 +38,27 @@ def packed_picks(rows: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     return torch.cat([picked.view(-1).to(torch.int64), flag.to(torch.int64)])
 
 
+def packed_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[2R] int64 like ``packed_picks`` for ids a sampling plugin returned: flag 1 when the id lies in [0, vocab)
+    (the plugin writes -1 for a row whose logits were not all finite)."""
+    ids = ids.view(-1).to(torch.int64)
+    return torch.cat([ids, ((ids >= 0) & (ids < vocab)).to(torch.int64)])
+
+
+def is_ids(out: torch.Tensor) -> bool:
+    """Whether a forward's output is sampled ids (int64 [R]) rather than logits (float32 [R, V])."""
+    return out.dim() == 1
+
+
 def checked_picks(out: list[int], describe: Callable[[], str]) -> list[int]:
     """The ids of a ``packed_picks`` read back as a list. Raises NonFiniteLogits as ``picks_if_finite``."""
     n = len(out) // 2
     bad = [i for i, ok in enumerate(out[n:]) if not ok]
     if bad:
         raise NonFiniteLogits(
-            f"the {describe()} produced non-finite logits (NaN or inf) in {len(bad)} of {n} sampled rows "
-            f"(first: row {bad[0]}); the engine stopped rather than serve garbage tokens. Check the checkpoint for "
+            f"the {describe()} produced non-finite logits (NaN or inf; from a sampling plugin: an id of -1 or "
+            f"outside the vocabulary) in {len(bad)} of {n} sampled rows (first: row {bad[0]}); the engine stopped "
+            "rather than serve garbage tokens. Check the checkpoint for "
             "NaN/inf weights and config.json for nonsense values (e.g. a negative rms_norm_eps), or try "
             "--dtype float32 if float16 overflows")
     return out[:n]

@@ -162,6 +162,7 @@ class EngineLoop:
             torch.cuda.set_device(e.runner.device)
         e.step_observer = self._on_step
         e.logits_observer = self._on_logits
+        e.logits_needed = self._wants_logprobs  # else a sampling plugin may return ids (plugin API 3)
         try:
             while True:
                 busy = e.has_unfinished()
@@ -186,7 +187,7 @@ class EngineLoop:
                 self._end(st, "error", error=f"{type(exc).__name__}: {exc}")
             self._flush()
         finally:
-            e.step_observer = e.logits_observer = None
+            e.step_observer = e.logits_observer = e.logits_needed = None
             e.close(abort=self.failed is not None)
 
     def _drain(self, wait_s: float) -> None:
@@ -244,6 +245,11 @@ class EngineLoop:
             st = self._to_abort.pop()
             if st.rid >= 0:
                 self._engine.abort(st.rid)
+
+    def _wants_logprobs(self, step: Any) -> bool:
+        """Whether a request of ``step`` asked for logprobs (its logits must reach ``_on_logits``)."""
+        return any((st := self._by_rid.get(r.rid)) is not None and st.req.logprobs is not None
+                   for r in step.sample_reqs)
 
     def _on_logits(self, step: Any, logits: Any) -> None:
         if not any(st.req.logprobs is not None for st in self._by_handle.values()):

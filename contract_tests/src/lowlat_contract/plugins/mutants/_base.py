@@ -17,7 +17,8 @@ Hooks (batch = the step's ForwardBatch):
 - ``_visible(batch, length)`` (the reference's): the [T, L] attention mask;
 - ``_attend(layer, queries, keys, vals, mask, batch)``: SDPA;
 - ``_attention_out(batch, o)``: the attention output's TP reduction;
-- ``_dense`` / ``_moe`` / ``_gather_logits`` (the reference's).
+- ``_dense`` / ``_moe`` / ``_gather_logits`` (the reference's);
+- ``sample(logits, info)`` (the reference's stage, plugin API 3): the sampled ids when ``batch.wants_ids``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class HookedReference(ReferenceForward):
             h = rms(x, w.ln_post, self.eps)
             x = x + (self._moe(w, h) if w.router_t is not None else self._dense(w, h))
         local = (rms(x, self.final_norm, self.eps) @ self.lm_head_t).float()
-        return self._gather_logits(local)[:, :self.vocab]
+        logits = self._gather_logits(local)[:, :self.vocab]
+        return self.sample(logits, batch.sampling) if batch.wants_ids else logits  # type: ignore[arg-type]
 
     def _rope_positions(self, batch: ForwardBatch) -> torch.Tensor:
         return batch.positions

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowlat_contract.plugins.mutants import false_green, hygiene, kv, masks, shapes, state, weights
+from lowlat_contract.plugins.mutants import false_green, hygiene, kv, masks, sampling, shapes, state, weights
 from lowlat_contract.plugins.mutants._base import HookedReference, specs
 from lowlat_contract.plugins.reference import SpecHooks
 
 LLAMA, QWEN3, MOE = "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 FO, KV, FB, WB, GE = "forward_outputs", "kv_writes", "fallback", "weight_binding", "graph_execution"
 MEMORY, VARIANTS, INPUTS, EXIT = "memory", "variants", "inputs", "exit"
+IDS = "sampled_ids"
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Trigger:
         binding.workspace_bytes), "raises" (the forward raises a BaseException that is no Exception),
         "second_engine" (outputs after the mutant was built on an engine with other weights),
         "replay" (after prepare_for_capture, steps with seq_lens_cpu None as in graph replays),
-        "recycle" (a request row reused by a request with other pages), "tp" (2 gloo ranks at tp_size 2).
+        "recycle" (a request row reused by a request with other pages), "tp" (2 gloo ranks at tp_size 2),
+        "ids" (the ``sample`` stage on constructed logits fails an ``ids_check`` check: ties, NaN, distribution).
     model: a preset, a ``lowlat.models.variants`` name or ``PRESET+FIELD=INT``; prefix: cached tokens per
         request before the steps (default ``harness.prefix_lens(batch)``); steps: consecutive steps, compared
         at the last;
@@ -64,7 +66,7 @@ class Mutant:
     """One single-defect plugin: ``cls`` (a HookedReference subclass whose docstring names the defect)."""
 
     cls: type[HookedReference]
-    kind: int  # 1 shape, 2 KV, 3 state, 4 weights, 5 masks/rope, 6 hygiene, 7 variants, 8 false green
+    kind: int  # 1 shape, 2 KV, 3 state, 4 weights, 5 masks/rope, 6 hygiene, 7 variants, 8 false green, 9 ids
     trigger: Trigger
     expect: tuple[str, ...]
     escapes: str | None = None
@@ -190,6 +192,11 @@ MUTANTS: dict[str, Mutant] = {
     "interpreter_only_v_scaled": Mutant(false_green.InterpreterOnlyVScaled, 8, T(), (EXIT,),
                                         esc(8, "every model contract skips and pytest exits 0"),
                                         requirements=_cpu_interpreter_only(), unset_env=("TRITON_INTERPRET",)),
+    # -- kind 9: sampled ids (plugin API 3) ------------------------------------------------------------------
+    "ids_tie_last_index": Mutant(sampling.IdsTieLastIndex, 9, T(check="ids"), (IDS,)),
+    "ids_top_k_off_by_one": Mutant(sampling.IdsTopKOffByOne, 9, T(check="ids"), (IDS,)),
+    "ids_temperature_ignored": Mutant(sampling.IdsTemperatureIgnored, 9, T(check="ids"), (IDS,)),
+    "ids_nonfinite_unflagged": Mutant(sampling.IdsNonFiniteUnflagged, 9, T(check="ids"), (IDS,)),
 }
 
 
