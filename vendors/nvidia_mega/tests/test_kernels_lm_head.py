@@ -80,11 +80,11 @@ def reference_tokens(logits, temp, top_k, top_p, u, cand):  # type: ignore[no-un
             out.append(int(torch.argmax(score)))
             continue
         order = torch.argsort(-lg, stable=True)[:cand]  # by logit, ties by lower index
-        n_in = min(k, cand) if k_on else cand
-        ids = order[:n_in]
+        # top-k keeps every candidate tied with the k-th logit (core's ``sub >= kth``)
+        ids = order[lg[order] >= lg[order[min(k, cand) - 1]]] if k_on else order
         e = torch.exp((lg[ids] - lg[ids[0]]) / t)
         z = e.sum() if k_on and k <= cand else torch.exp((lg - lg[ids[0]]) / t).sum()
-        keep = ids[(torch.cumsum(e, 0) - e) < p * z]
+        keep = ids[((torch.cumsum(e, 0) - e) < p * z) | (p >= 1.0)]
         out.append(int(keep[torch.argmax(score[keep])]))
     return torch.tensor(out, dtype=torch.int64)
 
@@ -201,6 +201,75 @@ def test_sampled_distribution_chi_square() -> None:
         chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
         df = int(keep.sum()) - 1
         assert 1 <= df <= 5 and chi2 < CHI2_999[df], f"{name}: chi-square {chi2:.1f} with {df} degrees of freedom"
+
+
+def _one_hot_head(values: dict[int, float], vocab: int = 64, hd: int = 16):  # type: ignore[no-untyped-def]
+    """(x, norm_w, w) whose logits are ``values`` at those tokens and -30 elsewhere, for all 8 rows."""
+    x = torch.zeros(8, hd, device=DEV)
+    x[:, 0] = 1.0
+    norm_w = torch.full((hd,), 0.25, device=DEV)  # h = e_0 (RMS of a one-hot is 1/4), so logits = w[:, 0]
+    w = torch.zeros(vocab, hd, device=DEV)
+    w[:, 0] = -30.0
+    for tok, v in values.items():
+        w[tok, 0] = v
+    return x, norm_w, w
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    """top_k 3 over logits 2, 1.5, 1, 1, 1 (tokens 0, 9, 20, 33, 50; one per 16-token tile): core keeps all five
+    (``sub >= kth``), so tokens 33 and 50 must be drawn too, token for token as the reference with the same noise;
+    with top_p 0.25 after top-k 3 (row 7) the nucleus is {0} (its probability is 0.28)."""
+    vocab = 64
+    x, norm_w, w = _one_hot_head({0: 2.0, 9: 1.5, 20: 1.0, 33: 1.0, 50: 1.0}, vocab)
+    ws = LMHeadWorkspace.allocate(8, vocab, DEV, block_v=16, candidates=CAND, fan_in=2)
+    temp = torch.full((8,), 2.0, device=DEV)
+    top_k = torch.tensor([3] * 7 + [3], dtype=torch.int32, device=DEV)
+    top_p = torch.tensor([1.0] * 7 + [0.25], device=DEV)
+    tokens = torch.empty(8, dtype=torch.int64, device=DEV)
+    logits = torch.empty(8, vocab, device=DEV)
+    seen: set[int] = set()
+    for step in range(8):
+        seeds = torch.arange(8, device=DEV) + 77
+        offsets = torch.full((8,), step * vocab, dtype=torch.int64, device=DEV)
+        lm_head_sample(x, norm_w, w, EPS, temp, top_k, top_p, seeds, offsets, tokens, ws, pdl=False,
+                       out_logits=logits)
+        u = uniforms(seeds, offsets, vocab).cpu()
+        want = reference_tokens(logits.cpu(), temp.cpu(), top_k.cpu(), top_p.cpu(), u, CAND)
+        assert tokens.cpu().tolist() == want.tolist()
+        assert int(tokens[7]) == 0, "top-p 0.25 after top-k keeps only the most likely token"
+        seen |= set(tokens[:7].tolist())
+    assert seen <= {0, 9, 20, 33, 50}, f"drew {sorted(seen)}: outside top-k's set"
+    assert {33, 50} & seen, f"drew only {sorted(seen)} in 56 draws: the tokens tied with the k-th were dropped"
+    assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("variant", ["greedy", "sample", "filter"])
+def test_nonfinite_rows_get_minus_one(variant: str) -> None:
+    """A NaN (row 1) or inf (row 4) in a row's hidden state, or NaN logits of one token (rows 5-7 with token 3's
+    weight NaN in the second case), gives id -1 exactly for those rows, in every kernel variant."""
+    x, norm_w, w = make(8, torch.bfloat16, seed=9)
+    x[1, 5] = float("nan")
+    x[4, 2] = float("inf")
+    ws = LMHeadWorkspace.allocate(8, V, DEV, block_v=64, candidates=CAND, fan_in=4)
+    temp = torch.tensor([0.0, 1.0] * 4, device=DEV) if variant != "greedy" else None
+    seeds = torch.arange(8, device=DEV) if temp is not None else None
+    top_k = torch.full((8,), 4, dtype=torch.int32, device=DEV) if variant == "filter" else None
+    top_p = torch.full((8,), 0.9, device=DEV) if variant == "filter" else None
+    for nan_token in (None, 300):
+        ww = w.clone()
+        if nan_token is not None:
+            ww[nan_token, 0] = float("nan")
+        tokens = torch.full((8,), 7, dtype=torch.int64, device=DEV)
+        logits = torch.empty(8, V, device=DEV)
+        lm_head_sample(x, norm_w, ww, EPS, temp, top_k, top_p, seeds, seeds, tokens, ws, pdl=False,
+                       out_logits=logits)
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        assert bad.tolist() == ([True] * 8 if nan_token is not None else [i in (1, 4) for i in range(8)])
+        assert ((tokens == -1) == bad).all(), f"ids {tokens.tolist()} for non-finite rows {bad.tolist()}"
+        ok = ~bad
+        if temp is None:
+            assert torch.equal(tokens[ok], torch.argmax(logits, dim=-1)[ok])
+        assert int(ws.counters.abs().sum()) == 0
 
 
 def test_bad_inputs_raise_clear_errors() -> None:

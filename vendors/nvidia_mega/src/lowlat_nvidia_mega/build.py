@@ -18,6 +18,7 @@ from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
+from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
@@ -96,6 +97,7 @@ def build(binding: Any) -> MegaForward:
         counters=counters, o_partial=alloc("attn_o_partial", (n_o,), f32),
         lse_partial=alloc("attn_lse_partial", (n_l,), f32), cos=cos_ws, sin=sin_ws,
         moe=_moe_workspace(mc, dt, dev, alloc) if mc.is_moe else None,
+        head=_head_workspace(mc, dev, alloc),
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
                       layers=layers, ws=ws, plans=plans, max_context_len=ec.max_context_len, sms=sms)
@@ -153,6 +155,19 @@ def _attention_partials(mc: Any, max_context_len: int, sms: int) -> tuple[int, i
             o, lse = partial_numel(b, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, r, s)
             n_o, n_l = max(n_o, o), max(n_l, lse)
     return n_o, n_l
+
+
+def _head_workspace(mc: Any, dev: torch.device, alloc: Any) -> LMHeadWorkspace:
+    """The sampled-ids scratch (``specs.SAMPLING``): LM head tiles of LMHeadConfig's 128 tokens, C = CANDIDATES."""
+    from lowlat_nvidia_mega.specs import CANDIDATES
+
+    count = iter(range(1 << 30))
+
+    def head_alloc(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        return alloc(f"lm_head_sample.{next(count)}", tuple(shape), dtype)
+
+    return LMHeadWorkspace.allocate(MAX_ROWS, mc.vocab_size, dev, block_v=128, candidates=CANDIDATES, fan_in=8,
+                                    alloc=head_alloc)
 
 
 def _moe_workspace(mc: Any, dt: torch.dtype, dev: torch.device, alloc: Any) -> MoEWorkspace:

@@ -9,7 +9,9 @@ Per decoder layer (dense)::
     down       x += act @ Wd^T                        (small GEMM, split-K, residual epilogue, in place)
 
 A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
-The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits). The embedding is
+The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits), or, when the batch
+``wants_ids`` (plugin API 3), with ``kernels.lm_head.lm_head_sample``: the same pass over the LM head fused with
+sampling, which returns int64 ids (-1 for a row with non-finite logits) and never writes logits. The embedding is
 a torch ``index_select`` into a fixed buffer. Every intermediate lives in a workspace allocated once at build
 (sized for 8 rows), so the step is CUDA-graph capturable: it reads only device tensors of the batch and its
 shapes, and makes no host sync. Math and parameter layout: docs/agent-brief.md of the lowlat repository.
@@ -23,7 +25,7 @@ import torch
 from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, plan_splits
-from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
+from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import moe_forward
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
@@ -63,7 +65,8 @@ class Workspaces:
 
     x [8, H] residual stream; q [8, Hq*D]; attn [8, Hq*D]; act [8, I] (dense layers); gemm_ws / qkv_ws fp32
     split-K partials; counters int32 per split-K call site (zero between launches); o_partial / lse_partial
-    fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; moe: the MoE workspace or None.
+    fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; moe: the MoE workspace or None;
+    head: the ``LMHeadWorkspace`` of ``lm_head_sample`` (sampled ids), None when the plugin returns logits only.
     """
 
     x: torch.Tensor
@@ -78,6 +81,7 @@ class Workspaces:
     cos: torch.Tensor
     sin: torch.Tensor
     moe: object | None = None
+    head: object | None = None
 
 
 class MegaForward:
@@ -143,8 +147,13 @@ class MegaForward:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the step: float32 logits [T, vocab]; writes every layer's K/V at exactly ``batch.out_cache_loc``.
 
+        When ``batch.wants_ids`` (plugin API 3): int64 ids [T] instead, sampled by ``lm_head_sample`` with the
+        kernel variant of ``batch.sampling.variant`` ("greedy": argmax; "sample": temperature; "filter":
+        temperature, top-k and top-p), -1 for a row whose logits are not all finite.
+
         Raises:
-            ValueError: for a step ``supports`` refuses (names the mode, token count and the fix).
+            ValueError: for a step ``supports`` refuses (names the mode, token count and the fix), or ids asked of
+                a plugin built without a sampling workspace, or a SamplingInfo whose rows differ from T.
         """
         if not self.supports(batch):
             raise ValueError(
@@ -181,10 +190,32 @@ class MegaForward:
                            eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
                 small_gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
                            workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
-        # A fresh output per step (inside a CUDA graph it comes from the graph's pool), so logits a caller
+        # A fresh output per step (inside a CUDA graph it comes from the graph's pool), so logits or ids a caller
         # keeps are never overwritten by the next step.
+        if batch.wants_ids:
+            return self._sample(x, batch, use_pdl)
         logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
         return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl)
+
+    def _sample(self, x: torch.Tensor, batch: ForwardBatch, use_pdl: bool) -> torch.Tensor:
+        """Final norm + LM head + sampling of ``batch.sampling`` (variant chosen on the host only)."""
+        info, t = batch.sampling, x.shape[0]
+        assert info is not None
+        if self.ws.head is None:
+            raise ValueError("nvidia_mega was built without a sampling workspace, so it returns logits only; "
+                             "build it through lowlat_nvidia_mega.build:build")
+        if info.temperature.shape[0] != t:
+            raise ValueError(f"batch.sampling has {info.temperature.shape[0]} rows for {t} tokens: "
+                             "attach one SamplingInfo row per new token")
+        variant = info.variant
+        temp = None if variant == "greedy" else info.temperature
+        seeds = None if variant == "greedy" else info.seeds
+        offsets = None if variant == "greedy" else info.offsets
+        top_k = info.top_k if variant == "filter" else None
+        top_p = info.top_p if variant == "filter" else None
+        ids = torch.empty(t, dtype=torch.int64, device=self.device)
+        return lm_head_sample(x, self.final_norm, self.lm_head, self.eps, temp, top_k, top_p, seeds, offsets, ids,
+                              self.ws.head, pdl=use_pdl)  # type: ignore[arg-type]
 
     def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool) -> None:
         c = self.config

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from lowlat.plugin import Coverage, ForwardMode, ModelSpec, PlatformRequirement, Requirements
+from lowlat.plugin import Coverage, ForwardMode, ModelSpec, PlatformRequirement, Requirements, SamplingCoverage
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile
 MAX_ROWS = 8  # every kernel is specialized for at most 8 rows (tokens) per step
+CANDIDATES = 64  # C, the candidate list of lm_head_sample's top-k/top-p filter (kernels/sampling.py)
 
 # --plugin auto prefers a plugin made for the machine's platform kind; cores before 0.2.1 lack the field.
 _MADE_FOR = {"made_for": ("cuda",)} if "made_for" in {f.name for f in fields(Requirements)} else {}
@@ -26,7 +27,14 @@ REQUIREMENTS = Requirements(
     model=(("head_dim", HEAD_DIMS), ("attention_bias", (False,)), ("mlp_bias", (False,))),
     **_MADE_FOR,
 )
-COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
+# Sampled ids (plugin API 3) in DECODE steps, by the fused LM head + sampling kernel. top_k <= C/2: the kernel
+# keeps every token tied with the k-th logit (core's rule) as long as the tie fits in its C candidates, so a
+# difference needs more than C/2 tokens tied exactly at the k-th logit. top-p only with top-k: alone, the nucleus
+# may hold more than C tokens, which the kernel would truncate.
+SAMPLING = SamplingCoverage(modes=frozenset({ForwardMode.DECODE}), temperature=True, max_top_k=CANDIDATES // 2,
+                            top_p="with_top_k")
+COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS,
+                    sampling=SAMPLING)
 
 
 def model_specs() -> list[ModelSpec]:

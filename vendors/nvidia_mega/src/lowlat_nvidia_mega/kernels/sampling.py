@@ -9,14 +9,18 @@ Semantics (those of ``lowlat.runtime.sampling.sample``, HF's order: temperature,
     tokens; exact softmax(logits / T) sampling.
   - with filtering, the allowed set is chosen among the ``C`` (= ``candidates``, 64 by default) most likely tokens,
     ordered by logit, ties by lower index:
-    - top-k keeps the first ``min(top_k, C)`` of them;
-    - top-p keeps, among those, each token whose strictly more likely tokens' mass is below ``top_p``. That mass
-      is normalized over the top-k tokens when ``0 < top_k <= C`` (exactly as HF after top-k), and over the full
-      vocabulary when top-k is off or ``top_k > C``.
-  This equals the reference sampler in distribution whenever ``0 < top_k <= C``, or when top-k is off and the
-  nucleus has at most C tokens (the common settings: top-k 20-50, top-p 0.8-0.95); otherwise the nucleus is
-  truncated to the C most likely tokens. Ties at the k-th logit keep exactly k tokens (lowest indices), where the
-  reference keeps every tied token.
+    - top-k keeps every candidate whose logit is at least the k-th largest, so every token tied with the k-th
+      is kept, as the reference does (``sub >= kth``), as long as the tie fits in the list: when the candidates
+      from rank k to rank C are all tied, tied tokens past rank C are dropped;
+    - top-p keeps, among those, each token whose more likely tokens' mass (in that order) is below ``top_p``.
+      That mass is normalized over the top-k tokens when ``0 < top_k <= C`` (exactly as HF after top-k), and
+      over the full vocabulary when top-k is off or ``top_k > C``. ``top_p >= 1`` keeps every top-k token.
+  This equals the reference sampler in distribution whenever ``0 < top_k < C`` and fewer than ``C - top_k + 2``
+  tokens share the k-th logit, or when top-k is off and the nucleus has at most C tokens; otherwise the nucleus
+  is truncated to the C most likely tokens. The plugin therefore declares ``max_top_k = C // 2`` (a loss needs
+  more than C/2 tokens tied exactly at the k-th logit) and top-p only with top-k (``specs.SAMPLING``).
+- a row with a NaN or inf logit anywhere gets token -1 (plugin API 3's non-finite flag): each tile writes the
+  greedy key ``BAD_KEY``, above every real key, for such a row, so the merge's max carries it to the root.
 
 Callers advance ``offset`` by at least V per step so every step draws fresh noise.
 
@@ -42,6 +46,7 @@ import triton
 import triton.language as tl
 
 NEG_KEY = tl.constexpr(-(2**63) + 1)  # below every packed key of a real value
+BAD_KEY = tl.constexpr(2**63 - 1)  # above every packed key (index >= 0): the row's tile held NaN or inf
 
 
 @triton.jit
@@ -101,7 +106,9 @@ def tile_record(logits, offs_v, vmask, rows, row_ok, rec, temp_ptr, seed_ptr, of
     """Write record ``rec`` for one tile. logits [BLOCK_V, ROWS_C] float32, offs_v [BLOCK_V] token ids."""
     idx = tl.broadcast_to(offs_v[:, None], logits.shape)
     keys = tl.where(vmask[:, None], pack_key(logits, idx), NEG_KEY)
-    tl.store(greedy_ptr + rec * ROWS_C + rows, tl.max(keys, axis=0))
+    bad = vmask[:, None] & ((logits != logits) | (tl.abs(logits) == float("inf")))
+    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    tl.store(greedy_ptr + rec * ROWS_C + rows, tl.where(n_bad > 0, BAD_KEY, tl.max(keys, axis=0)))
     if SAMPLE == 2:
         t = tl.load(temp_ptr + rows, mask=row_ok, other=1.0)
         t = tl.where(t > 0.0, t, 1.0)
@@ -156,7 +163,8 @@ def pick_tokens(root, rows, row_ok, V, temp_ptr, topk_ptr, topp_ptr, seed_ptr, o
                 ROWS_C: tl.constexpr, CAND: tl.constexpr, SAMPLE: tl.constexpr, FILTER: tl.constexpr):
     """Choose each row's token from the root record and store it (int64) to ``tokens_ptr``."""
     off = root * ROWS_C + rows
-    tok = key_index(tl.load(greedy_ptr + off, cache_modifier=".cg"))
+    greedy = tl.load(greedy_ptr + off, cache_modifier=".cg")
+    tok = key_index(greedy)
     if SAMPLE == 2:
         t_in = tl.load(temp_ptr + rows, mask=row_ok, other=0.0)
         t = tl.where(t_in > 0.0, t_in, 1.0)
@@ -170,13 +178,17 @@ def pick_tokens(root, rows, row_ok, V, temp_ptr, topk_ptr, topp_ptr, seed_ptr, o
             k = tl.load(topk_ptr + rows, mask=row_ok, other=0)
             p = tl.load(topp_ptr + rows, mask=row_ok, other=1.0)
             k_on = (k > 0) & (k < V)
-            in_k = ok & ((c[None, :] < k[:, None]) | ((k <= 0) | (k >= V))[:, None])
-            top = tl.max(tl.where(ok, lv, float("-inf")), axis=1)
+            lv_ok = tl.where(ok, lv, float("-inf"))
+            # the k-th largest logit (the last candidate's for k > C); ties with it are kept, as the reference does
+            kth = tl.max(tl.where(c[None, :] == (tl.minimum(tl.maximum(k, 1), CAND) - 1)[:, None], lv_ok,
+                                  float("-inf")), axis=1)
+            in_k = ok & ((lv >= kth[:, None]) | (~k_on)[:, None])
+            top = tl.max(lv_ok, axis=1)
             e = tl.where(in_k, tl.exp((lv - top[:, None]) / t[:, None]), 0.0)
             m_all = tl.load(max_ptr + off, cache_modifier=".cg")
             z_all = tl.load(sum_ptr + off, cache_modifier=".cg") * tl.exp((m_all - top) / t)
             z = tl.where(k_on & (k <= CAND), tl.sum(e, axis=1), z_all)
-            keep = in_k & ((tl.cumsum(e, axis=1) - e) < p[:, None] * z[:, None])
+            keep = in_k & (((tl.cumsum(e, axis=1) - e) < p[:, None] * z[:, None]) | (p >= 1.0)[:, None])
             seed = tl.load(seed_ptr + rows, mask=row_ok, other=0)
             offs = tl.load(offset_ptr + rows, mask=row_ok, other=0)
             g = gumbel_noise(tl.broadcast_to(seed[:, None], keys.shape), offs[:, None] + idx.to(tl.int64))
@@ -184,6 +196,7 @@ def pick_tokens(root, rows, row_ok, V, temp_ptr, topk_ptr, topp_ptr, seed_ptr, o
             filtered = key_index(tl.max(skeys, axis=1))
             sampled = tl.where(k_on | (p < 1.0), filtered, sampled)
         tok = tl.where(t_in > 0.0, sampled, tok)
+    tok = tl.where(greedy == BAD_KEY, -1, tok)
     tl.store(tokens_ptr + rows, tok.to(tl.int64), mask=row_ok)
 
 
