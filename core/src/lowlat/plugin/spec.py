@@ -7,7 +7,7 @@ requirements, the dispatcher their coverage, and the runtime imports ``build`` l
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -78,8 +78,14 @@ class SamplingCoverage:
     top_p: str = "none"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.modes, frozenset) or not all(isinstance(m, ForwardMode) for m in self.modes):
+            raise SpecError(f"coverage.sampling.modes must be a frozenset of ForwardMode, got {self.modes!r}")
         if not self.modes or ForwardMode.PREFILL in self.modes:
             raise SpecError("coverage.sampling.modes must name DECODE and/or VERIFY")
+        if not isinstance(self.temperature, bool):
+            raise SpecError(f"coverage.sampling.temperature must be True or False, got {self.temperature!r}")
+        if not isinstance(self.max_top_k, int) or isinstance(self.max_top_k, bool):
+            raise SpecError(f"coverage.sampling.max_top_k must be an int >= 0, got {self.max_top_k!r}")
         if self.top_p not in TOP_P_SUPPORT:
             raise SpecError(f"coverage.sampling.top_p is {self.top_p!r}; use one of {', '.join(TOP_P_SUPPORT)}")
         if self.max_top_k < 0:
@@ -134,6 +140,9 @@ class Coverage:
             raise SpecError("coverage.modes is empty: a spec must serve at least one forward mode")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise SpecError(f"coverage needs 1 <= min_tokens <= max_tokens, got {self.min_tokens}..{self.max_tokens}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingCoverage):
+            raise SpecError(f"coverage.sampling must be a SamplingCoverage or a mapping of its fields, got "
+                            f"{type(self.sampling).__name__}")
         if self.sampling is not None and not self.sampling.modes <= self.modes:
             raise SpecError("coverage.sampling.modes must be among coverage.modes")
 
@@ -259,8 +268,10 @@ def spec_from_mapping(data: Mapping[str, Any]) -> ModelSpec:
 
 
 def _modes(names: Any, where: str) -> frozenset[ForwardMode]:
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise SpecError(f"{where} must be a list of mode names such as ['DECODE'], got {names!r}")
     try:
-        return frozenset(m if isinstance(m, ForwardMode) else ForwardMode.parse(m) for m in names)
+        return frozenset(m if isinstance(m, ForwardMode) else ForwardMode.parse(str(m)) for m in names)
     except ValueError as e:
         raise SpecError(f"{where}: {e}") from None
 
