@@ -111,6 +111,21 @@ def test_mutant_fails_the_suite(suite_runs: dict[str, SuiteRun], name: str) -> N
                   f"{sorted({r.contract for r in run.failed()})}:\n{run.summary()}")
 
 
+def test_greedy_ids_test_fails_a_wrong_argmax_on_its_own(tmp_path: Path) -> None:
+    """``ids_greedy_argmax_plus_one`` (greedy ids one index past the argmax) fails ``test_greedy_ids_match_general``
+    when that test runs alone: the greedy check needs none of the tie, NaN or distribution tests to catch it."""
+    (tmp_path / "site").mkdir()
+    install_mutant_plugins(tmp_path / "site", ["ids_greedy_argmax_plus_one"])
+    m = MUTANTS["ids_greedy_argmax_plus_one"]
+    run = run_suite("ids_greedy_argmax_plus_one", tmp_path / "site", tmp_path, arch=m.arch,
+                    extra=("-k", "test_greedy_ids_match_general"), contracts=m.expect)
+    _check_run(run, m.expect)
+    ran = {r.name.split("[")[0] for r in run.results if r.outcome != "skipped"}
+    assert ran == {"test_greedy_ids_match_general"}, f"the selection ran {sorted(ran)}:\n{run.summary()}"
+    assert run.rc == 1 and run.failed(m.expect), f"test_greedy_ids_match_general passed argmax + 1:\n{run.summary()}"
+    assert "picked" in run.failed(m.expect)[0].message, run.summary()
+
+
 def test_control_passes_the_suite(suite_runs: dict[str, SuiteRun]) -> None:
     """HookedReference (every mutant's base, no defect) passes every contract: a failure of a mutant is its own."""
     run = suite_runs["control"]

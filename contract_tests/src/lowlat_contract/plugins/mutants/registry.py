@@ -197,6 +197,7 @@ MUTANTS: dict[str, Mutant] = {
     "ids_top_k_off_by_one": Mutant(sampling.IdsTopKOffByOne, 9, T(check="ids"), (IDS,)),
     "ids_temperature_ignored": Mutant(sampling.IdsTemperatureIgnored, 9, T(check="ids"), (IDS,)),
     "ids_nonfinite_unflagged": Mutant(sampling.IdsNonFiniteUnflagged, 9, T(check="ids"), (IDS,)),
+    "ids_greedy_argmax_plus_one": Mutant(sampling.IdsGreedyArgmaxPlusOne, 9, T(check="ids"), (IDS,)),
 }
 
 

@@ -45,3 +45,14 @@ class IdsNonFiniteUnflagged(HookedReference):
 
     def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         return sample_ids(torch.nan_to_num(logits, nan=0.0), info)
+
+
+class IdsGreedyArgmaxPlusOne(HookedReference):
+    """ids_greedy_argmax_plus_one: the greedy row's winning key is unpacked one index too far (argmax + 1, wrapping
+    at the vocabulary), so every greedy id is a neighbour of the argmax. Trigger: any greedy row; the suite's
+    ``test_greedy_ids_match_general`` must fail it on its own."""
+
+    def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+        ids = sample_ids(logits, info)
+        off = torch.where(ids < 0, ids, (ids + 1) % logits.shape[1])
+        return torch.where(info.temperature > 0, ids, off)
