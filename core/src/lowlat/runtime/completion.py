@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -45,3 +47,14 @@ class VerifyResult:
 
     accepted: dict[int, list[int]]
     finished: list[Completion]
+
+
+def completion_of(r: Any, decode: Callable[[list[int]], str]) -> Completion:
+    """The Completion of finished request ``r`` (a scheduler ``Request``); ``decode`` is the tokenizer's."""
+    first = r.t_first_token or r.t_finish
+    return Completion(
+        request_id=r.rid, prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
+        text=decode(r.output_ids), finish_reason=r.finish_reason or "length",
+        queue_s=(r.t_prefill_start or r.t_added) - r.t_added, prefill_s=first - (r.t_prefill_start or first),
+        decode_s=r.t_finish - first,
+    )

@@ -21,39 +21,23 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lowlat.config import ConfigError, EngineConfig, ModelConfig
+from lowlat.config import ConfigError, EngineConfig
 from lowlat.errors import LowlatPluginError
 from lowlat.forward_batch import ForwardMode
 from lowlat.runtime import tp_launch
-from lowlat.runtime.completion import Completion, VerifyResult
+from lowlat.runtime.completion import Completion, VerifyResult, completion_of
 from lowlat.runtime.deadline import StepDeadlineExceeded, StepWatchdog, wait_for_device_watching
-from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir, kv_heads_per_rank
+from lowlat.runtime.model_runner import ModelRunner, is_checkpoint_dir
 from lowlat.runtime.overlap import OverlapLoop
-from lowlat.runtime.prompts import as_token_ids, check_token_ids
+from lowlat.runtime.prompts import check_token_ids, prepare_prompts
 from lowlat.runtime.sampling import SamplingParams, make_generator, sample
 from lowlat.runtime.scheduler import Request, ScheduledStep, Scheduler, accepted_tokens
 from lowlat.runtime.speculative.speculator import Speculator
 from lowlat.runtime.stats import StepStats
-from lowlat.runtime.step_guard import (
-    check_text,
-    checked_picks,
-    describe_step,
-    is_ids,
-    laggards,
-    packed_ids,
-    picks_if_finite,
-)
+from lowlat.runtime.step_guard import checked_picks, describe_step, is_ids, laggards, packed_ids, picks_if_finite
 
 # Errors about the user's input (configuration, checkpoint, plugin choice) that every rank raises alike.
 INPUT_ERRORS = (ConfigError, LowlatPluginError)
-
-
-def _check_tp(model: ModelConfig, tp_size: int) -> None:
-    """Raise ValueError when ``tp_size`` cannot shard ``model``'s attention heads."""
-    if model.num_attention_heads % tp_size:
-        raise ValueError(f"tp_size={tp_size} does not divide num_attention_heads={model.num_attention_heads}; "
-                         "pick a tp_size that does")
-    kv_heads_per_rank(model.num_key_value_heads, tp_size)
 
 
 class Engine:
@@ -94,7 +78,7 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.speculator: Speculator | None = None  # EngineConfig.speculative: drafts + VERIFY in step()
         if self._ctx is None and config.tp_size > 1:  # fail on bad input before any process starts
-            _check_tp(resolve_model(config.model), config.tp_size)
+            tp_launch.check_tp(resolve_model(config.model), config.tp_size)
         try:
             if self._ctx is None and config.tp_size > 1:
                 if tp_launch.under_torchrun():
@@ -388,36 +372,12 @@ class Engine:
         return self.overlap.drain() if self.overlap is not None else []
 
     def _prepare(self, prompts: object, params: object) -> tuple[list[list[int]], list[SamplingParams]]:
-        """Tokenize and validate on the calling rank, before anything is mirrored or queued."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
-        if not prompts:
-            raise ValueError("no prompts given")
-        if params is None:
-            params = SamplingParams()
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(plist) != len(prompts) or not all(isinstance(p, SamplingParams) for p in plist):
-            raise TypeError(f"params must be one SamplingParams or one per prompt ({len(prompts)})")
-        ids = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            toks = self.tokenizer.encode(check_text(p, i)) if isinstance(p, str) else as_token_ids(p, i)
-            check_token_ids(toks, f"prompt {i}", self.model_config.vocab_size, self.config.model)
-            if len(toks) + sp.max_new_tokens > self.config.max_context_len:
-                raise ValueError(f"prompt {i} has {len(toks)} tokens; with max_new_tokens={sp.max_new_tokens} that "
-                                 f"exceeds max_context_len={self.config.max_context_len}; shorten the prompt, "
-                                 "lower max_new_tokens or raise max_context_len")
-            self.scheduler.check_fits(self._next_rid + i, len(toks) + sp.max_new_tokens - 1)
-            ids.append(toks)
-        return ids, plist
+        """Tokenize and validate on the calling rank, before anything is mirrored or queued (``prepare_prompts``)."""
+        return prepare_prompts(prompts, params, self.tokenizer, self.model_config.vocab_size, self.config,
+                               lambda i, n: self.scheduler.check_fits(self._next_rid + i, n))
 
     def _completion(self, r: Request) -> Completion:
-        first = r.t_first_token or r.t_finish
-        return Completion(
-            request_id=r.rid, prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
-            text=self.tokenizer.decode(r.output_ids), finish_reason=r.finish_reason or "length",
-            queue_s=(r.t_prefill_start or r.t_added) - r.t_added, prefill_s=first - (r.t_prefill_start or first),
-            decode_s=r.t_finish - first,
-        )
+        return completion_of(r, self.tokenizer.decode)
 
     def _check_usable(self) -> None:
         if self.runner is None:

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowlat.config import EngineConfig
-from lowlat.distributed import TPInfo
+from lowlat.config import EngineConfig, ModelConfig
+from lowlat.distributed import TPInfo, kv_heads_per_rank
 
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 POLL_S = 0.05
@@ -42,6 +42,14 @@ POLL_S = 0.05
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker failed or stopped answering; the message carries its traceback."""
+
+
+def check_tp(model: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError when ``tp_size`` cannot shard ``model``'s attention heads (checked before any rank starts)."""
+    if model.num_attention_heads % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide num_attention_heads={model.num_attention_heads}; "
+                         "pick a tp_size that does")
+    kv_heads_per_rank(model.num_key_value_heads, tp_size)
 
 
 def tp_timeout_s() -> float:
