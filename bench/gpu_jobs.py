@@ -75,6 +75,17 @@ def gpu_tests(o: Options) -> list[Step]:
                                     "vendors/nvidia_mega/tests", "vendors/amd_mono/tests"], "gpu_tests.txt")]
 
 
+def ids_path(o: Options) -> list[Step]:
+    """Sampled ids (plugin API 3) on CUDA: the Engine's ids graphs against the logits path (greedy, batch 1 and 4,
+    64 tokens; seeded sampling reproducible) for the reference plugin and nvidia_mega, then the sampled_ids contract
+    on nvidia_mega's compiled kernel (tiny presets)."""
+    return [Step("ids path engine", 240, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                          "core/tests/test_ids_path_cuda.py", "vendors/nvidia_mega/tests/"
+                                          "test_kernels_lm_head.py"], "ids_path.txt"),
+            Step("ids contract nvidia_mega", 300, [*CONTRACT, "--lowlat-plugin", "nvidia_mega", "--lowlat-device",
+                                                   "cuda", "-k", "sampled_ids"], "ids_contract.txt")]
+
+
 def contract(o: Options) -> list[Step]:
     """The contract suite on CUDA for each plugin, every architecture's tiny preset plus the given models."""
     models = [a for m in o.models for a in ("--lowlat-model", m)]
@@ -215,8 +226,8 @@ def general_speed(o: Options) -> list[Step]:
 
 
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
-    "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
-    "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
+    "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
+    "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
     "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
 }
