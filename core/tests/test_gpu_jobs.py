@@ -101,3 +101,15 @@ def test_spec_ngram_copyable_share():
     # after [1 2 3], "1" has no earlier 3 to follow (a miss); every later token continues the period-3 loop
     assert mod.copyable([1, 2, 3], [1, 2, 3, 1, 2, 3], 3, 1024) == pytest.approx(5 / 6)
     assert mod.copyable([1, 2, 3], [4, 5, 6], 3, 1024) == 0.0 and mod.copyable([1], [], 3, 1024) == 0.0
+
+
+def test_serve_job_with_speculation_parses(jobs, monkeypatch):
+    from lowlat.cli import build_parser
+
+    monkeypatch.setenv("SPECULATIVE", "simulated:3.51")
+    monkeypatch.setenv("SPEC_ONLY", "1")
+    monkeypatch.setenv("SPEC_ADAPTIVE", "0")
+    (step,) = jobs.serve(jobs.Options(["llama-3.2-1b"], ["nvidia_mega"], 1.0))
+    args = build_parser().parse_args(step.argv[3:])
+    assert args.speculative == "simulated:3.51" and args.num_draft_tokens == 5 and args.speculative_only
+    assert args.serve_arg == ["--no-spec-adaptive"] and step.out.endswith("_simulated_3.51.txt")
