@@ -76,8 +76,9 @@ class Recorder:
                 self.rows[(r.rid, idx)] = logits[row].detach().float().clone()
 
 
-def generate_recorded(engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                      edit: Edit | None = None) -> tuple[list[list[int]], list[dict[int, torch.Tensor]]]:
+def generate_recorded(engine: Engine, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams | Sequence[SamplingParams], edit: Edit | None = None,
+                      ) -> tuple[list[list[int]], list[dict[int, torch.Tensor]]]:
     """Greedy ``generate`` with a Recorder: per prompt, its tokens and {output index: logits row}.
 
     Raises ValueError when ``engine`` overlaps DECODE steps (its observer sees a step after its tokens are

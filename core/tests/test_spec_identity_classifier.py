@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from lowlat import Engine, EngineConfig, SamplingParams
+from lowlat.runtime import ForwardMode
 
 ROOT = Path(__file__).resolve().parents[2]
 KW = dict(model="tiny-llama", device="cpu", dtype="float32", max_context_len=96, max_batch_size=4, page_size=4)
@@ -117,3 +118,23 @@ def test_script_main_on_cpu_exits_0(si, capsys):
                   "--drafters", "ngram", "--max-new-tokens", "12", "--k", "3"])
     out = capsys.readouterr().out
     assert rc == 0 and out.count("identical") == 2 and "0 bugs" in out
+
+
+@pytest.mark.gpu  # python bench/gpu_jobs.py gpu-tests
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the Triton attention need a CUDA device")
+@pytest.mark.parametrize("method", ["ngram", "draft:tiny-llama"])
+def test_cuda_float32_batch4_diverges_at_near_ties_only(si, method):
+    """What CPU runs cannot reach: CUDA graphs of VERIFY at (4, k+1) and of smaller padded batches as requests
+    leave, the Triton VERIFY attention, rollback over 4-token pages. In float32 speculative greedy output must equal
+    plain decoding's up to float32 near-ties (GEMM shapes differ), and every page must come back."""
+    kw = {**KW, "device": "cuda"}
+    params = [SamplingParams(max_new_tokens=n, stop_at_eos=False) for n in (40, 23, 57, 31)]
+    with Engine(EngineConfig(plugin="none", overlap=False, **kw)) as e:
+        plain = si.generate_recorded(e, PROMPTS, params)
+    cfg = EngineConfig(plugin="none", speculative_method=method, speculative_adaptive=False, **kw)
+    with Engine(cfg) as e:
+        free = e.runner.kv_pool.free_pages
+        spec = si.generate_recorded(e, PROMPTS, params)
+        assert e.runner.kv_pool.free_pages == free and e.stats.by_path[("general", ForwardMode.VERIFY)].graph_steps
+    bugs = [v.line() for v in si.classify(*plain, *spec, "float32") if not v.near_tie]
+    assert not bugs, bugs
