@@ -133,3 +133,19 @@ def test_speculative_flags_are_checked():
         ServeBenchConfig(**base, speculative_only=True)
     with pytest.raises(ValueError, match="--url"):
         ServeBenchConfig(**base, speculative="ngram", url="http://127.0.0.1:1")
+
+
+def test_spec_counts_parse_any_method_label():
+    from types import SimpleNamespace
+
+    from lowlat.bench.serve_bench import parse_spec_counts
+    from lowlat.runtime.speculative import SpecStats
+    from lowlat.serve.metrics import ServeMetrics
+
+    stats = SpecStats(method='draft:/ck pts/a,b"c', k=4, verify_steps=7, emitted=20, draft_s=0.25)
+    m = ServeMetrics()
+    m.bind_speculative(SimpleNamespace(stats=stats, controller=SimpleNamespace(on=False)))
+    got = parse_spec_counts(m.render().decode())
+    assert got["method"] == 'draft:/ck pts/a,b"c' and got["k"] == "4" and got["simulated"] == "false"
+    assert got["verify_steps"] == 7.0 and got["emitted_tokens"] == 20.0 and got["draft_seconds"] == 0.25
+    assert got["on"] == 0.0 and got["accepted_tokens"] == 0.0

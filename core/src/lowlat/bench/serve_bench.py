@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -155,12 +156,11 @@ def ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
         g = base.get((lv.get("spec"), lv["concurrency"]))
         if lv["path"] == GENERAL or g is None:
             continue
-        div = _div
         out.append({"path": lv["path"], "spec": lv.get("spec"), "concurrency": lv["concurrency"],
-                    "per_user_tok_s_x_general": div(lv["per_user_decode_tok_s"]["mean"],
-                                                    g["per_user_decode_tok_s"]["mean"]),
-                    "output_throughput_x_general": div(lv["output_throughput_tok_s"], g["output_throughput_tok_s"]),
-                    "tpot_speedup_x_general": div(g["tpot_ms"]["mean"], lv["tpot_ms"]["mean"])})
+                    "per_user_tok_s_x_general": _div(lv["per_user_decode_tok_s"]["mean"],
+                                                     g["per_user_decode_tok_s"]["mean"]),
+                    "output_throughput_x_general": _div(lv["output_throughput_tok_s"], g["output_throughput_tok_s"]),
+                    "tpot_speedup_x_general": _div(g["tpot_ms"]["mean"], lv["tpot_ms"]["mean"])})
     return out
 
 
@@ -280,14 +280,19 @@ def step_counts(url: str) -> dict[str, float]:
 def spec_counts(url: str) -> dict[str, Any]:
     """The server's ``lowlat_spec_*`` values (``serve.metrics.SpecCollector``): ``{"verify_steps": n, ...,
     "on": 0/1, "method": ..., "k": ..., "simulated": ...}``; empty when it does not speculate."""
+    return parse_spec_counts(_metrics_text(url))
+
+
+def parse_spec_counts(text: str) -> dict[str, Any]:
+    """``spec_counts`` of a ``/metrics`` text (Prometheus exposition format)."""
     out: dict[str, Any] = {}
-    for line in _metrics_text(url).splitlines():
+    for line in text.splitlines():
         if not line.startswith("lowlat_spec_"):
             continue
         name, value = line.rsplit(" ", 1)
-        if name.startswith("lowlat_spec_info{"):
-            kv = dict(part.split("=", 1) for part in name[len("lowlat_spec_info{"):-1].split(","))
-            out.update({k: v.strip('"') for k, v in kv.items()})
+        if name.startswith("lowlat_spec_info{"):  # label values are quoted, with \\ \" \n escapes
+            out.update({k: re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], v)
+                        for k, v in re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', name)})
         elif "{" not in name and not name.endswith("_created"):
             out[name[len("lowlat_spec_"):].removesuffix("_total")] = float(value)
     return out
