@@ -143,7 +143,8 @@ def serve(o: Options) -> list[Step]:
 
 def spec(o: Options) -> list[Step]:
     """Speculative decoding per model: greedy identity (ngram and a self-draft, batch 1 and 4, general path and
-    each plugin), then plain decoding against simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
+    each plugin; every divergence classified near-tie or bug, rc 1 only on a bug), then plain decoding against
+    simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
     paths = ",".join(["none", *o.plugins])
     steps = []
     for m in o.models:
