@@ -122,11 +122,16 @@ def amd_layers(o: Options) -> list[Step]:
 
 def serve(o: Options) -> list[Step]:
     """``lowlat bench serve`` per model: one server per path (general and each plugin), streaming users at
-    concurrency 1-8; ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` / ``SPECULATIVE`` (e.g. simulated:3.51) tune it."""
+    concurrency 1-8; ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` tune it. ``SPECULATIVE`` (e.g. simulated:3.51,
+    k = ``NUM_DRAFT_TOKENS``, default 5) serves each path plain and speculating (``SPEC_ONLY=1``: speculating only,
+    half the time) and reports acceptance and the ratio to plain; ``SPEC_ADAPTIVE=0`` always speculates."""
     out = os.environ.get("OUT", "/tmp/out")
     spec = os.environ.get("SPECULATIVE", "")
-    extra = [f"--serve-arg=--speculative={spec}",  # one token each: argparse would take a bare "--x" as a flag
-             f"--serve-arg=--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
+    extra = [f"--speculative={spec}", f"--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
+    if spec and os.environ.get("SPEC_ONLY") == "1":
+        extra.append("--speculative-only")
+    if spec and os.environ.get("SPEC_ADAPTIVE") == "0":
+        extra.append("--serve-arg=--no-spec-adaptive")  # one token: argparse would take a bare "--x" as a flag
     tag = f"_{_slug(spec)}" if spec else ""
     return [Step(f"bench serve {m}{' ' + spec if spec else ''}", 560,
                  [*LOWLAT, "bench", "serve", "--paths", ",".join(["general", *o.plugins]), "--model", m, "--device",
@@ -138,12 +143,14 @@ def serve(o: Options) -> list[Step]:
 
 def spec(o: Options) -> list[Step]:
     """Speculative decoding per model: greedy identity (ngram and a self-draft, batch 1 and 4, general path and
-    each plugin), then plain decoding against simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
+    each plugin; every divergence classified near-tie or bug, rc 1 only on a bug), then plain decoding against
+    simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
     paths = ",".join(["none", *o.plugins])
     steps = []
     for m in o.models:
         steps.append(Step(f"spec identity {m}", 420, [PY, "bench/scripts/spec_identity.py", "--model", m, "--device",
-                                                      "cuda", "--paths", paths], f"spec_identity_{m}.txt", r"path="))
+                                                      "cuda", "--paths", paths], f"spec_identity_{m}.txt",
+                          r"path=|near-tie|BUG|^summary"))
         run = [*LOWLAT, "run", "--model", m, "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "256",
                "--max-context-len", "2048", "--prompt", "a"]
         for p in ["none", *o.plugins]:
@@ -153,6 +160,18 @@ def spec(o: Options) -> list[Step]:
                                                           "--num-draft-tokens", "5", "--no-spec-adaptive"],
                               f"spec_simulated_{p}_{m}.txt", r"tok/s|decode|VERIFY|DECODE|SIMULATED|acceptance"))
     return steps
+
+
+def spec_ngram(o: Options) -> list[Step]:
+    """The n-gram drafter on the model's own repetitive greedy text (bench/scripts/spec_ngram.py): acceptance,
+    tokens per step, speed-up over plain decoding and the drafter's cost per step, batch 1 and 4, general path and
+    each plugin; one table per model (llama-3.2-1b: about 1-2 minutes)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    paths = ",".join(["none", *o.plugins])
+    return [Step(f"spec ngram {m}", 180 if "1b" in m else 420,
+                 [PY, "bench/scripts/spec_ngram.py", "--model", m, "--device", "cuda", "--paths", paths, "--json",
+                  f"{out}/spec_ngram_{_slug(m)}.json"], f"spec_ngram_{_slug(m)}.txt", r"^\||^n-gram|failed|^\(")
+            for m in o.models]
 
 
 def mutants(o: Options) -> list[Step]:
@@ -217,7 +236,7 @@ def general_speed(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
+    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
@@ -283,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     (out / f"jobs-{'-'.join(args.jobs)}-{stamp}.json").write_text(
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
-            "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "MUTANTS",
+            "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
+            "SPEC_ADAPTIVE", "MUTANTS",
             "AMD_VARIANTS", "ROWS")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
