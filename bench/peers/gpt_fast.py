@@ -304,7 +304,7 @@ def git_blob_sha(path: Path) -> str:
 
 
 def measure(checkout: Path, preset: str, *, context: int = 1024, short: int = 32, long: int = 160,
-            samples: int = 3, workdir: Path, device: str = "cuda", compile: bool = True,
+            samples: int = 5, workdir: Path, device: str = "cuda", compile: bool = True,
             timeout_s: float = 240.0) -> dict[str, Any]:
     """gpt-fast's ms per token at ``preset``'s shapes, batch 1 (see the module docstring); ``timeout_s`` bounds
     the checkpoint and both generate.py runs together.
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--context", type=int, default=1024, help="mean KV length of the decode-only window")
     m.add_argument("--short", type=int, default=32, help="new tokens of the short run")
     m.add_argument("--long", type=int, default=160, help="new tokens of the long run")
-    m.add_argument("--samples", type=int, default=3, help="timed samples per run (after its compile run)")
+    m.add_argument("--samples", type=int, default=5, help="timed samples per run after its compile run (median)")
     m.add_argument("--workdir", type=Path, default=None,
                    help="checkpoints and inductor cache (default /dev/shm/gpt-fast-peer when it has room, else /tmp)")
     m.add_argument("--device", default="cuda")

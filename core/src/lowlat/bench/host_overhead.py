@@ -11,12 +11,13 @@ graph replays). Two paths are measured:
 * ``eager``: no graphs; the Dispatcher's general forward is a stub returning a slice of a preallocated logits
   tensor.
 
-``python -m lowlat.bench.host_overhead [--baseline REV] [--overlap]`` prints a table; with ``--baseline`` the same
-measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change, always with plain
-steps) and the table shows before, after and the ratio. ``--overlap`` measures this tree's overlapped loop
-(``EngineConfig(overlap=True)``, ``lowlat.runtime.overlap``): on CPU nothing runs concurrently, so its figure is
-the host work per step that a GPU step has to cover (on a GPU it runs while the previous step computes). Times
-are medians of per-step ``time.perf_counter`` wall times in ms.
+``python -m lowlat.bench.host_overhead [--baseline REV] [--overlap | --loops]`` prints a table; with ``--baseline``
+the same measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change, always
+with plain steps) and the table shows before, after and the ratio. ``--overlap`` measures this tree's overlapped
+loop (``EngineConfig(overlap=True)``, ``lowlat.runtime.overlap``): on CPU nothing runs concurrently, so its figure
+is the host work per step that a GPU step has to cover (on a GPU it runs while the previous step computes).
+``--loops`` measures both loops of this tree in one run, plain steps (``--no-overlap``) as "before" and the
+overlapped loop as "after". Times are medians of per-step ``time.perf_counter`` wall times in ms.
 """
 
 from __future__ import annotations
@@ -202,18 +203,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the best median is kept (default 3)")
     ap.add_argument("--baseline", metavar="REV", help="also measure git revision REV and print the ratio")
     ap.add_argument("--overlap", action="store_true", help="measure the overlapped loop (the baseline stays plain)")
+    ap.add_argument("--loops", action="store_true",
+                    help="measure plain steps (before, --no-overlap) and the overlapped loop (after) of this tree")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = ap.parse_args(argv)
+    if args.loops and (args.overlap or args.baseline):
+        ap.error("--loops measures both loops of this tree: leave out --overlap and --baseline")
     after = measure_host_overhead(args.model, args.batch_sizes, args.steps, repeats=args.repeats, paths=args.paths,
-                                  **({"overlap": True} if args.overlap else {}))
-    before = measure_baseline(args.baseline, args.model, args.batch_sizes, args.steps, args.paths, args.repeats) \
-        if args.baseline else None
+                                  **({"overlap": True} if args.overlap or args.loops else {}))
+    if args.loops:
+        before = measure_host_overhead(args.model, args.batch_sizes, args.steps, repeats=args.repeats,
+                                       paths=args.paths)
+    else:
+        before = measure_baseline(args.baseline, args.model, args.batch_sizes, args.steps, args.paths,
+                                  args.repeats) if args.baseline else None
     if args.json:
         print(json.dumps({"after": after, "before": before} if before else after))
         return 0
     title = f"host ms per DECODE step, {args.model}, stub forward on CPU, torch {after['torch']}"
-    title += ", overlapped loop" if args.overlap else ""
-    print(title + (f" (before = {args.baseline})" if before else ""))
+    title += ", overlapped loop" if args.overlap or args.loops else ""
+    if args.loops:
+        title += " (before = plain steps of this tree)"
+    print(title + (f" (before = {args.baseline})" if args.baseline else ""))
     print(format_table(after, before))
     return 0
 
