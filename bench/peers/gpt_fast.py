@@ -180,6 +180,8 @@ def build_checkpoint(checkout: Path, preset: str, cfg: Any, root: Path, *, devic
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02, generator=gen)
             state[name] = p.detach().to("cpu")
     del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # this process stays alive beside generate.py: give its GPU memory back
     torch.save(state, ckpt)
     write_tokenizer(out / "tokenizer.model", cfg.vocab_size)
     stamp.write_text(want)

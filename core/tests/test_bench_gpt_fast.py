@@ -158,7 +158,7 @@ def _peer(model="llama-3.2-1b", ms=1.335):
                          "differences": ["embeddings stored untied"]}], "failed": []}
 
 
-def _lowlat(model="llama-3.2-1b", rows=(("general", 2.1), ("nvidia_mega", 1.2))):
+def _lowlat(model="llama-3.2-1b", rows=(("general", 2.1), ("general-fused", 1.4), ("nvidia_mega", 1.2))):
     return {"rows": [{"model": model, "path": p, "batch": b, "step_ms": ms * 0.98, "tpot_plain_ms": ms * 1.1,
                       "tpot_overlap_ms": ms} for p, ms in rows for b in (1, 8)], "failed": ["amd_mono"]}
 
@@ -166,9 +166,10 @@ def _lowlat(model="llama-3.2-1b", rows=(("general", 2.1), ("nvidia_mega", 1.2)))
 def test_table_puts_lowlat_rows_beside_gpt_fast_with_ratios(table):
     text = table.render([_peer()], [_lowlat()])
     rows = [r for r in text.splitlines() if r.startswith("| llama")]
-    assert len(rows) == 4  # two gpt-fast rows, then batch 1 only of each path
+    assert len(rows) == 5  # two gpt-fast rows, then batch 1 only of each path
     general = next(r for r in rows if "| general |" in r)
     assert "| 2.100 | 1.335 | 0.64 | no |" in general
+    assert "| 1.400 | 1.335 | 0.95 | yes |" in next(r for r in rows if "general-fused" in r)  # slower, within 10%
     assert "| 1.200 | 1.335 | 1.11 | yes |" in next(r for r in rows if "nvidia_mega" in r)
     assert "amd_mono: failed" in text and "embeddings stored untied" in text
 
