@@ -188,18 +188,72 @@ def mutants(o: Options) -> list[Step]:
     return steps
 
 
+E2E_GENERAL = "general,general-reference,general-compiled"  # the default (fused on CUDA), the oracle, compiled
+E2E_LIMIT_S = {"llama-3.2-1b": 170, "qwen3-8b": 260, "qwen3-30b-a3b": 370}  # per model; others 300
+
+
 def e2e_tpot(o: Options) -> list[Step]:
-    """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model and
-    path (general and each plugin), plain and overlapped loop (issue 17: overlapped within 1.03 of the step), with
-    a token identity check of the two loops; one step per (model, path); ``E2E_PATHS`` overrides the paths
-    (e.g. general,general-fused,nvidia_mega)."""
+    """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model,
+    for the general path under each general_impl and each plugin, plain and overlapped loop (issue 17: overlapped
+    within 1.03 of the step), with a token identity check of the two loops. One step per model (one process, the
+    paths one after another, its JSON rewritten after each path); ``E2E_PATHS`` overrides the paths, ``REPEATS``
+    the timed runs per loop (3). ``--models llama-3.2-1b,qwen3-30b-a3b`` fits one device call: its step limits add
+    up to 540 s (estimated 1.5 min for llama-3.2-1b and 5 min for qwen3-30b-a3b with both plugins; not timed)."""
     out = os.environ.get("OUT", "/tmp/out")
-    paths = os.environ.get("E2E_PATHS", ",".join(["general", *o.plugins])).split(",")
-    return [Step(f"e2e tpot {m} {p}", 300, [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", p,
-                                           "--batch-sizes", os.environ.get("BATCH_SIZES", "1,8"), "--json",
-                                           f"{out}/e2e_tpot_{_slug(m)}_{p}.json"],
-                 f"e2e_tpot_{_slug(m)}_{p}.txt", r"^\||error|warning")
-            for m in o.models for p in paths]
+    paths = os.environ.get("E2E_PATHS", ",".join([E2E_GENERAL, *o.plugins]))
+    return [Step(f"e2e tpot {m}", E2E_LIMIT_S.get(m, 300),
+                 [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", paths, "--batch-sizes",
+                  os.environ.get("BATCH_SIZES", "1,8"), "--repeats", os.environ.get("REPEATS", "3"), "--json",
+                  f"{out}/e2e_tpot_{_slug(m)}.json"], f"e2e_tpot_{_slug(m)}.txt", r"^\||error|warning|within")
+            for m in o.models]
+
+
+GPT_FAST_DIR = ".peers/gpt-fast"
+GPT_FAST_MODELS = ("llama-3.2-1b", "qwen3-8b")  # dense presets gpt-fast's Llama-style model can express
+GPT_FAST_PATHS = "general,general-reference,general-compiled,nvidia_mega"
+
+
+def gpt_fast(o: Options) -> list[Step]:
+    """gpt-fast (meta-pytorch/gpt-fast, its model.py and generate.py unmodified, --compile, batch 1, random
+    weights at the preset's shapes: bench/peers/gpt_fast.py) beside lowlat's e2e TPOT at batch 1 (general under
+    each general_impl, and nvidia_mega; ``GPT_FAST_PATHS`` overrides) per model, then one table of ms/token and
+    ratios (``x gpt-fast``: gpt-fast's decode-only ms over the overlapped TPOT; issue 17: >= 0.91). Models:
+    those of ``--models`` among llama-3.2-1b and qwen3-8b (qwen3-8b as a Llama-style model: no q/k norm), both
+    when none is. gpt-fast's files travel as the ignored folder ``.peers/gpt-fast`` (``GPT_FAST_DIR``) named in
+    the device call's ``carry``; make it from the fetched mirror in the repository root first:
+
+        mkdir -p .peers/gpt-fast && git --git-dir=MIRROR archive HEAD | tar -x -C .peers/gpt-fast \\
+            && git --git-dir=MIRROR rev-parse HEAD > .peers/gpt-fast/.commit
+
+    (MIRROR: the ``fetch`` tool's path for github:meta-pytorch/gpt-fast). The device image has tiktoken and
+    sentencepiece, which gpt-fast's tokenizer.py imports. Runtime, estimated (not timed; compile time is the
+    unknown): llama-3.2-1b about 2.5 min (two compiled generate.py runs, the second from the first's inductor
+    cache, then four engines), qwen3-8b about 4.5 min (a 16 GB checkpoint in /dev/shm, 36 layers to trace). Run
+    one device call per model (``--models llama-3.2-1b``, then ``--models qwen3-8b``): each stays under ~5 min,
+    and its step limits (240 + 120 + 30 s, 300 + 150 + 30 s) under the 600 s command limit; both in one call
+    would need 870 s at the limits. The table of both calls (no GPU): ``python3 bench/peers/gpt_fast_table.py
+    A/gpt_fast_peer_*.json B/gpt_fast_peer_*.json --lowlat A/gpt_fast_lowlat_*.json B/gpt_fast_lowlat_*.json``."""
+    out = os.environ.get("OUT", "/tmp/out")
+    checkout = os.environ.get("GPT_FAST_DIR", GPT_FAST_DIR)
+    models = [m for m in o.models if m in GPT_FAST_MODELS] or list(GPT_FAST_MODELS)
+    limits = {"llama-3.2-1b": (240, 120), "qwen3-8b": (300, 150)}
+    steps: list[Step] = []
+    for m in models:
+        peer_s, e2e_s = limits[m]
+        steps.append(Step(f"gpt-fast {m}", peer_s, [PY, "bench/peers/gpt_fast.py", "measure", "--checkout", checkout,
+                                                    "--model", m, "--timeout-s", str(peer_s - 10), "--json",
+                                                    f"{out}/gpt_fast_peer_{m}.json"], f"gpt_fast_{m}.txt",
+                          r"^\[gpt-fast\]|rror"))
+        steps.append(Step(f"gpt-fast lowlat {m}", e2e_s,
+                          [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths",
+                           os.environ.get("GPT_FAST_PATHS", GPT_FAST_PATHS), "--batch-sizes", "1", "--repeats", "2",
+                           "--json", f"{out}/gpt_fast_lowlat_{m}.json"], f"gpt_fast_lowlat_{m}.txt",
+                          r"^\||error|within"))
+    steps.append(Step("gpt-fast table", 30, [PY, "bench/peers/gpt_fast_table.py",
+                                             *[f"{out}/gpt_fast_peer_{m}.json" for m in models], "--lowlat",
+                                             *[f"{out}/gpt_fast_lowlat_{m}.json" for m in models], "--out",
+                                             f"{out}/gpt_fast_table.md"], "gpt_fast_table.txt", r"."))
+    return steps
 
 
 def diag_alternating(o: Options) -> list[Step]:
@@ -209,7 +263,7 @@ def diag_alternating(o: Options) -> list[Step]:
                  r"^===|divergence [0-9]") for p in o.plugins]
 
 
-GENERAL_PATHS = "general,general-fused,general-compiled,hf"
+GENERAL_PATHS = "general,general-reference,general-compiled,hf"
 
 
 def general_tests(o: Options) -> list[Step]:
@@ -224,7 +278,7 @@ def general_tests(o: Options) -> list[Step]:
 
 def general_speed(o: Options) -> list[Step]:
     """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
-    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default general,general-fused,general-compiled,hf).
+    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default general,general-reference,general-compiled,hf).
     One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
     paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
     out = os.environ.get("OUT", "/tmp/out")
@@ -237,7 +291,7 @@ JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
-    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
+    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot, "gpt-fast": gpt_fast,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
