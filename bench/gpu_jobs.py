@@ -169,6 +169,30 @@ def mutants(o: Options) -> list[Step]:
     return steps
 
 
+OOT_SITE = "/tmp/oot-site"
+_OOT_INSTALL = """
+import subprocess, sys
+from lowlat_contract.checkout import export_tree
+from lowlat_contract.matrix import load_matrix
+v = next(v for v in load_matrix("compat_matrix.toml").vendors if v.name == "lowlat-swiglu")
+tree = export_tree(".", v.path, v.commit, "/tmp/oot-export", repo=v.repo)
+print("lowlat-swiglu", v.version, "at", v.commit, "->", tree)
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                sys.argv[1], str(tree)], check=True)
+"""
+
+
+def oot_vendor(o: Options) -> list[Step]:
+    """The out-of-tree vendor lowlat-swiglu at the commit compat_matrix.toml pins (exported from
+    examples/lowlat-swiglu.bundle, installed into /tmp/oot-site), held to the contract suite on CUDA; record its
+    cuda-sm90 row from the output by hand (nox is not on the device image)."""
+    path = os.pathsep.join([OOT_SITE, "/tmp/site", os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    models = [a for m in o.models if m in ("llama-3.2-1b", "qwen3-8b") for a in ("--lowlat-model", m)]
+    return [Step("install lowlat-swiglu", 120, [PY, "-c", _OOT_INSTALL, OOT_SITE], "oot_install.txt", r"lowlat-swiglu"),
+            Step("contract swiglu", 540, [*CONTRACT, "--lowlat-plugin", "swiglu", "--lowlat-device", "cuda", *models],
+                 "contract_swiglu.txt", PASS_FAIL + r"|^(PASS|FAIL|SKIP) ", env={"PYTHONPATH": path})]
+
+
 def e2e_tpot(o: Options) -> list[Step]:
     """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model and
     path (general and each plugin), plain and overlapped loop (issue 17: overlapped within 1.03 of the step), with
@@ -218,7 +242,7 @@ JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "contract": contract, "compare": compare, "bench": bench,
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
-    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
+    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot, "oot-vendor": oot_vendor,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
