@@ -188,6 +188,30 @@ def mutants(o: Options) -> list[Step]:
     return steps
 
 
+OOT_SITE = "/tmp/oot-site"
+_OOT_INSTALL = """
+import subprocess, sys
+from lowlat_contract.checkout import export_tree
+from lowlat_contract.matrix import load_matrix
+v = next(v for v in load_matrix("compat_matrix.toml").vendors if v.name == "lowlat-swiglu")
+tree = export_tree(".", v.path, v.commit, "/tmp/oot-export", repo=v.repo)
+print("lowlat-swiglu", v.version, "at", v.commit, "->", tree)
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                sys.argv[1], str(tree)], check=True)
+"""
+
+
+def oot_vendor(o: Options) -> list[Step]:
+    """The out-of-tree vendor lowlat-swiglu at the commit compat_matrix.toml pins (exported from
+    examples/lowlat-swiglu.bundle, installed into /tmp/oot-site), held to the contract suite on CUDA; record its
+    cuda-sm90 row from the output by hand (nox is not on the device image)."""
+    path = os.pathsep.join([OOT_SITE, "/tmp/site", os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    models = [a for m in o.models if m in ("llama-3.2-1b", "qwen3-8b") for a in ("--lowlat-model", m)]
+    return [Step("install lowlat-swiglu", 120, [PY, "-c", _OOT_INSTALL, OOT_SITE], "oot_install.txt", r"lowlat-swiglu"),
+            Step("contract swiglu", 540, [*CONTRACT, "--lowlat-plugin", "swiglu", "--lowlat-device", "cuda", *models],
+                 "contract_swiglu.txt", PASS_FAIL + r"|^(PASS|FAIL|SKIP) ", env={"PYTHONPATH": path})]
+
+
 E2E_GENERAL = "general,general-reference,general-compiled"  # the default (fused on CUDA), the oracle, compiled
 E2E_LIMIT_S = {"llama-3.2-1b": 170, "qwen3-8b": 260, "qwen3-30b-a3b": 370}  # per model; others 300
 
@@ -278,7 +302,8 @@ def general_tests(o: Options) -> list[Step]:
 
 def general_speed(o: Options) -> list[Step]:
     """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
-    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default general,general-reference,general-compiled,hf).
+    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default
+    general,general-reference,general-compiled,hf).
     One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
     paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
     out = os.environ.get("OUT", "/tmp/out")
@@ -292,6 +317,7 @@ JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot, "gpt-fast": gpt_fast,
+    "oot-vendor": oot_vendor,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
