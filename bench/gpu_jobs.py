@@ -133,11 +133,16 @@ def amd_layers(o: Options) -> list[Step]:
 
 def serve(o: Options) -> list[Step]:
     """``lowlat bench serve`` per model: one server per path (general and each plugin), streaming users at
-    concurrency 1-8; ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` / ``SPECULATIVE`` (e.g. simulated:3.51) tune it."""
+    concurrency 1-8; ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` tune it. ``SPECULATIVE`` (e.g. simulated:3.51,
+    k = ``NUM_DRAFT_TOKENS``, default 5) serves each path plain and speculating (``SPEC_ONLY=1``: speculating only,
+    half the time) and reports acceptance and the ratio to plain; ``SPEC_ADAPTIVE=0`` always speculates."""
     out = os.environ.get("OUT", "/tmp/out")
     spec = os.environ.get("SPECULATIVE", "")
-    extra = [f"--serve-arg=--speculative={spec}",  # one token each: argparse would take a bare "--x" as a flag
-             f"--serve-arg=--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
+    extra = [f"--speculative={spec}", f"--num-draft-tokens={os.environ.get('NUM_DRAFT_TOKENS', '5')}"] if spec else []
+    if spec and os.environ.get("SPEC_ONLY") == "1":
+        extra.append("--speculative-only")
+    if spec and os.environ.get("SPEC_ADAPTIVE") == "0":
+        extra.append("--serve-arg=--no-spec-adaptive")  # one token: argparse would take a bare "--x" as a flag
     tag = f"_{_slug(spec)}" if spec else ""
     return [Step(f"bench serve {m}{' ' + spec if spec else ''}", 560,
                  [*LOWLAT, "bench", "serve", "--paths", ",".join(["general", *o.plugins]), "--model", m, "--device",
@@ -149,12 +154,14 @@ def serve(o: Options) -> list[Step]:
 
 def spec(o: Options) -> list[Step]:
     """Speculative decoding per model: greedy identity (ngram and a self-draft, batch 1 and 4, general path and
-    each plugin), then plain decoding against simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
+    each plugin; every divergence classified near-tie or bug, rc 1 only on a bug), then plain decoding against
+    simulated acceptance 3.51 with k = 5 (six verified rows per step)."""
     paths = ",".join(["none", *o.plugins])
     steps = []
     for m in o.models:
         steps.append(Step(f"spec identity {m}", 420, [PY, "bench/scripts/spec_identity.py", "--model", m, "--device",
-                                                      "cuda", "--paths", paths], f"spec_identity_{m}.txt", r"path="))
+                                                      "cuda", "--paths", paths], f"spec_identity_{m}.txt",
+                          r"path=|near-tie|BUG|^summary"))
         run = [*LOWLAT, "run", "--model", m, "--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens", "256",
                "--max-context-len", "2048", "--prompt", "a"]
         for p in ["none", *o.plugins]:
@@ -164,6 +171,18 @@ def spec(o: Options) -> list[Step]:
                                                           "--num-draft-tokens", "5", "--no-spec-adaptive"],
                               f"spec_simulated_{p}_{m}.txt", r"tok/s|decode|VERIFY|DECODE|SIMULATED|acceptance"))
     return steps
+
+
+def spec_ngram(o: Options) -> list[Step]:
+    """The n-gram drafter on the model's own repetitive greedy text (bench/scripts/spec_ngram.py): acceptance,
+    tokens per step, speed-up over plain decoding and the drafter's cost per step, batch 1 and 4, general path and
+    each plugin; one table per model (llama-3.2-1b: about 1-2 minutes)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    paths = ",".join(["none", *o.plugins])
+    return [Step(f"spec ngram {m}", 180 if "1b" in m else 420,
+                 [PY, "bench/scripts/spec_ngram.py", "--model", m, "--device", "cuda", "--paths", paths, "--json",
+                  f"{out}/spec_ngram_{_slug(m)}.json"], f"spec_ngram_{_slug(m)}.txt", r"^\||^n-gram|failed|^\(")
+            for m in o.models]
 
 
 def mutants(o: Options) -> list[Step]:
@@ -180,18 +199,96 @@ def mutants(o: Options) -> list[Step]:
     return steps
 
 
+OOT_SITE = "/tmp/oot-site"
+_OOT_INSTALL = """
+import subprocess, sys
+from lowlat_contract.checkout import export_tree
+from lowlat_contract.matrix import load_matrix
+v = next(v for v in load_matrix("compat_matrix.toml").vendors if v.name == "lowlat-swiglu")
+tree = export_tree(".", v.path, v.commit, "/tmp/oot-export", repo=v.repo)
+print("lowlat-swiglu", v.version, "at", v.commit, "->", tree)
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                sys.argv[1], str(tree)], check=True)
+"""
+
+
+def oot_vendor(o: Options) -> list[Step]:
+    """The out-of-tree vendor lowlat-swiglu at the commit compat_matrix.toml pins (exported from
+    examples/lowlat-swiglu.bundle, installed into /tmp/oot-site), held to the contract suite on CUDA; record its
+    cuda-sm90 row from the output by hand (nox is not on the device image)."""
+    path = os.pathsep.join([OOT_SITE, "/tmp/site", os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    models = [a for m in o.models if m in ("llama-3.2-1b", "qwen3-8b") for a in ("--lowlat-model", m)]
+    return [Step("install lowlat-swiglu", 120, [PY, "-c", _OOT_INSTALL, OOT_SITE], "oot_install.txt", r"lowlat-swiglu"),
+            Step("contract swiglu", 540, [*CONTRACT, "--lowlat-plugin", "swiglu", "--lowlat-device", "cuda", *models],
+                 "contract_swiglu.txt", PASS_FAIL + r"|^(PASS|FAIL|SKIP) ", env={"PYTHONPATH": path})]
+
+
+E2E_GENERAL = "general,general-reference,general-compiled"  # the default (fused on CUDA), the oracle, compiled
+E2E_LIMIT_S = {"llama-3.2-1b": 170, "qwen3-8b": 260, "qwen3-30b-a3b": 370}  # per model; others 300
+
+
 def e2e_tpot(o: Options) -> list[Step]:
-    """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model and
-    path (general and each plugin), plain and overlapped loop (issue 17: overlapped within 1.03 of the step), with
-    a token identity check of the two loops; one step per (model, path); ``E2E_PATHS`` overrides the paths
-    (e.g. general,general-fused,nvidia_mega)."""
+    """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model,
+    for the general path under each general_impl and each plugin, plain and overlapped loop (issue 17: overlapped
+    within 1.03 of the step), with a token identity check of the two loops. One step per model (one process, the
+    paths one after another, its JSON rewritten after each path); ``E2E_PATHS`` overrides the paths, ``REPEATS``
+    the timed runs per loop (3). ``--models llama-3.2-1b,qwen3-30b-a3b`` fits one device call: its step limits add
+    up to 540 s (estimated 1.5 min for llama-3.2-1b and 5 min for qwen3-30b-a3b with both plugins; not timed)."""
     out = os.environ.get("OUT", "/tmp/out")
-    paths = os.environ.get("E2E_PATHS", ",".join(["general", *o.plugins])).split(",")
-    return [Step(f"e2e tpot {m} {p}", 300, [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", p,
-                                           "--batch-sizes", os.environ.get("BATCH_SIZES", "1,8"), "--json",
-                                           f"{out}/e2e_tpot_{_slug(m)}_{p}.json"],
-                 f"e2e_tpot_{_slug(m)}_{p}.txt", r"^\||error|warning")
-            for m in o.models for p in paths]
+    paths = os.environ.get("E2E_PATHS", ",".join([E2E_GENERAL, *o.plugins]))
+    return [Step(f"e2e tpot {m}", E2E_LIMIT_S.get(m, 300),
+                 [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", paths, "--batch-sizes",
+                  os.environ.get("BATCH_SIZES", "1,8"), "--repeats", os.environ.get("REPEATS", "3"), "--json",
+                  f"{out}/e2e_tpot_{_slug(m)}.json"], f"e2e_tpot_{_slug(m)}.txt", r"^\||error|warning|within")
+            for m in o.models]
+
+
+GPT_FAST_DIR = ".peers/gpt-fast"
+GPT_FAST_MODELS = ("llama-3.2-1b", "qwen3-8b")  # dense presets gpt-fast's Llama-style model can express
+GPT_FAST_PATHS = "general,general-reference,general-compiled,nvidia_mega"
+
+
+def gpt_fast(o: Options) -> list[Step]:
+    """gpt-fast (meta-pytorch/gpt-fast, its model.py and generate.py unmodified, --compile, batch 1, random
+    weights at the preset's shapes: bench/peers/gpt_fast.py) beside lowlat's e2e TPOT at batch 1 (general under
+    each general_impl, and nvidia_mega; ``GPT_FAST_PATHS`` overrides) per model, then one table of ms/token and
+    ratios (``x gpt-fast``: gpt-fast's decode-only ms over the overlapped TPOT; issue 17: >= 0.91). Models:
+    those of ``--models`` among llama-3.2-1b and qwen3-8b (qwen3-8b as a Llama-style model: no q/k norm), both
+    when none is. gpt-fast's files travel as the ignored folder ``.peers/gpt-fast`` (``GPT_FAST_DIR``) named in
+    the device call's ``carry``; make it from the fetched mirror in the repository root first:
+
+        mkdir -p .peers/gpt-fast && git --git-dir=MIRROR archive HEAD | tar -x -C .peers/gpt-fast \\
+            && git --git-dir=MIRROR rev-parse HEAD > .peers/gpt-fast/.commit
+
+    (MIRROR: the ``fetch`` tool's path for github:meta-pytorch/gpt-fast). The device image has tiktoken and
+    sentencepiece, which gpt-fast's tokenizer.py imports. Runtime, estimated (not timed; compile time is the
+    unknown): llama-3.2-1b about 2.5 min (two compiled generate.py runs, the second from the first's inductor
+    cache, then four engines), qwen3-8b about 4.5 min (a 16 GB checkpoint in /dev/shm, 36 layers to trace). Run
+    one device call per model (``--models llama-3.2-1b``, then ``--models qwen3-8b``): each stays under ~5 min,
+    and its step limits (240 + 120 + 30 s, 300 + 150 + 30 s) under the 600 s command limit; both in one call
+    would need 870 s at the limits. The table of both calls (no GPU): ``python3 bench/peers/gpt_fast_table.py
+    A/gpt_fast_peer_*.json B/gpt_fast_peer_*.json --lowlat A/gpt_fast_lowlat_*.json B/gpt_fast_lowlat_*.json``."""
+    out = os.environ.get("OUT", "/tmp/out")
+    checkout = os.environ.get("GPT_FAST_DIR", GPT_FAST_DIR)
+    models = [m for m in o.models if m in GPT_FAST_MODELS] or list(GPT_FAST_MODELS)
+    limits = {"llama-3.2-1b": (240, 120), "qwen3-8b": (300, 150)}
+    steps: list[Step] = []
+    for m in models:
+        peer_s, e2e_s = limits[m]
+        steps.append(Step(f"gpt-fast {m}", peer_s, [PY, "bench/peers/gpt_fast.py", "measure", "--checkout", checkout,
+                                                    "--model", m, "--timeout-s", str(peer_s - 10), "--json",
+                                                    f"{out}/gpt_fast_peer_{m}.json"], f"gpt_fast_{m}.txt",
+                          r"^\[gpt-fast\]|rror"))
+        steps.append(Step(f"gpt-fast lowlat {m}", e2e_s,
+                          [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths",
+                           os.environ.get("GPT_FAST_PATHS", GPT_FAST_PATHS), "--batch-sizes", "1", "--repeats", "2",
+                           "--json", f"{out}/gpt_fast_lowlat_{m}.json"], f"gpt_fast_lowlat_{m}.txt",
+                          r"^\||error|within"))
+    steps.append(Step("gpt-fast table", 30, [PY, "bench/peers/gpt_fast_table.py",
+                                             *[f"{out}/gpt_fast_peer_{m}.json" for m in models], "--lowlat",
+                                             *[f"{out}/gpt_fast_lowlat_{m}.json" for m in models], "--out",
+                                             f"{out}/gpt_fast_table.md"], "gpt_fast_table.txt", r"."))
+    return steps
 
 
 def diag_alternating(o: Options) -> list[Step]:
@@ -201,7 +298,7 @@ def diag_alternating(o: Options) -> list[Step]:
                  r"^===|divergence [0-9]") for p in o.plugins]
 
 
-GENERAL_PATHS = "general,general-fused,general-compiled,hf"
+GENERAL_PATHS = "general,general-reference,general-compiled,hf"
 
 
 def general_tests(o: Options) -> list[Step]:
@@ -216,7 +313,8 @@ def general_tests(o: Options) -> list[Step]:
 
 def general_speed(o: Options) -> list[Step]:
     """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
-    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default general,general-fused,general-compiled,hf).
+    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default
+    general,general-reference,general-compiled,hf).
     One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
     paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
     out = os.environ.get("OUT", "/tmp/out")
@@ -228,8 +326,9 @@ def general_speed(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
-    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "mutants": mutants,
-    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
+    "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
+    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot, "gpt-fast": gpt_fast,
+    "oot-vendor": oot_vendor,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
@@ -294,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     (out / f"jobs-{'-'.join(args.jobs)}-{stamp}.json").write_text(
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
-            "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "MUTANTS",
+            "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
+            "SPEC_ADAPTIVE", "MUTANTS",
             "AMD_VARIANTS", "ROWS")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else

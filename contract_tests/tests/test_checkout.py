@@ -73,3 +73,36 @@ def test_vendor_dependencies_leave_core_out(tmp_path):
     (tmp_path / "pyproject.toml").write_text(
         '[project]\nname = "v"\ndependencies = ["lowlat>=0.2,<0.3", "triton>=3.6", "numpy"]\n')
     assert vendor_dependencies(tmp_path / "pyproject.toml") == ["triton>=3.6", "numpy"]
+
+
+def test_bundle_is_cloned_and_exported_at_its_commit(tmp_path, vendor_repo):
+    repo, commit = vendor_repo
+    bundle = tmp_path / "vendor.bundle"
+    _git(repo, "bundle", "create", str(bundle), "--all")
+    tree = export_tree(tmp_path, "pkg", commit, tmp_path / "scratch", repo="vendor.bundle")  # relative to root
+    assert (tree / "version.txt").read_text() == "committed\n"
+
+
+def test_a_newer_bundle_refreshes_the_earlier_clone(tmp_path, vendor_repo):
+    repo, first = vendor_repo
+    bundle, scratch = tmp_path / "vendor.bundle", tmp_path / "scratch"
+    _git(repo, "bundle", "create", str(bundle), "--all")
+    export_tree(tmp_path, "pkg", first, scratch, repo=str(bundle))
+    _git(repo, "commit", "-qam", "second release")
+    second = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "bundle", "create", str(bundle), "--all")
+    tree = export_tree(tmp_path, "pkg", second, scratch, repo=str(bundle))
+    assert (tree / "version.txt").read_text() == "edited after the release\n"
+
+
+def test_a_file_that_is_no_bundle_shows_gits_error(tmp_path, vendor_repo):
+    _, commit = vendor_repo
+    (tmp_path / "not.bundle").write_text("hello\n")
+    with pytest.raises(CheckoutError, match=r"git clone.*failed.*(bundle|repository)"):
+        export_tree(tmp_path, "pkg", commit, tmp_path / "scratch", repo="not.bundle")
+
+
+def test_a_missing_repo_is_named(tmp_path, vendor_repo):
+    _, commit = vendor_repo
+    with pytest.raises(CheckoutError, match=r"neither a directory, a git bundle file nor a git URL.*gone\.bundle"):
+        export_tree(tmp_path, "pkg", commit, tmp_path / "scratch", repo="gone.bundle")

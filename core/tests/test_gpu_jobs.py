@@ -68,3 +68,48 @@ def test_e2e_tpot_script_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2] and all(r["identical"] and r["step_ms"] > 0 for r in rows)
+
+
+def test_spec_ngram_script_runs_on_cpu(tmp_path):
+    """The spec-ngram job's script end to end on a tiny preset: one row per (workload, batch), float32 greedy
+    speculative tokens equal plain decoding's, and the figures hang together."""
+    import json
+    import subprocess
+
+    out = tmp_path / "ngram.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "scripts" / "spec_ngram.py"), "--model", "tiny-llama", "--device",
+           "cpu", "--dtype", "float32", "--paths", "none", "--batch-sizes", "1,2", "--warmup-tokens", "24",
+           "--new-tokens", "24", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| path | workload | batch | copyable |" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["workload"], r["batch"]) for r in rows] == [("copy", 1), ("copy", 2), ("fresh", 1), ("fresh", 2)]
+    for r in rows:
+        assert r["same"] == r["batch"] and 0.0 <= r["copyable"] <= 1.0 and r["speedup"] > 0
+        assert r["verify_steps"] + r["decode_steps"] > 0 and 1.0 <= r["tokens_per_step"] <= 6.0
+        if r["verify_steps"]:
+            assert 1.0 <= r["acceptance_length"] <= 6.0 and r["draft_us_per_step"] > 0 and 0 < r["draft_share"] < 1
+
+
+def test_spec_ngram_copyable_share():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("spec_ngram", ROOT / "bench" / "scripts" / "spec_ngram.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    # after [1 2 3], "1" has no earlier 3 to follow (a miss); every later token continues the period-3 loop
+    assert mod.copyable([1, 2, 3], [1, 2, 3, 1, 2, 3], 3, 1024) == pytest.approx(5 / 6)
+    assert mod.copyable([1, 2, 3], [4, 5, 6], 3, 1024) == 0.0 and mod.copyable([1], [], 3, 1024) == 0.0
+
+
+def test_serve_job_with_speculation_parses(jobs, monkeypatch):
+    from lowlat.cli import build_parser
+
+    monkeypatch.setenv("SPECULATIVE", "simulated:3.51")
+    monkeypatch.setenv("SPEC_ONLY", "1")
+    monkeypatch.setenv("SPEC_ADAPTIVE", "0")
+    (step,) = jobs.serve(jobs.Options(["llama-3.2-1b"], ["nvidia_mega"], 1.0))
+    args = build_parser().parse_args(step.argv[3:])
+    assert args.speculative == "simulated:3.51" and args.num_draft_tokens == 5 and args.speculative_only
+    assert args.serve_arg == ["--no-spec-adaptive"] and step.out.endswith("_simulated_3.51.txt")

@@ -223,3 +223,21 @@ def test_host_overhead_bench_runs():
     assert all(set(row) == {1, 2} and all(ms > 0 for ms in row.values()) for row in out["host_ms"].values())
     table = format_table(out, out)
     assert "ratio" in table and "1.0x" in table
+
+
+def test_host_overhead_loops_measures_plain_before_and_overlapped_after(capsys):
+    import json
+
+    from lowlat.bench.host_overhead import main, measure_host_overhead
+
+    assert main(["--loops", "--steps", "3", "--repeats", "1", "--batch-sizes", "1", "--paths", "graph",
+                 "--clock", "thread", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (out["before"]["overlap"], out["after"]["overlap"]) == (False, True)
+    assert out["before"]["clock"] == out["after"]["clock"] == "thread"
+    assert out["before"]["host_ms"]["graph"]["1"] > 0 and out["after"]["host_ms"]["graph"]["1"] > 0
+    with pytest.raises(SystemExit):
+        main(["--loops", "--overlap"])
+    assert "leave out --overlap" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="clock"):
+        measure_host_overhead(steps=1, clock="cpu")

@@ -8,6 +8,7 @@ vendor runs them.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -47,6 +48,25 @@ def test_new_plugin_writes_every_file(tmp_path, capsys):
     assert names.core_requirement in project["dependencies"]
     build = (tmp_path / "d" / "src" / "lowlat_acme_fast" / "build.py").read_text()
     assert "class AcmeFastStep(ReferenceStep)" in build and "@" not in build.replace("@triton", "")
+    for py in (tmp_path / "d").rglob("*.py"):
+        outside = core_imports_outside_the_api(py.read_text())
+        assert not outside, f"{py.name} imports {outside}: a plugin imports lowlat.plugin only"
+
+
+def core_imports_outside_the_api(source: str) -> list[str]:
+    """The lowlat modules ``source`` imports other than ``lowlat.plugin`` (the whole vendor API)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [n for n in names if n.split(".")[0] == "lowlat" and n != "lowlat.plugin"]
+    return found
+
+
+def test_the_import_check_finds_core_internals():
+    assert core_imports_outside_the_api("from lowlat.plugin.reference_step import rms\nimport lowlat.config") == [
+        "lowlat.plugin.reference_step", "lowlat.config"]
+    assert core_imports_outside_the_api("from lowlat.plugin import Coverage\nfrom . import x\nimport lowlatx") == []
 
 
 def test_core_range_is_the_running_minor_series():

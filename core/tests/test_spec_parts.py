@@ -201,6 +201,21 @@ def test_run_with_speculation_prints_acceptance(capsys):
         assert word in out, word
 
 
+def test_run_json_stats_carry_the_speculative_stats(capsys):
+    import json
+
+    base = ["--device", "cpu", "--max-context-len", "64", "--max-new-tokens", "20", "--prompt", "abcabcabc",
+            "--plugin", "none", "--json"]
+    assert run_cli.run(_parse([*base, "--speculative", "ngram", "--num-draft-tokens", "3"])) == 0
+    stats = json.loads(capsys.readouterr().out.splitlines()[-1])
+    spec = stats["speculative"]
+    assert stats["type"] == "stats" and spec["method"] == "ngram" and spec["k"] == 3
+    assert spec["verify_steps"] > 0 and spec["verify_steps_by_path"] == {"general": spec["verify_steps"]}
+    assert spec["acceptance_length"] >= 1.0 and "on" in spec["controller"] and not spec["simulated"]
+    assert run_cli.run(_parse(base)) == 0  # speculation off: null, not a missing key
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["speculative"] is None
+
+
 def test_run_rejects_a_bad_method(capsys, monkeypatch):
     monkeypatch.delenv("LOWLAT_DEBUG", raising=False)
     assert run_cli.run(_parse(["--device", "cpu", "--speculative", "eagle"])) == 2

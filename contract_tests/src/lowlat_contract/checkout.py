@@ -1,11 +1,12 @@
 """Source trees of the releases in compat_matrix.toml, at their recorded commits, for ``nox -s contract``.
 
 A ``[[vendor]]`` entry names its source as ``path`` inside ``repo``: ``repo`` empty means this repository
-(``path`` is then relative to its root); otherwise ``repo`` is another git repository, a local directory or
-a URL git can clone. With ``commit`` set, the tree is exported from that commit with ``git archive`` (never
-read from a working tree, so the recorded result belongs to the recorded commit); with ``commit`` empty the
-working tree of this repository is used (the version in development), and an out-of-tree vendor must pin a
-commit. Imports nothing heavy (noxfile.py loads it from the source tree).
+(``path`` is then relative to its root); otherwise ``repo`` is another git repository: a local directory, a git
+bundle file (``git bundle create F --all``; examples/lowlat-swiglu.bundle is one) or a URL git can clone, a
+relative ``repo`` being relative to this repository's root. With ``commit`` set, the tree is exported from that
+commit with ``git archive`` (never read from a working tree, so the recorded result belongs to the recorded
+commit); with ``commit`` empty the working tree of this repository is used (the version in development), and an
+out-of-tree vendor must pin a commit. Imports nothing heavy (noxfile.py loads it from the source tree).
 """
 
 from __future__ import annotations
@@ -33,19 +34,33 @@ def _git(args: list[str], cwd: Path | None = None) -> bytes:
     return done.stdout
 
 
-def _repo_dir(repo: str, root: Path, cache: Path) -> Path:
-    """A local git directory holding ``repo``: the directory itself, or a clone of a URL under ``cache``."""
+def _repo_dir(repo: str, root: Path, cache: Path, commit: str) -> Path:
+    """A local git directory holding ``commit`` of ``repo``: the directory itself, or a bare clone under ``cache``
+    of a git bundle file or a URL (fetched again when an earlier clone lacks ``commit``)."""
     local = Path(repo).expanduser()
     if not local.is_absolute():
         local = root / local
     if local.is_dir():
         return local
-    if "://" not in repo and not repo.startswith("git@"):
-        raise CheckoutError(f"vendor repo {repo!r} is neither a directory nor a git URL")
-    dest = cache / ("clone-" + hashlib.sha1(repo.encode()).hexdigest()[:12])
-    if not (dest / ".git").exists() and not (dest / "HEAD").exists():
-        _git(["clone", "--quiet", "--bare", repo, str(dest)])
+    if local.is_file():
+        source = str(local)  # a git bundle (`git bundle create F --all`); git says so when it is not one
+    elif "://" in repo or repo.startswith("git@"):
+        source = repo
+    else:
+        raise CheckoutError(f"vendor repo {repo!r} is neither a directory, a git bundle file nor a git URL "
+                            f"(looked for {local})")
+    dest = cache / ("clone-" + hashlib.sha1(source.encode()).hexdigest()[:12])
+    if not (dest / "HEAD").exists():
+        _git(["clone", "--quiet", "--bare", source, str(dest)])
+    elif not _has_commit(dest, commit):
+        _git(["fetch", "--quiet", source, "+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"], cwd=dest)
     return dest
+
+
+def _has_commit(git_dir: Path, commit: str) -> bool:
+    done = subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=git_dir, capture_output=True,
+                          check=False)
+    return done.returncode == 0
 
 
 def export_tree(root: str | Path, path: str, commit: str, dest: str | Path, *, repo: str = "") -> Path:
@@ -56,7 +71,7 @@ def export_tree(root: str | Path, path: str, commit: str, dest: str | Path, *, r
         path: the source directory inside the repository, relative (``vendors/nvidia_mega``; ``.`` for the root).
         commit: a commit id; empty for the working tree of ``root`` (only when ``repo`` is empty).
         dest: a scratch directory; trees are exported under ``dest/<commit[:12]>``.
-        repo: another repository (a directory or a URL); empty for ``root``.
+        repo: another repository (a directory, a git bundle file or a URL); empty for ``root``.
     Raises:
         CheckoutError: ``path`` is absolute or leaves the repository, an out-of-tree vendor has no commit,
             or git fails (its error text is in the message), or the commit lacks ``path``.
@@ -71,7 +86,7 @@ def export_tree(root: str | Path, path: str, commit: str, dest: str | Path, *, r
             raise CheckoutError(f"vendor repo {repo!r} has no commit: an out-of-tree vendor is tested at a pinned "
                                 "commit (set `commit`)")
         return root / rel
-    source = _repo_dir(repo, root, dest) if repo else root
+    source = _repo_dir(repo, root, dest, commit) if repo else root
     out = dest / commit[:12] / (hashlib.sha1(repo.encode()).hexdigest()[:8] if repo else "here")
     target = out / rel
     if not target.exists():

@@ -11,12 +11,16 @@ graph replays). Two paths are measured:
 * ``eager``: no graphs; the Dispatcher's general forward is a stub returning a slice of a preallocated logits
   tensor.
 
-``python -m lowlat.bench.host_overhead [--baseline REV] [--overlap]`` prints a table; with ``--baseline`` the same
-measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change, always with plain
-steps) and the table shows before, after and the ratio. ``--overlap`` measures this tree's overlapped loop
-(``EngineConfig(overlap=True)``, ``lowlat.runtime.overlap``): on CPU nothing runs concurrently, so its figure is
-the host work per step that a GPU step has to cover (on a GPU it runs while the previous step computes). Times
-are medians of per-step ``time.perf_counter`` wall times in ms.
+``python -m lowlat.bench.host_overhead [--baseline REV] [--overlap | --loops]`` prints a table; with ``--baseline``
+the same measurement also runs in a subprocess on ``git archive REV core/src`` (the code before a change, always
+with plain steps) and the table shows before, after and the ratio. ``--overlap`` measures this tree's overlapped
+loop (``EngineConfig(overlap=True)``, ``lowlat.runtime.overlap``): on CPU nothing runs concurrently, so its figure
+is the host work per step that a GPU step has to cover (on a GPU it runs while the previous step computes).
+``--loops`` measures both loops of this tree in one run, plain steps (``--no-overlap``) as "before" and the
+overlapped loop as "after". Times are medians of per-step ``time.perf_counter`` wall times in ms, or with
+``--clock thread`` of ``time.thread_time`` (this thread's CPU time: on a machine shared with other work the wall
+clock also counts the time the process waits for a core; the stub forward never waits on a device, and torch runs
+on one thread here, so on an idle machine the two agree).
 """
 
 from __future__ import annotations
@@ -80,7 +84,11 @@ def _stub_engine(model: str, max_batch_size: int, max_context_len: int, path: st
     return engine
 
 
-def _time_decode_steps(engine, batch_size: int, steps: int, warmup: int) -> list[float]:  # type: ignore[no-untyped-def]
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _time_decode_steps(engine, batch_size: int, steps: int, warmup: int,  # type: ignore[no-untyped-def]
+                       clock=time.perf_counter) -> list[float]:
     """Seconds of each of ``steps`` DECODE steps at ``batch_size`` requests (after prefill and ``warmup``)."""
     from lowlat.runtime import ForwardMode, SamplingParams
 
@@ -96,9 +104,9 @@ def _time_decode_steps(engine, batch_size: int, steps: int, warmup: int) -> list
     gc.collect()
     out = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = clock()
         engine.step()
-        out.append(time.perf_counter() - t0)
+        out.append(clock() - t0)
     if decode.steps - before != steps or len(engine.scheduler.running) != batch_size:
         raise RuntimeError("the timed steps were not all DECODE steps of the whole batch")
     while engine.has_unfinished():
@@ -108,7 +116,7 @@ def _time_decode_steps(engine, batch_size: int, steps: int, warmup: int) -> list
 
 def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] = (1, 8), steps: int = 200, *,
                           warmup: int = 20, repeats: int = 3, paths: Sequence[str] = PATHS,
-                          overlap: bool = False) -> dict:
+                          overlap: bool = False, clock: str = "wall") -> dict:
     """Host milliseconds per DECODE step of ``Engine.step()`` with a stub forward (no model compute), on CPU.
 
     Args:
@@ -118,15 +126,16 @@ def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] 
         repeats: independent runs (fresh requests) per batch size and path; the best median is kept.
         paths: "graph" (emulated CUDA-graph replay) and/or "eager" (stub ``forward_fn``).
         overlap: measure the overlapped loop (``EngineConfig(overlap=True)``) instead of plain steps.
+        clock: "wall" (``time.perf_counter``) or "thread" (``time.thread_time``, this thread's CPU time).
 
     Returns:
-        ``{"model", "steps", "torch", "overlap", "host_ms": {path: {batch_size: ms}}}`` where ms is the median wall
-        time of one step in milliseconds (best of ``repeats``).
+        ``{"model", "steps", "torch", "overlap", "clock", "host_ms": {path: {batch_size: ms}}}`` where ms is the
+        median time of one step in milliseconds on that clock (best of ``repeats``).
     """
     bad = [p for p in paths if p not in PATHS]
-    if bad or not batch_sizes or min(batch_sizes) < 1 or steps < 1:
-        raise ValueError(f"paths must be among {PATHS}, batch sizes >= 1 and steps >= 1; got {paths}, "
-                         f"{batch_sizes}, {steps}")
+    if bad or not batch_sizes or min(batch_sizes) < 1 or steps < 1 or clock not in CLOCKS:
+        raise ValueError(f"paths must be among {PATHS}, batch sizes >= 1, steps >= 1 and clock one of "
+                         f"{tuple(CLOCKS)}; got {paths}, {batch_sizes}, {steps}, {clock!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -136,18 +145,19 @@ def measure_host_overhead(model: str = "tiny-llama", batch_sizes: Sequence[int] 
             engine = _stub_engine(model, max(batch_sizes), ctx, path, overlap)
             try:
                 for b in batch_sizes:
-                    medians = [statistics.median(_time_decode_steps(engine, b, steps, warmup))
+                    medians = [statistics.median(_time_decode_steps(engine, b, steps, warmup, CLOCKS[clock]))
                                for _ in range(repeats)]
                     result.setdefault(path, {})[b] = 1e3 * min(medians)
             finally:
                 engine.close()
     finally:
         torch.set_num_threads(threads)
-    return {"model": model, "steps": steps, "torch": torch.__version__, "overlap": overlap, "host_ms": result}
+    return {"model": model, "steps": steps, "torch": torch.__version__, "overlap": overlap, "clock": clock,
+            "host_ms": result}
 
 
 def measure_baseline(rev: str, model: str, batch_sizes: Sequence[int], steps: int, paths: Sequence[str],
-                     repeats: int = 3) -> dict:
+                     repeats: int = 3, clock: str = "wall") -> dict:
     """``measure_host_overhead`` on the code at git revision ``rev`` (``git archive``; this file is copied in).
 
     Raises:
@@ -168,7 +178,7 @@ def measure_baseline(rev: str, model: str, batch_sizes: Sequence[int], steps: in
         shutil.copy(__file__, src / "lowlat" / "bench" / "host_overhead.py")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "lowlat.bench.host_overhead", "--json", "--model", model, "--steps", str(steps),
-               "--repeats", str(repeats), "--batch-sizes", *map(str, batch_sizes), "--paths", *paths]
+               "--repeats", str(repeats), "--clock", clock, "--batch-sizes", *map(str, batch_sizes), "--paths", *paths]
         proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"baseline run at {rev} failed:\n{proc.stderr[-4000:]}")
@@ -202,18 +212,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the best median is kept (default 3)")
     ap.add_argument("--baseline", metavar="REV", help="also measure git revision REV and print the ratio")
     ap.add_argument("--overlap", action="store_true", help="measure the overlapped loop (the baseline stays plain)")
+    ap.add_argument("--loops", action="store_true",
+                    help="measure plain steps (before, --no-overlap) and the overlapped loop (after) of this tree")
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
+                    help="wall (time.perf_counter, default) or thread (time.thread_time: CPU time, for busy machines)")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = ap.parse_args(argv)
+    if args.loops and (args.overlap or args.baseline):
+        ap.error("--loops measures both loops of this tree: leave out --overlap and --baseline")
     after = measure_host_overhead(args.model, args.batch_sizes, args.steps, repeats=args.repeats, paths=args.paths,
-                                  **({"overlap": True} if args.overlap else {}))
-    before = measure_baseline(args.baseline, args.model, args.batch_sizes, args.steps, args.paths, args.repeats) \
-        if args.baseline else None
+                                  clock=args.clock, **({"overlap": True} if args.overlap or args.loops else {}))
+    if args.loops:
+        before = measure_host_overhead(args.model, args.batch_sizes, args.steps, repeats=args.repeats,
+                                       paths=args.paths, clock=args.clock)
+    else:
+        before = measure_baseline(args.baseline, args.model, args.batch_sizes, args.steps, args.paths,
+                                  args.repeats, args.clock) if args.baseline else None
     if args.json:
         print(json.dumps({"after": after, "before": before} if before else after))
         return 0
-    title = f"host ms per DECODE step, {args.model}, stub forward on CPU, torch {after['torch']}"
-    title += ", overlapped loop" if args.overlap else ""
-    print(title + (f" (before = {args.baseline})" if before else ""))
+    title = f"host ms per DECODE step ({args.clock} clock), {args.model}, stub forward on CPU, torch {after['torch']}"
+    title += ", overlapped loop" if args.overlap or args.loops else ""
+    if args.loops:
+        title += " (before = plain steps of this tree)"
+    print(title + (f" (before = {args.baseline})" if args.baseline else ""))
     print(format_table(after, before))
     return 0
 

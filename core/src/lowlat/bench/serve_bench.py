@@ -7,12 +7,20 @@ device. Per path and concurrency: warm-up requests first (excluded), then ``requ
 p50, p90, p99), per-user decode tokens/s (a request's tokens after the first over the time after its first
 token), output and total throughput, and the ratio of each plugin path to the general path for the same
 workload in the same run. Writes results.json, results.md and results.png (``serve_report``).
+
+Speculation: with ``speculative`` (``--speculative METHOD``) each path is served twice, plain and with
+``--speculative METHOD --num-draft-tokens K`` (only the latter with ``speculative_only``), and each speculative
+level also reports its acceptance (mean acceptance length, acceptance rate, VERIFY and DECODE steps, the
+off-switch state) from the server's ``lowlat_spec_*`` counters, read before and after the level's measured
+requests, and its per-user speed against the same path's plain server (``spec_ratios``). A ``--url`` server
+that speculates gets its acceptance reported the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,6 +50,8 @@ class ServeBenchConfig:
         requests: measured requests per concurrency level; None: 4 x concurrency (at least 8).
         warmup: warm-up requests per level (run at that concurrency, excluded).
         serve_args: extra flags for each ``lowlat serve`` (for example ``--no-cuda-graph``).
+        speculative: a drafter (ngram, draft:PATH, simulated:MEAN): each path is also served with it.
+        num_draft_tokens: its k (None: lowlat serve's default); speculative_only: skip the plain servers.
     """
 
     model: str
@@ -58,6 +68,9 @@ class ServeBenchConfig:
     seed: int = 0
     start_timeout_s: float = 1200.0
     serve_args: tuple[str, ...] = ()
+    speculative: str | None = None
+    num_draft_tokens: int | None = None
+    speculative_only: bool = False
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +85,17 @@ class ServeBenchConfig:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.url and not self.paths:
             raise ValueError("--paths is empty; give general and/or plugin names, or --url")
+        if self.speculative is None and (self.num_draft_tokens is not None or self.speculative_only):
+            raise ValueError("--num-draft-tokens and --speculative-only need --speculative METHOD")
+        if self.speculative is not None and self.url:
+            raise ValueError("--speculative starts servers with speculation on and off; with --url the running "
+                             "server's own flags apply (its acceptance is reported if it speculates)")
+
+    def spec_modes(self) -> list[str | None]:
+        """The speculative setting of each server per path: None is plain."""
+        if self.speculative is None:
+            return [None]
+        return [self.speculative] if self.speculative_only else [None, self.speculative]
 
     def measured(self, c: int) -> int:
         return self.requests if self.requests is not None else max(4 * c, 8)
@@ -114,23 +138,44 @@ def summarize(records: list[RequestRecord], wall_s: float, concurrency: int) -> 
     }
 
 
+def series_label(path: str, spec: str | None) -> str:
+    """A (path, speculative setting) pair's name in tables and plots: ``general`` or ``general +ngram``."""
+    return path if spec is None else f"{path} +{spec}"
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each non-general path against general at the same concurrency: per-user tok/s, throughput, TPOT."""
-    base = {lv["concurrency"]: lv for lv in levels if lv["path"] == GENERAL}
+    """Each non-general path against general at the same concurrency and speculative setting: per-user tok/s,
+    throughput, TPOT."""
+    base = {(lv.get("spec"), lv["concurrency"]): lv for lv in levels if lv["path"] == GENERAL}
     out = []
     for lv in levels:
-        g = base.get(lv["concurrency"])
+        g = base.get((lv.get("spec"), lv["concurrency"]))
         if lv["path"] == GENERAL or g is None:
             continue
+        out.append({"path": lv["path"], "spec": lv.get("spec"), "concurrency": lv["concurrency"],
+                    "per_user_tok_s_x_general": _div(lv["per_user_decode_tok_s"]["mean"],
+                                                     g["per_user_decode_tok_s"]["mean"]),
+                    "output_throughput_x_general": _div(lv["output_throughput_tok_s"], g["output_throughput_tok_s"]),
+                    "tpot_speedup_x_general": _div(g["tpot_ms"]["mean"], lv["tpot_ms"]["mean"])})
+    return out
 
-        def div(a: float | None, b: float | None) -> float | None:
-            return a / b if a and b else None
 
-        out.append({"path": lv["path"], "concurrency": lv["concurrency"],
-                    "per_user_tok_s_x_general": div(lv["per_user_decode_tok_s"]["mean"],
-                                                    g["per_user_decode_tok_s"]["mean"]),
-                    "output_throughput_x_general": div(lv["output_throughput_tok_s"], g["output_throughput_tok_s"]),
-                    "tpot_speedup_x_general": div(g["tpot_ms"]["mean"], lv["tpot_ms"]["mean"])})
+def spec_ratios(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each speculative level against the same path's plain level at the same concurrency: per-user tok/s."""
+    plain = {(lv["path"], lv["concurrency"]): lv for lv in levels if lv.get("spec") is None}
+    out = []
+    for lv in levels:
+        p = plain.get((lv["path"], lv["concurrency"]))
+        if lv.get("spec") is None or p is None:
+            continue
+        out.append({"path": lv["path"], "spec": lv["spec"], "concurrency": lv["concurrency"],
+                    "per_user_tok_s_x_plain": _div(lv["per_user_decode_tok_s"]["mean"],
+                                                   p["per_user_decode_tok_s"]["mean"]),
+                    "output_throughput_x_plain": _div(lv["output_throughput_tok_s"], p["output_throughput_tok_s"])})
     return out
 
 
@@ -143,7 +188,7 @@ def _free_port() -> int:
 class ServerProcess:
     """``lowlat serve`` for one path as a subprocess (its output goes to ``log_path``)."""
 
-    def __init__(self, cfg: ServeBenchConfig, path: str, log_path: Path) -> None:
+    def __init__(self, cfg: ServeBenchConfig, path: str, log_path: Path, spec: str | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         plugin = "none" if path == GENERAL else path
@@ -152,6 +197,10 @@ class ServerProcess:
                      "--max-context-len", str(cfg.input_len + cfg.output_len + 8),
                      "--max-batch-size", str(max(cfg.concurrency)), "--max-queued-requests", "4096",
                      "--request-timeout", "3600", "--shutdown-grace", "10", *cfg.serve_args]
+        if spec is not None:  # one token each, so a value starting with "-" is never taken for a flag
+            self.argv.append(f"--speculative={spec}")
+            if cfg.num_draft_tokens is not None:
+                self.argv.append(f"--num-draft-tokens={cfg.num_draft_tokens}")
         self.log_path = log_path
         self.timeout_s = cfg.start_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -208,16 +257,19 @@ def _served_name(url: str) -> str:
     return data[0]["id"]
 
 
-def step_counts(url: str) -> dict[str, float]:
-    """``{"DECODE/plugin": steps, ...}`` from the server's ``lowlat_steps_total`` (which path served what)."""
+def _metrics_text(url: str) -> str:
     import httpx
 
-    out: dict[str, float] = {}
     try:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
+        return httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
-        return out
-    for line in text.splitlines():
+        return ""
+
+
+def step_counts(url: str) -> dict[str, float]:
+    """``{"DECODE/plugin": steps, ...}`` from the server's ``lowlat_steps_total`` (which path served what)."""
+    out: dict[str, float] = {}
+    for line in _metrics_text(url).splitlines():
         if line.startswith("lowlat_steps_total{"):
             labels, value = line[len("lowlat_steps_total{"):].rsplit("} ", 1)
             kv = dict(part.split("=", 1) for part in labels.split(","))
@@ -225,14 +277,47 @@ def step_counts(url: str) -> dict[str, float]:
     return out
 
 
+def spec_counts(url: str) -> dict[str, Any]:
+    """The server's ``lowlat_spec_*`` values (``serve.metrics.SpecCollector``): ``{"verify_steps": n, ...,
+    "on": 0/1, "method": ..., "k": ..., "simulated": ...}``; empty when it does not speculate."""
+    return parse_spec_counts(_metrics_text(url))
+
+
+def parse_spec_counts(text: str) -> dict[str, Any]:
+    """``spec_counts`` of a ``/metrics`` text (Prometheus exposition format)."""
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if not line.startswith("lowlat_spec_"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        if name.startswith("lowlat_spec_info{"):  # label values are quoted, with \\ \" \n escapes
+            out.update({k: re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], v)
+                        for k, v in re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', name)})
+        elif "{" not in name and not name.endswith("_created"):
+            out[name[len("lowlat_spec_"):].removesuffix("_total")] = float(value)
+    return out
+
+
+def acceptance(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any] | None:
+    """What a level's requests did speculatively: the difference of two ``spec_counts`` (None when empty)."""
+    if "verify_steps" not in after:
+        return None
+    d = {k: after[k] - before.get(k, 0.0) for k in after if isinstance(after[k], float) and k != "on"}
+    return {"method": after.get("method"), "k": int(after.get("k", 0)), "simulated": after.get("simulated") == "true",
+            "verify_steps": int(d["verify_steps"]), "decode_steps": int(d["decode_steps"]),
+            "acceptance_length": _div(d["emitted_tokens"], d["request_steps"]) or 0.0,
+            "acceptance_rate": _div(d["accepted_tokens"], d["drafted_tokens"]) or 0.0,
+            "on_at_end": bool(after.get("on"))}
+
+
 def measure_path(cfg: ServeBenchConfig, path: str, url: str, model_name: str, vocab: int,
-                 progress: Any = None) -> list[dict[str, Any]]:
-    """Every concurrency level against one server; one summary per level."""
+                 progress: Any = None, spec: str | None = None) -> list[dict[str, Any]]:
+    """Every concurrency level against one server; one summary per level (``spec``: its speculative setting)."""
     levels = []
     for c in cfg.concurrency:
         n, w = cfg.measured(c), cfg.warmups(c)
         prompts = random_prompts(n + w, cfg.input_len, vocab, cfg.seed + 1000 * c)
-        task = progress.add_task(f"{path} c={c}", total=n + w) if progress is not None else None
+        task = progress.add_task(f"{series_label(path, spec)} c={c}", total=n + w) if progress is not None else None
 
         def done(_: RequestRecord, task: Any = task) -> None:
             if progress is not None:
@@ -240,8 +325,10 @@ def measure_path(cfg: ServeBenchConfig, path: str, url: str, model_name: str, vo
 
         if w:
             asyncio.run(run_level(url, model_name, prompts[:w], cfg.output_len, c, done))
+        before = spec_counts(url)
         records, wall = asyncio.run(run_level(url, model_name, prompts[w:], cfg.output_len, c, done))
-        levels.append({"path": path, **summarize(records, wall, c)})
+        levels.append({"path": path, "spec": spec, **summarize(records, wall, c),
+                       "acceptance": acceptance(before, spec_counts(url))})
     return levels
 
 
@@ -267,28 +354,34 @@ def run_serve_bench(cfg: ServeBenchConfig, *, out_dir: Path, command: list[str] 
                      "output_len": cfg.output_len, "concurrency": list(cfg.concurrency),
                      "requests": {str(c): cfg.measured(c) for c in cfg.concurrency},
                      "warmup": {str(c): cfg.warmups(c) for c in cfg.concurrency}, "url": cfg.url,
-                     "serve_args": list(cfg.serve_args), "seed": cfg.seed},
-        "paths": [], "levels": [], "ratios": [], "server_steps": {}, "skipped": [],
+                     "serve_args": list(cfg.serve_args), "seed": cfg.seed, "speculative": cfg.speculative,
+                     "num_draft_tokens": cfg.num_draft_tokens},
+        "paths": [], "series": [], "levels": [], "ratios": [], "spec_ratios": [], "server_steps": {}, "skipped": [],
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as progress:
-        for path in paths:
+        for path, spec in [(p, s) for p in paths for s in ([None] if cfg.url else cfg.spec_modes())]:
+            label = series_label(path, spec)
             if cfg.url:
                 results["levels"] += measure_path(cfg, path, cfg.url, _served_name(cfg.url), vocab, progress)
-                results["server_steps"][path] = step_counts(cfg.url)
+                results["server_steps"][label] = step_counts(cfg.url)
             else:
-                log(f"bench serve: starting lowlat serve for path {path} ({cfg.model} on {cfg.device})")
+                log(f"bench serve: starting lowlat serve for {label} ({cfg.model} on {cfg.device})")
+                log_name = "server-" + "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in label) + ".log"
                 try:
-                    with ServerProcess(cfg, path, out_dir / f"server-{path}.log") as server:
-                        results["levels"] += measure_path(cfg, path, server.url, cfg.model, vocab, progress)
-                        results["server_steps"][path] = step_counts(server.url)
+                    with ServerProcess(cfg, path, out_dir / log_name, spec) as server:
+                        results["levels"] += measure_path(cfg, path, server.url, cfg.model, vocab, progress, spec)
+                        results["server_steps"][label] = step_counts(server.url)
                 except RuntimeError as e:  # the server did not start: say why, measure the other paths
-                    log(f"bench serve: path {path} skipped: {e}")
-                    results["skipped"].append({"path": path, "reason": str(e)})
+                    log(f"bench serve: {label} skipped: {e}")
+                    results["skipped"].append({"path": path, "spec": spec, "reason": str(e)})
                     continue
-            results["paths"].append(path)
+            if path not in results["paths"]:
+                results["paths"].append(path)
+            results["series"].append({"path": path, "spec": spec, "label": label})
             results["ratios"] = ratios(results["levels"])
+            results["spec_ratios"] = spec_ratios(results["levels"])
             _write(results, out_dir, plot=False, log=log)
     _write(results, out_dir, plot=plot, log=log)
     log(f"bench serve: wrote {out_dir}/results.json, results.md" + (", results.png" if plot else ""))

@@ -1,8 +1,8 @@
 """``lowlat bench serve``: per-user decode speed under concurrent streaming users (``lowlat.bench.serve_bench``).
 
 Either ``--url`` (a running OpenAI-compatible server), or ``--paths`` (each path gets its own ``lowlat serve``
-subprocess, started and stopped here). Flags left unset take the device's defaults
-(``serve_bench.GPU_DEFAULTS`` / ``CPU_DEFAULTS``).
+subprocess, started and stopped here; with ``--speculative METHOD`` two per path, speculation off and on). Flags
+left unset take the device's defaults (``serve_bench.GPU_DEFAULTS`` / ``CPU_DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="seconds a started server may take to become ready (default 1200)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="FLAG",
                    help="extra flag for each started lowlat serve, repeatable (e.g. --serve-arg=--no-cuda-graph)")
+    p.add_argument("--speculative", metavar="METHOD", default=None,
+                   help="also serve each path with this drafter (ngram, draft:PATH, simulated:MEAN; simulated is "
+                        "for benchmarks only): per-user speed with speculation on and off, and the acceptance")
+    p.add_argument("--num-draft-tokens", metavar="K", type=int, default=None,
+                   help="draft tokens per VERIFY step of the speculative servers (default: lowlat serve's)")
+    p.add_argument("--speculative-only", action="store_true",
+                   help="with --speculative: skip the plain servers (their figures come from another run)")
     p.add_argument("--out", default=None, help="output directory (default bench/results/serve-<timestamp>)")
     p.add_argument("--name", default=None, help="name of the default output directory")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -71,7 +78,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
         model=args.model or d["model"], device=device, input_len=args.input_len or d["input_len"],
         output_len=args.output_len or d["output_len"], concurrency=tuple(conc), paths=paths, url=args.url,
         label=args.label, requests=args.requests, warmup=args.warmup, dtype=args.dtype, seed=args.seed,
-        start_timeout_s=args.start_timeout, serve_args=tuple(args.serve_arg),
+        start_timeout_s=args.start_timeout, serve_args=tuple(args.serve_arg), speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens, speculative_only=args.speculative_only,
     )
 
 

@@ -196,9 +196,11 @@ def _print_json(engine: Any, prompts: list[str], completions: list[Any]) -> None
             "timings": {"queue_s": c.queue_s, "prefill_s": c.prefill_s, "decode_s": c.decode_s,
                         "decode_tokens": c.decode_tokens, "decode_tokens_per_s": c.decode_tokens_per_s},
         }, ensure_ascii=False))
+    spec = getattr(engine, "speculator", None)  # acceptance, VERIFY steps per path, the off-switch (or null)
     print(json.dumps({"type": "stats", "model": engine.config.model, "by_mode": engine.stats.as_dict(),
                       "by_path": engine.stats.paths_as_dict(),
-                      "overlap": getattr(engine, "overlap", None) is not None}))
+                      "overlap": getattr(engine, "overlap", None) is not None,
+                      "speculative": spec.as_dict(engine) if spec is not None else None}))
 
 
 def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, texts: bool = True) -> None:

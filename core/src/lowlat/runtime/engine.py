@@ -303,10 +303,8 @@ class Engine:
             self._sync()
             return checked_picks(packed_ids(rows, self.model_config.vocab_size).tolist(),
                                  lambda: describe_step(step, self.runner, self._steps_run + 1))
-        if step.greedy:
-            picked = torch.argmax(rows, dim=-1)
-        else:
-            picked = sample(rows, [r.params for r in step.sample_reqs], [r.generator for r in step.sample_reqs])
+        picked = None if step.greedy else sample(rows, [r.params for r in step.sample_reqs],
+                                                 [r.generator for r in step.sample_reqs])  # None: argmax
         self._sync()
         return picks_if_finite(rows, picked, lambda: describe_step(step, self.runner, self._steps_run + 1))
 

@@ -213,13 +213,14 @@ class OverlapLoop:
             # the next step feeds on the picks: a flagged row feeds 0 (never an id the embedding cannot index)
             picked, packed = logits.clamp(min=0), packed_ids(logits, e.model_config.vocab_size)
         else:
-            if step.greedy:
-                picked = torch.argmax(logits, dim=-1)
-            else:
-                picked = sample(logits, [r.params for r in step.requests], [r.generator for r in step.requests])
             if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
                 kept = logits if e.runner.last_graphed else logits.clone()
-            packed = packed_picks(logits, picked)  # the non-finite guard rides on the same read
+            if step.greedy:  # argmax and the non-finite guard in one pass (lowlat.kernels.pick on CUDA)
+                packed = packed_picks(logits)
+                picked = packed[: logits.shape[0]]
+            else:
+                picked = sample(logits, [r.params for r in step.requests], [r.generator for r in step.requests])
+                packed = packed_picks(logits, picked)  # the non-finite guard rides on the same read
         if self._cuda:
             host = self._host[self._flip][:packed.numel()]
             self._flip ^= 1

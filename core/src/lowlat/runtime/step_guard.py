@@ -20,11 +20,12 @@ class NonFiniteLogits(RuntimeError):
     """A step's logits held NaN or inf (bad weights, a nonsense config value, an overflow); nothing was served."""
 
 
-def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor, describe: Callable[[], str]) -> list[int]:
+def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor | None, describe: Callable[[], str]) -> list[int]:
     """The picked ids as a list, after checking ``rows`` (the sampled logits) are all finite.
 
     Args:
-        rows: float logits [R, V] the picks came from; picked: int64 [R] on the same device.
+        rows: float logits [R, V] the picks came from; picked: int64 [R] on the same device, or None for greedy
+            (argmax, computed with the check).
         describe: says what the step was (mode, tokens, requests, path); called only for the error.
     Raises:
         NonFiniteLogits: naming the step, how many rows were bad and the usual causes.
@@ -32,8 +33,19 @@ def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor, describe: Callable
     return checked_picks(packed_picks(rows, picked).tolist(), describe)
 
 
-def packed_picks(rows: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    """[2R] int64 on the device: the R picked ids, then R "row is all finite" flags (1/0); one read gets both."""
+def packed_picks(rows: torch.Tensor, picked: torch.Tensor | None = None) -> torch.Tensor:
+    """[2R] int64 on the device: the R picked ids, then R "row is all finite" flags (1/0); one read gets both.
+
+    ``picked`` None means greedy: the ids are ``torch.argmax(rows, dim=-1)`` (the first index of each row's
+    maximum). On CUDA both are two Triton launches (``lowlat.kernels.pick``) instead of torch's five kernels;
+    elsewhere plain torch.
+    """
+    if rows.is_cuda and rows.dim() == 2 and rows.shape[-1] > 0 and rows.stride(-1) == 1:
+        from lowlat.kernels.pick import pick_packed
+
+        return pick_packed(rows, None if picked is None else picked.view(-1))
+    if picked is None:
+        picked = torch.argmax(rows, dim=-1)
     flag = torch.isfinite(rows).all(dim=-1)
     return torch.cat([picked.view(-1).to(torch.int64), flag.to(torch.int64)])
 

@@ -80,6 +80,8 @@ class EngineLoop:
         self.max_cached_tokens = engine.scheduler.usable_pages * pool.page_size  # one request's KV at most
         self.max_queued = max_queued
         self.metrics = metrics
+        if metrics is not None and getattr(engine, "speculator", None) is not None:
+            metrics.bind_speculative(engine.speculator)  # lowlat_spec_* on /metrics
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._pending = 0

@@ -2,14 +2,17 @@
 
 Names follow vLLM's where one exists (``vllm:time_to_first_token_seconds`` -> ``lowlat_time_to_first_token_seconds``).
 Updated from the engine loop thread (steps, finished requests) and the HTTP side (rejections); prometheus-client's
-metrics are thread-safe.
+metrics are thread-safe. With speculative decoding on, ``lowlat_spec_*`` (``SpecCollector``) are read from the
+engine's ``Speculator`` at scrape time (``lowlat bench serve`` diffs them around a concurrency level).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -47,6 +50,10 @@ class ServeMetrics:
         self.queue_depth.set_function(queue_depth)
         self.running.set_function(running)
 
+    def bind_speculative(self, speculator: Any) -> None:
+        """Serve ``lowlat_spec_*`` from ``speculator`` (the engine's ``Speculator``) from now on."""
+        self.registry.register(SpecCollector(speculator))
+
     def on_step(self, mode: str, path: str) -> None:
         self.steps.labels(mode, path).inc()
 
@@ -63,3 +70,43 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SpecCollector:
+    """``lowlat_spec_*``: a Speculator's totals (``SpecStats``) and off-switch state, read when scraped.
+
+    Counters (``_total``): verify_steps, request_steps (requests summed over VERIFY steps), drafted_tokens,
+    accepted_tokens, emitted_tokens (appended by VERIFY steps: kept drafts plus the token after them),
+    decode_steps and decode_tokens (plain DECODE steps of the speculative loop), and draft / verify / decode
+    seconds. Gauges: ``lowlat_spec_on`` (1 while the off-switch lets speculation run) and ``lowlat_spec_info``
+    (1, labelled with the method, k and whether acceptance is simulated). The engine thread updates these plain
+    ints and floats between steps; a scrape reads each one whole.
+    """
+
+    COUNTERS = (("verify_steps", "verify_steps", "speculative VERIFY steps"),
+                ("request_steps", "request_steps", "requests summed over speculative VERIFY steps"),
+                ("drafted_tokens", "drafted", "draft tokens proposed (padding excluded)"),
+                ("accepted_tokens", "accepted", "draft tokens the verifier kept"),
+                ("emitted_tokens", "emitted", "tokens VERIFY steps appended (kept drafts plus the token after them)"),
+                ("decode_steps", "decode_steps", "plain DECODE steps of the speculative loop"),
+                ("decode_tokens", "decode_tokens", "tokens those DECODE steps appended"),
+                ("draft_seconds", "draft_s", "host seconds drafting"),
+                ("verify_seconds", "verify_s", "host seconds in speculative VERIFY steps"),
+                ("decode_seconds", "decode_s", "host seconds in the speculative loop's DECODE steps"))
+
+    def __init__(self, speculator: Any) -> None:
+        self.speculator = speculator
+
+    def describe(self) -> Iterator[Metric]:
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        s, c = self.speculator.stats, self.speculator.controller
+        info = GaugeMetricFamily("lowlat_spec_info", "speculative decoding: method, k, simulated acceptance",
+                                 labels=["method", "k", "simulated"])
+        info.add_metric([s.method, str(s.k), str(s.simulated).lower()], 1.0)
+        yield info
+        yield GaugeMetricFamily("lowlat_spec_on", "1 while the adaptive off-switch lets speculation run",
+                                value=float(c.on))
+        for name, attr, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"lowlat_spec_{name}", doc, value=float(getattr(s, attr)))
