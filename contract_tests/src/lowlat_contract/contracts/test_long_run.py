@@ -63,6 +63,31 @@ def _allocated(device: torch.device) -> int:
     return int(torch.cuda.memory_allocated(device))
 
 
+def test_workspaces_are_accounted(case: Any, runner: Any, dispatcher: Any) -> None:
+    """Building the plugin allocates no more device memory than ``binding.alloc_workspace`` handed out, plus the
+    RoPE tables (``binding.rope_cos_sin``, not accounted by design) and a slack (CUDA: ``memory_allocated``,
+    1 MiB; CPU: the storages of live tensors that building added, wherever they are held, 64 KiB)."""
+    from lowlat_contract.memory import live_tensors, new_bytes
+
+    dev = runner.device
+    if dev.type == "cuda":
+        before = _allocated(dev)
+        forward, binding = rebuild_plugin(runner)
+        grown = _allocated(dev) - before
+        slack = MEMORY_SLACK_BYTES
+    else:
+        base = live_tensors(dev)[1]
+        forward, binding = rebuild_plugin(runner)
+        grown, slack = new_bytes(base, live_tensors(dev)[1]), CPU_SLACK_BYTES
+    mc = runner.model_config
+    rope = 2 * runner.config.max_context_len * (mc.head_dim // 2) * 4 * 2  # cos and sin, float32, maybe doubled
+    allowed = binding.workspace_bytes + rope + slack
+    del forward
+    assert grown <= allowed, (f"building the plugin allocated {grown} bytes of device memory, but only "
+                              f"{binding.workspace_bytes} went through binding.alloc_workspace (allowed {allowed}); "
+                              f"allocate workspaces with alloc_workspace so the KV pool sizing counts them")
+
+
 MANY_CALLS = 300
 """Plugin calls before the checked steps of ``test_many_calls``: past 200 (warm-ups, autotuners) and 256 (an 8-bit
 counter wrapping)."""
@@ -153,7 +178,7 @@ def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, reque
                 if active[r]["len"] + 3 >= pool.max_context_len:  # full: leave, a short newcomer takes its place
                     pool.free_req(active.pop(r)["row"])
                     active[r] = _join(runner, 5 + step % 11, gen)
-            if len(problems) >= 10:
+            if len(problems) >= 10 or grown:  # growth is a failure already; the rest of the run would add cost only
                 break
     finally:
         for r in active.values():
@@ -201,29 +226,4 @@ def _join(runner: Any, n: int, gen: torch.Generator) -> dict[str, Any]:
     with torch.inference_mode():
         logits = runner.general_forward(batch)
     return {"row": row, "len": n, "next": int(logits[-1].argmax())}
-
-
-def test_workspaces_are_accounted(case: Any, runner: Any, dispatcher: Any) -> None:
-    """Building the plugin allocates no more device memory than ``binding.alloc_workspace`` handed out, plus the
-    RoPE tables (``binding.rope_cos_sin``, not accounted by design) and a slack (CUDA: ``memory_allocated``,
-    1 MiB; CPU: the storages of live tensors that building added, wherever they are held, 64 KiB)."""
-    from lowlat_contract.memory import live_tensors, new_bytes
-
-    dev = runner.device
-    if dev.type == "cuda":
-        before = _allocated(dev)
-        forward, binding = rebuild_plugin(runner)
-        grown = _allocated(dev) - before
-        slack = MEMORY_SLACK_BYTES
-    else:
-        base = live_tensors(dev)[1]
-        forward, binding = rebuild_plugin(runner)
-        grown, slack = new_bytes(base, live_tensors(dev)[1]), CPU_SLACK_BYTES
-    mc = runner.model_config
-    rope = 2 * runner.config.max_context_len * (mc.head_dim // 2) * 4 * 2  # cos and sin, float32, maybe doubled
-    allowed = binding.workspace_bytes + rope + slack
-    del forward
-    assert grown <= allowed, (f"building the plugin allocated {grown} bytes of device memory, but only "
-                              f"{binding.workspace_bytes} went through binding.alloc_workspace (allowed {allowed}); "
-                              f"allocate workspaces with alloc_workspace so the KV pool sizing counts them")
 
