@@ -8,7 +8,7 @@
   plugin added beyond ``binding.workspace_bytes``, against the reference's (its RoPE tables);
 - "live": live tensors in the process (``memory.live_tensors``) grow with the steps of one plugin;
 - "scaled": outputs with attention scores scaled up (``stress.scale_attention_scores``, FACTOR);
-- "high_rows": outputs with the step's requests in the pool's top rows (fillers hold the low ones);
+- "high_rows": outputs with the step's requests in rows 32 and above (32 fillers hold the low ones);
 - "tp_outside": K/V slots written outside out_cache_loc on any TP rank (2 gloo ranks at tp_size 2).
 
 Returns an ``AuditEvidence`` (an ``Evidence`` with those fields) whose ``defect(check, path)`` answers them.
@@ -68,7 +68,7 @@ def probe_audit(name: str) -> AuditEvidence:
         ranks = probe_tp(name, all_ranks=True)
         ev.outside = {p: sum(r.outside.get(p, 0) for r in ranks) for p in ("mutant", "reference")}
         return ev
-    fillers = 16 if trig.check == "high_rows" else 0
+    fillers = 32 if trig.check == "high_rows" else 0
     runner = ModelRunner(engine_config(trig, max_batch_size=max(4, trig.batch + 2) + fillers), show_progress=False)
     try:
         if trig.check == "scaled":

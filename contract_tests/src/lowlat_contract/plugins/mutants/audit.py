@@ -94,16 +94,17 @@ class DriftsFinalNorm(HookedReference):
 
 
 class Rank1SpillsNextSlot(HookedReference):
-    """rank1_spills_next_slot: on TP rank 1 only, the K/V store also writes each new token's values into the
-    slot after its own (an off-by-one in that rank's store loop bound); rank 0 and TP 1 are exact, and the
-    spill lands in a free slot the next step overwrites, so no step's logits change. Trigger: tp_size 2,
-    K/V slots written outside out_cache_loc on rank 1."""
+    """rank1_spills_next_slot: on TP rank 1 only, the K/V store's tail loop runs one row too far: each request's
+    last new token is also written into the slot after it (free: the next step overwrites it); rank 0 and TP 1
+    are exact, and no step's logits change. Trigger: tp_size 2, K/V slots written outside out_cache_loc on
+    rank 1."""
 
     def _store_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         super()._store_kv(layer, loc, k, v)
         if self.tp_rank == 1:
-            nxt = (loc + 1).clamp(max=self.pool.num_slots - 1)
-            super()._store_kv(layer, nxt, k, v)
+            nxt = loc + 1
+            tail = ~torch.isin(nxt, loc) & (nxt < self.pool.num_slots)  # a request's last token: no own slot after
+            super()._store_kv(layer, nxt[tail], k[tail], v[tail])
 
 
 class TunedAfter200Calls(HookedReference):
@@ -127,13 +128,15 @@ class TunedAfter200Calls(HookedReference):
 
 
 class RowsAboveCoverageAlias(HookedReference):
-    """rows_above_coverage_alias: a per-row page-table cache is sized by coverage's batch (16 rows), not the
-    engine's max_batch_size, and indexed ``row % 16``: a request in row 16 or above reads the page table of
-    row - 16. Every step whose rows are all below 16 is exact. Trigger: a request in row >= 16 (serving: more
-    than 16 requests admitted, some still prefilling)."""
+    """rows_above_coverage_alias: a per-row page-table cache has a fixed 32 rows (twice coverage's batch, thought
+    ample), not the engine's max_batch_size, and is indexed ``row % 32``: a request in row 32 or above reads
+    the page table of row - 32. Every step whose rows are all below 32 is exact. Trigger: a request in row
+    >= 32 (serving: more than 32 requests admitted, some of them waiting or prefilling)."""
+
+    ROWS = 2 * MAX_TOKENS
 
     def _slots(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.pool.req_to_token[batch.req_pool_indices % MAX_TOKENS].long()
+        return self.pool.req_to_token[batch.req_pool_indices % self.ROWS].long()
 
 
 class LengthFromLastRow(HookedReference):
