@@ -121,9 +121,9 @@ def stray_writes(pool: Any, snap: list[torch.Tensor], loc: torch.Tensor, owner: 
 class ParamWatch:
     """Whether a model's parameters and buffers change (bitwise) between ``reset()`` and ``changed()``.
 
-    Up to EXACT_BYTES in all (every tiny preset) it keeps copies and compares them bit for bit; above, one
-    float64 sum per tensor (a real model on a GPU: one read of the weights per check, no second copy), which
-    any scaled or shifted write moves.
+    Up to EXACT_BYTES in all (every tiny preset) it keeps copies and compares them bit for bit; above, float64
+    sums of CHUNK-element pieces of each tensor (a real model on a GPU: one read of the weights per check, no
+    second copy), which any scaled or shifted write moves.
     """
 
     EXACT_BYTES = 256 << 20
@@ -138,8 +138,13 @@ class ParamWatch:
         self.exact = sum(t.numel() * t.element_size() for t in self.tensors.values()) <= self.EXACT_BYTES
         self.reset()
 
+    CHUNK = 1 << 24  # elements per float64 partial sum: a 128 MiB temporary at most, whatever the tensor's size
+
     def _sig(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone() if self.exact else torch.sum(t.detach(), dtype=torch.float64)
+        if self.exact:
+            return t.detach().clone()
+        flat, n = t.detach().reshape(-1), self.CHUNK
+        return torch.stack([flat[i:i + n].sum(dtype=torch.float64) for i in range(0, flat.numel(), n)])
 
     def reset(self) -> None:
         self.base = {n: self._sig(t) for n, t in self.tensors.items()}
