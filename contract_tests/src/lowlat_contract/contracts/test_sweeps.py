@@ -37,19 +37,19 @@ def _settings(case: Any) -> list[tuple[str, int]]:
 
 
 def _rows(case: Any) -> int:
-    """max_batch_size of the sweep's own engines: twice coverage's batch (capped), so that the top-rows steps
+    """max_batch_size of the top-rows engine: twice coverage's batch (capped), so that the top-rows steps
     hold rows past it, as a serving engine with more admitted requests than one step's batch does."""
     from lowlat_contract.cases import MAX_BATCH
 
     return max(case.max_batch_size, min(MAX_BATCH, 2 * case.spec.coverage.max_tokens + 1))
 
 
-def _runner(case: Any, dtype: str, page_size: int) -> Any:
+def _runner(case: Any, dtype: str, page_size: int, rows: int | None = None) -> Any:
     from lowlat.runtime import ModelRunner
 
     ctx = max_context(case.device) + case.max_verify_tokens + page_size + 1
     cfg = case.engine_config(dtype=dtype, page_size=page_size, max_context_len=-(-ctx // 64) * 64,
-                             max_batch_size=_rows(case))
+                             max_batch_size=rows or case.max_batch_size)
     return ModelRunner(cfg, show_progress=False)
 
 
@@ -103,65 +103,6 @@ def _run_one(runner: Any, d: Any, step: Any, i: int, tol: Any, what: str) -> tup
         return check_step(runner, batch, tol, what, owner=owner).problems, 1, []
 
 
-def test_top_rows(case: Any, case_trace: Any, request: Any) -> None:
-    """The sweep plan's ``high_rows`` steps (DECODE at batch M, VERIFY 2 x 2) with the step's requests in the pool's
-    top rows, fillers holding the rows below: per-request state sized by coverage's batch instead of the
-    engine's ``max_batch_size`` shows (every other step gets rows 0..B-1)."""
-    from lowlat.forward_batch import ForwardMode
-
-    cov, mode = case.spec.coverage, sweep_mode(request.config)
-    own = case.device != "cuda"
-    rows = _rows(case) if own else case.max_batch_size
-    steps = [s for s in plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
-                             ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, rows)
-             if s.high_rows and cov.covers(ForwardMode[s.mode], s.num_tokens)]
-    if not steps:
-        pytest.skip(f"the engine's {rows} rows are all within coverage's batch ({cov.max_tokens})")
-    runner = _runner(case, case.dtype, case.page_size) if own else request.getfixturevalue("runner")
-    try:
-        problems, checked, refused = run_steps(runner, steps, case.tolerance, f"{case.dtype} page {case.page_size}")
-    finally:
-        if own:
-            runner.close()
-    assert checked, f"supports() refused every top-rows step ({refused})"
-    assert not problems, "steps in the pool's top rows:\n" + "\n".join(problems[:8])
-
-
-def test_large_attention_scores(case: Any, case_trace: Any, request: Any) -> None:
-    """Attention scores in the hundreds (``stress.scale_attention_scores``: q and k x FACTOR on an engine of its
-    own, the plugin built from the scaled weights): DECODE and VERIFY steps (``covering``: DECODE) still match
-    the general path. The tiny presets' scores stay below about 10, where a kernel right only for small values
-    (no running maximum in its softmax, a low-precision accumulator) cannot be told apart. In the case's dtype
-    and tolerance."""
-    from lowlat.forward_batch import ForwardMode
-
-    from lowlat_contract.harness import rebuild_plugin
-    from lowlat_contract.stress import FACTOR, scale_attention_scores
-
-    if not case.is_tiny:
-        pytest.skip("scales the weights of an engine of its own: tiny presets only")
-    cov = case.spec.coverage
-    shapes = [(ForwardMode.DECODE, [1, 40, 70], 1), (ForwardMode.VERIFY, [33], min(4, case.max_verify_tokens))]
-    if sweep_mode(request.config) == "covering":  # a step costs seconds under the interpreter: DECODE only
-        shapes = shapes[:1] if cov.covers(ForwardMode.DECODE, 3) else shapes[1:]
-    shapes = [s for s in shapes if cov.covers(s[0], len(s[1]) * s[2]) and (s[0] is ForwardMode.DECODE or s[2] >= 2)]
-    runner = _runner(case, case.dtype, case.page_size)
-    problems: list[str] = []
-    try:
-        scale_attention_scores(runner.model, runner.model_config, FACTOR)
-        d = dispatcher_of(runner)
-        d.plugin_forward = rebuild_plugin(runner)[0]  # a plugin that packs its weights at build gets the scaled ones
-        for i, (mode, lens, tpr) in enumerate(shapes):
-            with Requests.with_prefixes(runner, lens, seed=300 + i) as reqs:
-                batch = reqs.step(mode, tpr)
-                what = f"q/k x {FACTOR:g} (scores x {FACTOR ** 2:g}): {mode.name} {len(lens)}x{tpr} ctx {lens}"
-                problems += check_step(runner, batch, case.tolerance, what, owner=_owner(reqs)).problems
-    finally:
-        runner.close()
-    assert shapes, f"coverage ({cov.describe()}) holds none of the stress steps"
-    assert not problems, "large attention scores:\n" + "\n".join(problems[:8])
-
-
 def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: list[str]) -> None:
     """The case's dtype and page size: DECODE at each batch size (and one past coverage), VERIFY at each length
     and batch, every context boundary (``sweep.plan``)."""
@@ -169,8 +110,7 @@ def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: l
 
     cov, mode = case.spec.coverage, sweep_mode(request.config)
     steps = plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
-                 ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode,
-                 case.max_batch_size if case.device == "cuda" else _rows(case))
+                 ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, case.max_batch_size)
     steps = [s for s in steps if not s.high_rows and (s.expect == "general" or cov.covers(ForwardMode[s.mode],
                                                                                            s.num_tokens))]
     # CUDA: the case's engine already fits every context (cases.CUDA_CONTEXT_LEN) and a second copy of a real
@@ -223,3 +163,61 @@ def test_declared_settings(case: Any, case_trace: Any, request: Any) -> None:
             runner.close()
     assert not problems, f"declared settings that do not work ({len(problems)}):\n" + "\n".join(problems[:25])
 
+
+def test_top_rows(case: Any, case_trace: Any, request: Any) -> None:
+    """The sweep plan's ``high_rows`` steps (DECODE at batch M, VERIFY 2 x 2) with the step's requests in the pool's
+    top rows, fillers holding the rows below: per-request state sized by coverage's batch instead of the
+    engine's ``max_batch_size`` shows (every other step gets rows 0..B-1)."""
+    from lowlat.forward_batch import ForwardMode
+
+    cov, mode = case.spec.coverage, sweep_mode(request.config)
+    own = case.device != "cuda"
+    rows = _rows(case) if own else case.max_batch_size
+    steps = [s for s in plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
+                             ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, rows)
+             if s.high_rows and cov.covers(ForwardMode[s.mode], s.num_tokens)]
+    if not steps:
+        pytest.skip(f"the engine's {rows} rows are all within coverage's batch ({cov.max_tokens})")
+    runner = _runner(case, case.dtype, case.page_size, rows) if own else request.getfixturevalue("runner")
+    try:
+        problems, checked, refused = run_steps(runner, steps, case.tolerance, f"{case.dtype} page {case.page_size}")
+    finally:
+        if own:
+            runner.close()
+    assert checked, f"supports() refused every top-rows step ({refused})"
+    assert not problems, "steps in the pool's top rows:\n" + "\n".join(problems[:8])
+
+
+def test_large_attention_scores(case: Any, case_trace: Any, request: Any) -> None:
+    """Attention scores in the hundreds (``stress.scale_attention_scores``: q and k x FACTOR on an engine of its
+    own, the plugin built from the scaled weights): DECODE and VERIFY steps (``covering``: DECODE) still match
+    the general path. The tiny presets' scores stay below about 10, where a kernel right only for small values
+    (no running maximum in its softmax, a low-precision accumulator) cannot be told apart. In the case's dtype
+    and tolerance."""
+    from lowlat.forward_batch import ForwardMode
+
+    from lowlat_contract.harness import rebuild_plugin
+    from lowlat_contract.stress import FACTOR, scale_attention_scores
+
+    if not case.is_tiny:
+        pytest.skip("scales the weights of an engine of its own: tiny presets only")
+    cov = case.spec.coverage
+    shapes = [(ForwardMode.DECODE, [1, 40, 70], 1), (ForwardMode.VERIFY, [33], min(4, case.max_verify_tokens))]
+    if sweep_mode(request.config) == "covering":  # a step costs seconds under the interpreter: DECODE only
+        shapes = shapes[:1] if cov.covers(ForwardMode.DECODE, 3) else shapes[1:]
+    shapes = [s for s in shapes if cov.covers(s[0], len(s[1]) * s[2]) and (s[0] is ForwardMode.DECODE or s[2] >= 2)]
+    runner = _runner(case, case.dtype, case.page_size)
+    problems: list[str] = []
+    try:
+        scale_attention_scores(runner.model, runner.model_config, FACTOR)
+        d = dispatcher_of(runner)
+        d.plugin_forward = rebuild_plugin(runner)[0]  # a plugin that packs its weights at build gets the scaled ones
+        for i, (mode, lens, tpr) in enumerate(shapes):
+            with Requests.with_prefixes(runner, lens, seed=300 + i) as reqs:
+                batch = reqs.step(mode, tpr)
+                what = f"q/k x {FACTOR:g} (scores x {FACTOR ** 2:g}): {mode.name} {len(lens)}x{tpr} ctx {lens}"
+                problems += check_step(runner, batch, case.tolerance, what, owner=_owner(reqs)).problems
+    finally:
+        runner.close()
+    assert shapes, f"coverage ({cov.describe()}) holds none of the stress steps"
+    assert not problems, "large attention scores:\n" + "\n".join(problems[:8])
