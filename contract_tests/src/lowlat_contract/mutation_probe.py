@@ -214,6 +214,10 @@ def probe(name: str) -> Evidence:
 
     m = MUTANTS[name]
     trig = m.trigger
+    from lowlat_contract.mutation_probe_audit import AUDIT_CHECKS, probe_audit
+
+    if trig.check in AUDIT_CHECKS:
+        return probe_audit(name)
     if trig.check == "tp":
         from lowlat_contract.mutation_tp import probe_tp
 
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         bad += not real
         detail = ev.errors.get("mutant") if check in ("outputs", "replay", "recycle", "tp", "second_engine") else {
             "outside": ev.outside, "inputs": ev.inputs, "growth": ev.held, "unaccounted": ev.unaccounted,
-            "raises": ev.raised}[check]
+            "raises": ev.raised}.get(check, ev)
         print(f"{name}: {'REAL' if real else 'NOT REAL'} ({check} at {m.trigger.describe()})\n    {detail}")
     return 1 if bad else 0
 

@@ -17,8 +17,9 @@ from lowlat_contract.tp_check import _free_port
 TIMEOUT_S = 120.0
 
 
-def probe_tp(name: str) -> Any:
-    """Evidence of rank 0 for mutant ``name`` at its trigger with tp_size 2. Raises RuntimeError if a rank fails."""
+def probe_tp(name: str, all_ranks: bool = False) -> Any:
+    """Evidence of rank 0 (``all_ranks``: a list, rank 0 first) for mutant ``name`` at its trigger with tp_size 2.
+    Raises RuntimeError if a rank fails."""
     import torch
 
     method = "fork" if not torch.cuda.is_initialized() and "fork" in mp.get_all_start_methods() else "spawn"
@@ -39,7 +40,7 @@ def probe_tp(name: str) -> Any:
         for rank, payload in sorted(got.items()):
             if isinstance(payload, str):
                 raise RuntimeError(f"mutant {name}: TP rank {rank} failed:\n{payload}")
-        return got[0]
+        return [got[r] for r in sorted(got)] if all_ranks else got[0]
     finally:
         for p in procs:
             p.join(timeout=10)

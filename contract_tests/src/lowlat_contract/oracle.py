@@ -6,7 +6,10 @@
 2. run the plugin's forward (``dispatcher.run("plugin", batch)``);
 3. check that the batch's tensors are unchanged (a plugin must not edit its inputs in place), that
    ``req_to_token`` is unchanged, and that every K/V slot outside ``out_cache_loc`` is bit-identical to the
-   snapshot in every layer (no spill into a free slot, the dummy slot 0, or a slot another request reads);
+   snapshot in every layer (no spill into a free slot, the dummy slot 0, or a slot another request reads),
+   and that no parameter or buffer of the general model changed (``ParamWatch``: the plugin's weights are
+   those tensors, shared with the general path, so an in-place edit would move both paths alike and no
+   comparison between them could see it);
 4. record the plugin's logits and the K/V rows it stored at ``out_cache_loc``, restore the snapshot, and run
    the general forward on it with a pristine copy of the batch (so neither what the plugin wrote nor an
    in-place edit of the inputs reaches the oracle);
@@ -115,6 +118,42 @@ def stray_writes(pool: Any, snap: list[torch.Tensor], loc: torch.Tensor, owner: 
     return problems
 
 
+class ParamWatch:
+    """Whether a model's parameters and buffers change (bitwise) between ``reset()`` and ``changed()``.
+
+    Up to EXACT_BYTES in all (every tiny preset) it keeps copies and compares them bit for bit; above, float64
+    sums of CHUNK-element pieces of each tensor (a real model on a GPU: one read of the weights per check, no
+    second copy), which any scaled or shifted write moves.
+    """
+
+    EXACT_BYTES = 256 << 20
+
+    def __init__(self, model: Any) -> None:
+        seen: set[int] = set()
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.numel() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                self.tensors[name] = t
+        self.exact = sum(t.numel() * t.element_size() for t in self.tensors.values()) <= self.EXACT_BYTES
+        self.reset()
+
+    CHUNK = 1 << 24  # elements per float64 partial sum: a 128 MiB temporary at most, whatever the tensor's size
+
+    def _sig(self, t: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return t.detach().clone()
+        flat, n = t.detach().reshape(-1), self.CHUNK
+        return torch.stack([flat[i:i + n].sum(dtype=torch.float64) for i in range(0, flat.numel(), n)])
+
+    def reset(self) -> None:
+        self.base = {n: self._sig(t) for n, t in self.tensors.items()}
+
+    def changed(self) -> list[str]:
+        """Names of the tensors that differ from the last ``reset()``."""
+        return [n for n, t in self.tensors.items() if not torch.equal(self._sig(t), self.base[n])]
+
+
 def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "general",
                owner: Any = None) -> StepResult:
     """Run ``batch`` on the plugin and on the general path from the same state and compare (module docstring).
@@ -129,6 +168,7 @@ def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "gen
     snap = snapshot(pool)
     loc = pristine.out_cache_loc
     problems: list[str] = []
+    watch = ParamWatch(runner.model)
     with torch.inference_mode():
         try:
             got = d.run("plugin", batch).clone()
@@ -140,6 +180,11 @@ def check_step(runner: Any, batch: Any, tol: Any, what: str, *, keep: str = "gen
         if edited:
             problems.append(f"{what}: the plugin changed its inputs in place: {', '.join(edited)}")
         problems += [f"{what}: {p}" for p in stray_writes(pool, snap, loc, owner)]
+        touched = watch.changed()
+        if touched:
+            problems.append(f"{what}: the plugin changed {len(touched)} parameter(s)/buffer(s) of the model in place, "
+                            f"e.g. {', '.join(touched[:3])}; they are the general model's tensors, shared and "
+                            f"read-only (copy what you transform at build, e.g. into alloc_workspace buffers)")
         got_kv = kv_rows(pool, loc).clone()
         restore(pool, snap)
         want, excused = routing_excuses(runner.model, lambda: runner.general_forward(copy_batch(pristine)),

@@ -9,6 +9,10 @@ dtype and TP size, so the sweep crosses each boundary:
   (GPU adds 1023, 1024, 2047, 2048, 4095, 4096), spread over the requests of those steps (each context
   reached at least once in DECODE and once in VERIFY), plus a DECODE and a VERIFY step per context in
   ``full`` mode;
+- request rows as serving hands them out: a DECODE step at batch M and a VERIFY step (``covering``: one DECODE
+  step at batch 2) whose requests hold the pool's top rows (``high_rows``: fillers hold the rows below), so
+  per-row state sized by coverage's batch instead of the engine's ``max_batch_size`` shows (the other steps
+  get rows 0..B-1);
 - every page size and dtype the spec declares (``settings``); TP sizes are the fallback contract's TP check.
 
 ``covering`` (the default under the Triton interpreter, where a step costs seconds) keeps only the boundary
@@ -31,12 +35,13 @@ DEFAULT_PAGE_SIZES = (1, 16, 64)  # tried when the spec accepts any page size (N
 class SweepStep:
     """One step: ``mode`` ("DECODE"/"VERIFY"), ``contexts`` (cached tokens of each request before it),
     ``tokens_per_req``; ``expect`` "plugin" (checked against the general path) or "general" (outside coverage:
-    the dispatcher must route it to the general path)."""
+    the dispatcher must route it to the general path); ``high_rows``: the requests take the pool's top rows."""
 
     mode: str
     contexts: tuple[int, ...]
     tokens_per_req: int
     expect: str = "plugin"
+    high_rows: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -50,7 +55,8 @@ class SweepStep:
     def name(self) -> str:
         ctx = ",".join(map(str, self.contexts)) if len(self.contexts) <= 4 else \
             f"{min(self.contexts)}..{max(self.contexts)}"
-        return f"{self.mode} b{self.batch_size}x{self.tokens_per_req} ctx[{ctx}]"
+        rows = " top rows" if self.high_rows else ""
+        return f"{self.mode} b{self.batch_size}x{self.tokens_per_req} ctx[{ctx}]{rows}"
 
 
 def contexts(page_size: int, device: str) -> tuple[int, ...]:
@@ -111,6 +117,12 @@ def plan(m: int, max_verify: int, decode: bool, verify: bool, page_size: int, de
             steps += [SweepStep(kind, (c,), shapes[-1][1] if kind == "VERIFY" else 1) for c in ctx]
     if decode and m + 1 <= max_batch:
         steps.append(SweepStep("DECODE", tuple(itertools.islice(itertools.cycle(ctx[:4]), m + 1)), 1, "general"))
+    if max_batch > m:  # the pool's top rows (rows past coverage's batch); covering: one small DECODE step
+        b = m if mode == "full" else min(2, m)
+        if decode:
+            steps.append(SweepStep("DECODE", tuple(itertools.islice(itertools.cycle(ctx[1:5]), b)), 1, high_rows=True))
+        if verify and min(m, max_verify) >= 2 and m >= 4 and (mode == "full" or not decode):
+            steps.append(SweepStep("VERIFY", (ctx[2], ctx[1]), 2, high_rows=True))
     return steps
 
 

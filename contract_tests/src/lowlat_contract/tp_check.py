@@ -11,7 +11,10 @@
 Each rank runs three DECODE steps: one request; two requests; two requests with rank 1's ``supports()``
 wrapped to refuse; then, when coverage has it, a VERIFY step of two requests x 2 tokens. Before each step it
 reports its own answer and the agreed path (so a rank that later fails in a mismatched collective still leaves
-the evidence); after it, its logits and, when the plugin ran, the general path's logits for the same step.
+the evidence); after it, its logits and, when the plugin ran, the general path's logits for the same step. A
+plugin step goes through the isolated oracle on every rank (``oracle.check_step``: each rank's K/V shard at and
+outside out_cache_loc, its inputs and its parameters), whose problems the rank reports with the step: a
+defect of one rank's store that no logit shows (a spill into a free slot) is caught on that rank.
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ def _steps(rank: int, init: str, case: Any, device: str, mode: str, results: Any
     from lowlat.forward_batch import ForwardMode
 
     from lowlat_contract.harness import Requests, prefix_lens
+    from lowlat_contract.oracle import check_step
 
     runner, d = _runner(rank, init, case, device, mode, world)
     try:
@@ -167,13 +171,19 @@ def _steps(rank: int, init: str, case: Any, device: str, mode: str, results: Any
                         bool(d.plugin_forward.supports(batch))
                     with torch.inference_mode():
                         path = d.choose(batch)
-                        results.put((rank, "step", {"name": name, "local": local, "path": path}))
-                        logits = d.run(path, batch).clone()
-                        general = runner.general_forward(batch).clone() if path == "plugin" else None
+                    results.put((rank, "step", {"name": name, "local": local, "path": path}))
+                    found: list[str] = []
+                    if path == "plugin":  # the isolated oracle on this rank: its K/V slots, inputs, parameters
+                        res = check_step(runner, batch, case.tolerance, f"{name}, rank {rank}")
+                        logits, general, found = res.logits, res.want, res.problems
+                    else:
+                        with torch.inference_mode():
+                            logits, general = d.run(path, batch).clone(), None
                 finally:
                     d.plugin_forward = inner
                 buf = io.BytesIO()  # bytes, not tensors: torch would pass tensors through this process's memory
-                torch.save({"logits": logits.cpu(), "general": None if general is None else general.cpu()}, buf)
+                torch.save({"logits": logits.cpu(), "general": None if general is None else general.cpu(),
+                            "problems": found}, buf)
                 results.put((rank, "result", buf.getvalue()))
     finally:
         runner.close()

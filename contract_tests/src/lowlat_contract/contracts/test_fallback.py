@@ -187,6 +187,9 @@ def _pair_problems(case: Any, rep0: dict, rep1: dict, other: int, mode: str) -> 
             problems.append(f"{name} ({a['path']} path): rank {other}'s logits differ from rank 0's (max {diff:.4g}); "
                             f"each rank samples on its own, so the ranks would pick different tokens")
         for r, rep in ((0, a), (other, b)):
+            if r == 0 and other > 1:
+                continue  # rank 0's own problems were reported with rank 1
+            problems += rep.get("problems") or []
             if rep["general"] is not None:
                 bad = case.tolerance.check(rep["logits"], rep["general"], f"{name}, rank {r}, plugin vs general")
                 if bad:

@@ -36,11 +36,20 @@ def _settings(case: Any) -> list[tuple[str, int]]:
     return out
 
 
-def _runner(case: Any, dtype: str, page_size: int) -> Any:
+def _rows(case: Any) -> int:
+    """max_batch_size of the top-rows engine: twice coverage's batch (capped), so that the top-rows steps
+    hold rows past it, as a serving engine with more admitted requests than one step's batch does."""
+    from lowlat_contract.cases import MAX_BATCH
+
+    return max(case.max_batch_size, min(MAX_BATCH, 2 * case.spec.coverage.max_tokens + 1))
+
+
+def _runner(case: Any, dtype: str, page_size: int, rows: int | None = None) -> Any:
     from lowlat.runtime import ModelRunner
 
     ctx = max_context(case.device) + case.max_verify_tokens + page_size + 1
-    cfg = case.engine_config(dtype=dtype, page_size=page_size, max_context_len=-(-ctx // 64) * 64)
+    cfg = case.engine_config(dtype=dtype, page_size=page_size, max_context_len=-(-ctx // 64) * 64,
+                             max_batch_size=rows or case.max_batch_size)
     return ModelRunner(cfg, show_progress=False)
 
 
@@ -52,31 +61,46 @@ def _owner(reqs: Requests) -> Any:
 
 
 def run_steps(runner: Any, steps: list[Any], tol: Any, label: str) -> tuple[list[str], int, list[str]]:
-    """Run each SweepStep through the oracle; returns (problems, plugin steps checked, steps supports() refused)."""
+    """Run each SweepStep through the oracle; returns (problems, plugin steps checked, steps supports() refused).
+    A ``high_rows`` step first lets fillers hold every row but the step's, so its requests get the top rows."""
+    d = dispatcher_of(runner)
+    problems: list[str] = []
+    refused: list[str] = []
+    checked = 0
+    for i, step in enumerate(steps):
+        what = f"{label} {step.name}"
+        pool = runner.kv_pool
+        fillers = [pool.alloc_req() for _ in range(pool.free_rows - step.batch_size)] if step.high_rows else []
+        try:
+            problems_i, checked_i, refused_i = _run_one(runner, d, step, i, tol, what)
+        finally:
+            for row in fillers:
+                pool.free_req(row)
+        problems += problems_i
+        checked += checked_i
+        refused += refused_i
+    return problems, checked, refused
+
+
+def _run_one(runner: Any, d: Any, step: Any, i: int, tol: Any, what: str) -> tuple[list[str], int, list[str]]:
+    """One SweepStep through the oracle (or the dispatcher's choice, for a step outside coverage)."""
     from lowlat.forward_batch import ForwardMode
 
-    d = dispatcher_of(runner)
-    problems, refused, checked = [], [], 0
-    for i, step in enumerate(steps):
-        mode = ForwardMode[step.mode]
-        what = f"{label} {step.name}"
-        with Requests.with_prefixes(runner, list(step.contexts), seed=100 + i) as reqs:
-            owner = _owner(reqs)
-            batch = reqs.step(mode, step.tokens_per_req)
-            with torch.inference_mode():
-                path = d.choose(batch)
-            if step.expect == "general":
-                if path != "general":
-                    problems.append(f"{what}: outside coverage ({step.num_tokens} tokens), but the dispatcher "
-                                    f"chose the {path} path")
-                continue
-            if path != "plugin":
-                refused.append(step.name)
-                continue
-            result = check_step(runner, batch, tol, what, owner=owner)
-            problems += result.problems
-            checked += 1
-    return problems, checked, refused
+    mode = ForwardMode[step.mode]
+    problems: list[str] = []
+    with Requests.with_prefixes(runner, list(step.contexts), seed=100 + i) as reqs:
+        owner = _owner(reqs)
+        batch = reqs.step(mode, step.tokens_per_req)
+        with torch.inference_mode():
+            path = d.choose(batch)
+        if step.expect == "general":
+            if path != "general":
+                problems.append(f"{what}: outside coverage ({step.num_tokens} tokens), but the dispatcher "
+                                f"chose the {path} path")
+            return problems, 0, []
+        if path != "plugin":
+            return problems, 0, [step.name]
+        return check_step(runner, batch, tol, what, owner=owner).problems, 1, []
 
 
 def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: list[str]) -> None:
@@ -87,7 +111,8 @@ def test_shape_sweep(case: Any, case_trace: Any, request: Any, contract_notes: l
     cov, mode = case.spec.coverage, sweep_mode(request.config)
     steps = plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
                  ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, case.max_batch_size)
-    steps = [s for s in steps if s.expect == "general" or cov.covers(ForwardMode[s.mode], s.num_tokens)]
+    steps = [s for s in steps if not s.high_rows and (s.expect == "general" or cov.covers(ForwardMode[s.mode],
+                                                                                           s.num_tokens))]
     # CUDA: the case's engine already fits every context (cases.CUDA_CONTEXT_LEN) and a second copy of a real
     # model might not fit the device; CPU: an engine of its own (the case's is kept short for the other tests)
     own = case.device != "cuda"
@@ -137,3 +162,62 @@ def test_declared_settings(case: Any, case_trace: Any, request: Any) -> None:
         finally:
             runner.close()
     assert not problems, f"declared settings that do not work ({len(problems)}):\n" + "\n".join(problems[:25])
+
+
+def test_top_rows(case: Any, case_trace: Any, request: Any) -> None:
+    """The sweep plan's ``high_rows`` steps (DECODE at batch M, VERIFY 2 x 2) with the step's requests in the pool's
+    top rows, fillers holding the rows below: per-request state sized by coverage's batch instead of the
+    engine's ``max_batch_size`` shows (every other step gets rows 0..B-1)."""
+    from lowlat.forward_batch import ForwardMode
+
+    cov, mode = case.spec.coverage, sweep_mode(request.config)
+    own = case.device != "cuda"
+    rows = _rows(case) if own else case.max_batch_size
+    steps = [s for s in plan(cov.max_tokens, case.max_verify_tokens, ForwardMode.DECODE in cov.modes,
+                             ForwardMode.VERIFY in cov.modes, case.page_size, case.device, mode, rows)
+             if s.high_rows and cov.covers(ForwardMode[s.mode], s.num_tokens)]
+    if not steps:
+        pytest.skip(f"the engine's {rows} rows are all within coverage's batch ({cov.max_tokens})")
+    runner = _runner(case, case.dtype, case.page_size, rows) if own else request.getfixturevalue("runner")
+    try:
+        problems, checked, refused = run_steps(runner, steps, case.tolerance, f"{case.dtype} page {case.page_size}")
+    finally:
+        if own:
+            runner.close()
+    assert checked, f"supports() refused every top-rows step ({refused})"
+    assert not problems, "steps in the pool's top rows:\n" + "\n".join(problems[:8])
+
+
+def test_large_attention_scores(case: Any, case_trace: Any, request: Any) -> None:
+    """Attention scores in the hundreds (``stress.scale_attention_scores``: q and k x FACTOR on an engine of its
+    own, the plugin built from the scaled weights): DECODE and VERIFY steps (``covering``: DECODE) still match
+    the general path. The tiny presets' scores stay below about 10, where a kernel right only for small values
+    (no running maximum in its softmax, a low-precision accumulator) cannot be told apart. In the case's dtype
+    and tolerance."""
+    from lowlat.forward_batch import ForwardMode
+
+    from lowlat_contract.harness import rebuild_plugin
+    from lowlat_contract.stress import FACTOR, scale_attention_scores
+
+    if not case.is_tiny:
+        pytest.skip("scales the weights of an engine of its own: tiny presets only")
+    cov = case.spec.coverage
+    shapes = [(ForwardMode.DECODE, [1, 40, 70], 1), (ForwardMode.VERIFY, [33], min(4, case.max_verify_tokens))]
+    if sweep_mode(request.config) == "covering":  # a step costs seconds under the interpreter: DECODE only
+        shapes = shapes[:1] if cov.covers(ForwardMode.DECODE, 3) else shapes[1:]
+    shapes = [s for s in shapes if cov.covers(s[0], len(s[1]) * s[2]) and (s[0] is ForwardMode.DECODE or s[2] >= 2)]
+    runner = _runner(case, case.dtype, case.page_size)
+    problems: list[str] = []
+    try:
+        scale_attention_scores(runner.model, runner.model_config, FACTOR)
+        d = dispatcher_of(runner)
+        d.plugin_forward = rebuild_plugin(runner)[0]  # a plugin that packs its weights at build gets the scaled ones
+        for i, (mode, lens, tpr) in enumerate(shapes):
+            with Requests.with_prefixes(runner, lens, seed=300 + i) as reqs:
+                batch = reqs.step(mode, tpr)
+                what = f"q/k x {FACTOR:g} (scores x {FACTOR ** 2:g}): {mode.name} {len(lens)}x{tpr} ctx {lens}"
+                problems += check_step(runner, batch, case.tolerance, what, owner=_owner(reqs)).problems
+    finally:
+        runner.close()
+    assert shapes, f"coverage ({cov.describe()}) holds none of the stress steps"
+    assert not problems, "large attention scores:\n" + "\n".join(problems[:8])

@@ -6,7 +6,9 @@ A refusal is the guard failing on a requirement with a non-empty reason (e.g. ``
 (False,)),)``) or ``check_model`` raising a lowlat plugin error after load. Otherwise the variant's tiny config is
 written as a checkpoint directory (``lowlat.loader.synthetic.write_checkpoint``), an engine with the plugin is
 built on it, and DECODE and VERIFY steps go through the isolated oracle. Variants without overrides are the
-case's own model and are covered by the other contracts.
+case's own model and are covered by the other contracts. The suite adds one shape variant per architecture of
+its own (``ODD_DIMS``: three layers, vocabulary 500, intermediate size 80), which core's general path serves
+like any other size.
 """
 
 from __future__ import annotations
@@ -24,12 +26,21 @@ PROMISE = ("For every model variant core's general path supports, the plugin's g
 pytestmark = pytest.mark.lowlat_contract("variants", PROMISE)
 
 
+ODD_DIMS = {"num_hidden_layers": 3, "vocab_size": 500, "intermediate_size": 80}
+"""The suite's own shape variant of each tiny preset: a third layer (per-layer tables of two entries), a vocabulary
+and an intermediate size that are no multiple of 64 or 128 (the tail tile of an LM-head or MLP kernel); the
+tiny presets have 2 layers, vocabulary 512 and intermediate size 128, where such defects cannot show. The MoE
+preset also gets an expert intermediate size of 40."""
+
+
 def _variants() -> list[Any]:
     try:
-        from lowlat.models.variants import SUPPORTED_VARIANTS
+        from lowlat.models.variants import SUPPORTED_VARIANTS, Variant
     except ImportError:  # a core without the list: nothing to enumerate
         return []
-    return [v for v in SUPPORTED_VARIANTS if v.overrides]
+    odd = [Variant("llama-odd-dims", "tiny-llama", dict(ODD_DIMS)), Variant("qwen3-odd-dims", "tiny-qwen3",
+           dict(ODD_DIMS)), Variant("moe-odd-dims", "tiny-qwen3-moe", {**ODD_DIMS, "moe_intermediate_size": 40})]
+    return odd + [v for v in SUPPORTED_VARIANTS if v.overrides]  # odd first: they exercise every kernel's tails
 
 
 VARIANTS = _variants()

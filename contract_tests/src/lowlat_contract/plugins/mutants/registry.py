@@ -17,6 +17,7 @@ from typing import Any
 
 from lowlat_contract.plugins.mutants import false_green, hygiene, kv, masks, sampling, shapes, state, weights
 from lowlat_contract.plugins.mutants._base import HookedReference, specs
+from lowlat_contract.plugins.mutants.registry_audit import audit_mutants
 from lowlat_contract.plugins.reference import SpecHooks
 
 LLAMA, QWEN3, MOE = "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
@@ -66,7 +67,7 @@ class Mutant:
     """One single-defect plugin: ``cls`` (a HookedReference subclass whose docstring names the defect)."""
 
     cls: type[HookedReference]
-    kind: int  # 1 shape, 2 KV, 3 state, 4 weights, 5 masks/rope, 6 hygiene, 7 variants, 8 false green, 9 ids
+    kind: int  # 1 shape, 2 KV, 3 state, 4 weights, 5 masks/rope, 6 hygiene, 7 variants, 8 false green, 9 ids; 10-15: audit.py
     trigger: Trigger
     expect: tuple[str, ...]
     escapes: str | None = None
@@ -200,6 +201,7 @@ MUTANTS: dict[str, Mutant] = {
     "ids_greedy_argmax_plus_one": Mutant(sampling.IdsGreedyArgmaxPlusOne, 9, T(check="ids"), (IDS,)),
 }
 
+MUTANTS.update(audit_mutants(Mutant, Trigger))  # the outside audit's mutants (kinds 10-15, registry_audit.py)
 
 # What suite 0.3 fails each mutant in (``python -m lowlat_contract.mutation_run``, CPU, float32, full sweep, run on
 # 2026-12-01 at main after the 0.3 merge): these contracts join the mutant's ``expect`` and clear its ``escapes``.
@@ -221,8 +223,9 @@ CAUGHT_BY_0_3: dict[str, tuple[str, ...]] = {
 # Caught only on CUDA (the graph_execution and workspace-accounting contracts run there): escapes on the CPU.
 CUDA_ONLY = {
     "host_len_frozen_at_capture": esc(3, "CPU: graph_execution runs on CUDA only (bench/gpu_jobs.py mutants)"),
-    "unaccounted_workspace": esc(6, "CPU: workspace accounting is checked on CUDA only (bench/gpu_jobs.py mutants)"),
 }
+# Suite 0.3.1 (the outside audit) checks the workspace accounting on a CPU too (new live tensor storages at build).
+CAUGHT_BY_0_3["unaccounted_workspace"] = (LR,)
 MUTANTS = {n: dataclasses.replace(m, expect=tuple(dict.fromkeys(m.expect + CAUGHT_BY_0_3.get(n, ()))),
                                   escapes=CUDA_ONLY.get(n) if (n in CUDA_ONLY or n in CAUGHT_BY_0_3) else m.escapes)
            for n, m in MUTANTS.items()}
