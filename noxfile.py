@@ -73,7 +73,7 @@ def _start_background(session: nox.Session, jobs: list[tuple[str, list[str], str
     lock = threading.Lock()
     running = []
 
-    def follow(label: str, proc: subprocess.Popen, log_path: str) -> None:
+    def follow(label: str, proc: subprocess.Popen, log_path: str, state: dict) -> None:
         done = failed = 0
         last = time.monotonic()
         with open(log_path, "w") as log:
@@ -87,9 +87,10 @@ def _start_background(session: nox.Session, jobs: list[tuple[str, list[str], str
                 done += 1
                 failed += status in ("FAILED", "ERROR")
                 now = time.monotonic()
+                test = line.split("::")[-1].split(" ")[0][:90]
+                state.update(done=done, failed=failed, last=f"{status.lower()} {test}")
                 if status in ("FAILED", "ERROR") or now - last >= PROGRESS_S:
                     last = now
-                    test = line.split("::")[-1].split(" ")[0][:90]
                     with lock:
                         sys.stdout.write(f"\n[{label}] {done} tests, {failed} failed, {now - start:.0f} s; "
                                          f"{status.lower()} {test}\n")
@@ -100,21 +101,32 @@ def _start_background(session: nox.Session, jobs: list[tuple[str, list[str], str
                     "PATH": session.bin + os.pathsep + os.environ["PATH"]}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True,
                                 bufsize=1)
-        thread = threading.Thread(target=follow, args=(label, proc, log_path), daemon=True)
+        state: dict = {"done": 0, "failed": 0, "last": "none yet"}
+        thread = threading.Thread(target=follow, args=(label, proc, log_path, state), daemon=True)
         thread.start()
-        running.append((label, log_path, proc, thread, start))
+        running.append((label, log_path, proc, thread, start, state))
     return running
 
 
 def _finish_background(running: list) -> list[str]:
     """Wait for the runs of ``_start_background`` and print each one's report (the "lowlat contract" section,
-    else pytest's summary from its failures on); returns the labels of those that failed."""
+    else pytest's summary from its failures on); returns the labels of those that failed. While waiting, a line
+    every HEARTBEAT_S seconds names the runs still going (their last test may take minutes)."""
+    import subprocess
     import sys
     import time
 
     failed = []
-    for label, log_path, proc, thread, start in running:
-        proc.wait()
+    for label, log_path, proc, thread, start, _ in running:
+        while True:
+            try:
+                proc.wait(timeout=HEARTBEAT_S)
+                break
+            except subprocess.TimeoutExpired:
+                going = [f"{lb} ({st['done']} tests, {st['failed']} failed; last {st['last']})"
+                         for lb, _, pr, _, _, st in running if pr.poll() is None]
+                sys.stdout.write(f"\n[waiting {time.monotonic() - start:.0f} s] still running: {'; '.join(going)}\n")
+                sys.stdout.flush()
         thread.join()
         text = open(log_path).read()
         at = text.rfind("= lowlat contract =")
@@ -127,7 +139,8 @@ def _finish_background(running: list) -> list[str]:
     return failed
 
 
-PROGRESS_S = 20  # seconds between progress lines of one contract run
+PROGRESS_S = 20  # seconds between progress lines of one background run
+HEARTBEAT_S = 45  # seconds between "still running" lines once the foreground tests are done
 
 
 @nox.session(python="3.11")
