@@ -6,6 +6,8 @@ multi-GB CUDA build.
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -22,34 +24,56 @@ DISTRIBUTIONS = ["core", "vendors/nvidia_mega", "vendors/amd_mono", "contract_te
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """Every test on the CPU, then the contract suite for each vendor; Triton runs under the interpreter."""
+    """Every test on the CPU and the contract suite for each vendor, all at once; Triton runs under the interpreter.
+
+    The two cores stay busy throughout: the vendors' contract suites (one process each) and
+    ``contract_tests/tests`` (the mutation campaign and the broken plugins' runs) start in the background, the
+    other test directories run in the foreground meanwhile, then the background runs are awaited and reported
+    (``_start_background``). With arguments (``nox -s tests -- -k NAME``) every test directory runs in the
+    foreground with them, as one pytest, and the contract suites run in the background as usual.
+    """
     import pathlib
 
     session.install(TORCH, *PACKAGES)
     existing = [d for d in TEST_DIRS if pathlib.Path(d).is_dir()]
     env = {"TRITON_INTERPRET": "1"}
-    session.run("python", "-m", "pytest", "-q", *existing, *session.posargs, env=env)
-    _contract_in_parallel(session, CONTRACT_PLUGINS, env)
+    py = os.path.join(session.bin, "python")
+    jobs = [(f"contract {p}", [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--pyargs", "lowlat_contract",
+                               "--lowlat-plugin", p], f".nox/contract-{p}.log") for p in CONTRACT_PLUGINS]
+    if BACKGROUND_TEST_DIR in existing and not session.posargs:
+        existing.remove(BACKGROUND_TEST_DIR)
+        jobs.insert(0, (BACKGROUND_TEST_DIR, [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", BACKGROUND_TEST_DIR],
+                        ".nox/contract_tests-tests.log"))
+    running = _start_background(session, jobs, env)
+    failed = []
+    try:
+        session.run("python", "-m", "pytest", "-q", *existing, *session.posargs, env=env)
+    except nox.command.CommandFailed:
+        failed.append(f"pytest {' '.join(existing)}")
+    failed += _finish_background(running)
+    if failed:
+        session.error(f"failed: {'; '.join(failed)} (background logs in .nox/*.log)")
 
 
-def _contract_in_parallel(session: nox.Session, plugins: list[str], env: dict[str, str]) -> None:
-    """``pytest --pyargs lowlat_contract --lowlat-plugin P`` for every P at once (one process each), then report.
+BACKGROUND_TEST_DIR = "contract_tests/tests"  # ~40% of the test CPU time: runs beside the foreground pytest
 
-    Progress streams while they run: one line per plugin at most every PROGRESS_S seconds (tests done, failed,
-    elapsed, the latest test), and every failing test at once; the full logs are in .nox/contract-P.log.
+
+def _start_background(session: nox.Session, jobs: list[tuple[str, list[str], str]], env: dict[str, str]) -> list:
+    """Start ``(label, argv, log path)`` pytest -v runs at once (one process each, one torch thread each).
+
+    Progress streams while they run: one line per job at most every PROGRESS_S seconds (tests done, failed,
+    elapsed, the latest test), and every failing test at once; the full logs go to the log paths.
     """
-    import os
     import subprocess
     import sys
     import threading
     import time
 
-    bindir = session.bin
     start = time.monotonic()
     lock = threading.Lock()
-    procs = []
+    running = []
 
-    def follow(plugin: str, proc: subprocess.Popen, log_path: str) -> None:
+    def follow(label: str, proc: subprocess.Popen, log_path: str, state: dict) -> None:
         done = failed = 0
         last = time.monotonic()
         with open(log_path, "w") as log:
@@ -63,39 +87,60 @@ def _contract_in_parallel(session: nox.Session, plugins: list[str], env: dict[st
                 done += 1
                 failed += status in ("FAILED", "ERROR")
                 now = time.monotonic()
+                test = line.split("::")[-1].split(" ")[0][:90]
+                state.update(done=done, failed=failed, last=f"{status.lower()} {test}")
                 if status in ("FAILED", "ERROR") or now - last >= PROGRESS_S:
                     last = now
-                    test = line.split("::")[-1].split(" ")[0][:90]
                     with lock:
-                        sys.stdout.write(f"[contract {plugin}] {done} tests, {failed} failed, {now - start:.0f} s; "
+                        sys.stdout.write(f"\n[{label}] {done} tests, {failed} failed, {now - start:.0f} s; "
                                          f"{status.lower()} {test}\n")
                         sys.stdout.flush()
 
-    for plugin in plugins:
-        cmd = [os.path.join(bindir, "python"), "-m", "pytest", "-v", "-p", "no:cacheprovider", "--pyargs",
-               "lowlat_contract", "--lowlat-plugin", plugin]
-        full_env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "PATH": bindir + os.pathsep + os.environ["PATH"]}
+    for label, cmd, log_path in jobs:
+        full_env = {**os.environ, **env, "OMP_NUM_THREADS": "1",
+                    "PATH": session.bin + os.pathsep + os.environ["PATH"]}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env, text=True,
                                 bufsize=1)
-        log_path = f".nox/contract-{plugin}.log"
-        thread = threading.Thread(target=follow, args=(plugin, proc, log_path), daemon=True)
+        state: dict = {"done": 0, "failed": 0, "last": "none yet"}
+        thread = threading.Thread(target=follow, args=(label, proc, log_path, state), daemon=True)
         thread.start()
-        procs.append((plugin, log_path, proc, thread))
+        running.append((label, log_path, proc, thread, start, state))
+    return running
+
+
+def _finish_background(running: list) -> list[str]:
+    """Wait for the runs of ``_start_background`` and print each one's report (the "lowlat contract" section,
+    else pytest's summary from its failures on); returns the labels of those that failed. While waiting, a line
+    every HEARTBEAT_S seconds names the runs still going (their last test may take minutes)."""
+    import subprocess
+    import sys
+    import time
+
     failed = []
-    for plugin, log_path, proc, thread in procs:
-        proc.wait()
+    for label, log_path, proc, thread, start, _ in running:
+        while True:
+            try:
+                proc.wait(timeout=HEARTBEAT_S)
+                break
+            except subprocess.TimeoutExpired:
+                going = [f"{lb} ({st['done']} tests, {st['failed']} failed; last {st['last']})"
+                         for lb, _, pr, _, _, st in running if pr.poll() is None]
+                sys.stdout.write(f"\n[waiting {time.monotonic() - start:.0f} s] still running: {'; '.join(going)}\n")
+                sys.stdout.flush()
         thread.join()
         text = open(log_path).read()
         at = text.rfind("= lowlat contract =")
-        summary = text[text.rfind("\n", 0, at) + 1:] if at >= 0 else text  # the report, or everything on a crash
-        sys.stdout.write(f"\n--- contract suite for {plugin} ({time.monotonic() - start:.0f} s) ---\n{summary[-6000:]}")
+        if at < 0:
+            at = max(text.rfind("= FAILURES ="), text.rfind("= short test summary"), text.rfind("\n=") + 1)
+        summary = text[text.rfind("\n", 0, at) + 1:] if at > 0 else text  # the report, or everything on a crash
+        sys.stdout.write(f"\n--- {label} ({time.monotonic() - start:.0f} s) ---\n{summary[-6000:]}")
         if proc.returncode != 0:
-            failed.append(plugin)
-    if failed:
-        session.error(f"contract suite failed for {', '.join(failed)} (logs in .nox/contract-*.log)")
+            failed.append(label)
+    return failed
 
 
-PROGRESS_S = 20  # seconds between progress lines of one contract run
+PROGRESS_S = 20  # seconds between progress lines of one background run
+HEARTBEAT_S = 45  # seconds between "still running" lines once the foreground tests are done
 
 
 @nox.session(python="3.11")

@@ -4,9 +4,10 @@ a contract expected to catch it; and every mutant must be real (its defect shows
 - ``test_mutant_is_real[mutant-NAME]``: ``lowlat_contract.mutation_probe.probe`` runs the mutant at its trigger
   beside the reference and the general path; the mutant shows its defect there, the reference does not.
 - ``test_mutant_fails_the_suite[mutant-NAME]``: the suite runs on the mutant (tiny preset of its architecture,
-  in this process: ``lowlat_contract.mutation_run``), only the mutant's expected contracts (selected by their
-  ``lowlat_contract`` marker), up to the first failure; pytest must exit 1 with a failure in one of them
-  (``"exit"``: the whole suite, any non-zero exit). ``python -m lowlat_contract.mutation_run`` runs every
+  in this process: ``lowlat_contract.mutation_run``), only the contracts that catch it (selected by their
+  ``lowlat_contract`` marker: the registry's ``CAUGHT_BY_0_3`` entry, the measured catchers, else its
+  ``expect``), up to the first failure; pytest must exit 1 with a failure in one of them (``"exit"``: the whole
+  suite, any non-zero exit). A mutant those contracts stop catching makes the run exit 0, so the test fails. ``python -m lowlat_contract.mutation_run`` runs every
   contract on every mutant and prints which catch each (the table behind ESCAPES.md).
   A mutant that suite 0.2 misses carries ``escapes`` in the registry and is ``xfail(strict=True)`` here: once
   a suite catches it the XPASS fails this test, and the entry must be cleared. ``tests/mutants/ESCAPES.md``
@@ -28,7 +29,7 @@ import pytest
 import torch
 from lowlat_contract.mutation_run import SuiteRun, run_suite
 from lowlat_contract.plugins.mutants import MUTANTS, install_mutant_plugins
-from lowlat_contract.plugins.mutants.registry import EXIT
+from lowlat_contract.plugins.mutants.registry import CAUGHT_BY_0_3, EXIT
 
 ESCAPES_MD = Path(__file__).parent / "mutants" / "ESCAPES.md"
 DEFECTIVE = [n for n in MUTANTS if n != "control"]
@@ -52,7 +53,7 @@ def suite_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, SuiteRun]:
     class Runs(dict):
         def __missing__(self, name: str) -> SuiteRun:
             m = MUTANTS[name]
-            only = None if not m.expect or m.expect == (EXIT,) else m.expect
+            only = None if not m.expect or m.expect == (EXIT,) else (CAUGHT_BY_0_3.get(name) or m.expect)
             runs[name] = run_suite(name, site, work, arch=m.arch, extra=m.suite_args, unset_env=m.unset_env,
                                    contracts=only, first_failure=only is not None)
             self[name] = runs[name]
