@@ -248,5 +248,12 @@ def test_speculative_server_streams_what_plain_decoding_makes():
                                           extra_body={"ignore_eos": True})
             texts[method] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
             if method:
-                assert engine.speculator.as_dict(engine)["verify_steps"] > 0
+                d = engine.speculator.as_dict(engine)
+                assert d["verify_steps"] > 0
+                metrics = {ln.split()[0]: float(ln.split()[1]) for ln in httpx.get(f"{url}/metrics", timeout=5)
+                           .text.splitlines() if ln.startswith("lowlat_spec_")}
+                assert metrics["lowlat_spec_verify_steps_total"] == d["verify_steps"]
+                assert metrics["lowlat_spec_acceptance_length"] == pytest.approx(d["acceptance_length"])
+                assert metrics["lowlat_spec_acceptance_length"] >= 1.0  # the bonus token at least
+                assert metrics["lowlat_spec_acceptance_rate"] == pytest.approx(d["acceptance_rate"])
     assert texts["ngram"] == texts[None] and texts[None]

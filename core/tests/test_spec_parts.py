@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import numpy as np
@@ -167,7 +168,12 @@ def test_engine_falls_back_to_decode_when_nothing_is_ever_accepted():
         st = e.speculator.stats
         assert got == want and not c.on and "off" in c.reason
         assert st.decode_steps > 5 * st.verify_steps and st.verify_steps >= 1  # probes only
-        assert "off-switch: off" in "\n".join(e.speculator.summary(e))
+        summary = "\n".join(e.speculator.summary(e))
+        assert "off-switch: off" in summary
+        # the run's mean and the off-switch's moving average are two figures: each line says which it is
+        assert "mean acceptance length" in summary and "over the run" in summary
+        assert re.search(r"recent acceptance length \d\.\d\d \(moving average of the last VERIFY steps\) < "
+                         r"VERIFY/DECODE step-time ratio 3\.00 at batch 2", c.reason), c.reason
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------

@@ -22,6 +22,15 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForC
 # How the general forward may run (EngineConfig.general_impl; lowlat.models.general_impl has the three kinds).
 GENERAL_IMPLS = ("auto", "reference", "fused", "compiled")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The common short names of DTYPES' keys (torch's own aliases among them): accepted wherever a dtype name is.
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16", "fp32": "float32",
+                 "float": "float32", "f32": "float32"}
+
+
+def dtype_name(name: str) -> str:
+    """``name`` with an alias (DTYPE_ALIASES, any case) replaced by its DTYPES key; anything else unchanged
+    (``"bf16"`` -> ``"bfloat16"``, ``"auto"`` -> ``"auto"``, ``"int8"`` -> ``"int8"``: the caller refuses it)."""
+    return DTYPE_ALIASES.get(name.lower(), name.lower() if name.lower() in DTYPES else name)
 
 
 @dataclass(frozen=True)
@@ -243,7 +252,8 @@ class EngineConfig:
     Attributes:
         model: a checkpoint directory or a preset name (``lowlat.loader.presets``).
         device: "cpu", "cuda" or "auto" (cuda when available).
-        dtype: "bfloat16", "float16", "float32" or "auto" (the checkpoint's dtype; float32 on CPU for bf16).
+        dtype: "bfloat16", "float16", "float32" or "auto" (the checkpoint's dtype; float32 on CPU for bf16);
+            the aliases of DTYPE_ALIASES ("bf16", "fp16", "half", "fp32", "float", ...) become those names.
         tp_size: tensor-parallel ranks.
         page_size: KV slots per page (tokens).
         max_batch_size: requests that run together (and the largest CUDA graph captured).
@@ -316,8 +326,11 @@ class EngineConfig:
         _check_types(self)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))  # "bf16" -> "bfloat16"
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be auto or one of {', '.join(DTYPES)} (or {', '.join(DTYPE_ALIASES)}), "
+                              f"got {self.dtype!r}")
         for name in ("tp_size", "page_size", "max_batch_size", "max_context_len", "max_verify_tokens",
                      "chunked_prefill_size"):
             if getattr(self, name) < 1:

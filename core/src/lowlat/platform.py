@@ -50,6 +50,21 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+def no_cuda_message(flag: str = "device='cuda'", fix: str = "device='cpu'") -> str:
+    """Why torch sees no CUDA device, for an error where ``flag`` asked for one; ``fix`` is the way out.
+
+    E.g. ``no_cuda_message("--device cuda", "--device cpu")``. Names a CPU build of torch (``torch.version.cuda``
+    and ``torch.version.hip`` None, or a ``+cpu`` version) outright: no driver or setting can help that one.
+    """
+    v = torch.__version__
+    if torch.version.cuda is None and torch.version.hip is None or "+cpu" in v:
+        return (f"{flag} but torch sees no CUDA device: the installed torch {v} is a CPU build (torch.version.cuda "
+                f"is None); use {fix}, or install a CUDA build of torch")
+    return (f"{flag} but torch sees no CUDA device: torch {v} is built for CUDA "
+            f"{torch.version.cuda or torch.version.hip} but finds no usable GPU (driver? CUDA_VISIBLE_DEVICES?); "
+            f"use {fix}")
+
+
 def _dist_version(name: str) -> str | None:
     try:
         return metadata.version(name)

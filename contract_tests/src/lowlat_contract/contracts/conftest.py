@@ -12,6 +12,19 @@ import pytest
 from lowlat_contract.pytest_plugin import NOTES
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Drop the variants contract's (case, variant) pairs of different architectures: each case checks only its
+    own architecture's variants (the rest are other cases' work, not skips of this one)."""
+    from lowlat_contract.contracts.test_variants import for_other_architecture
+
+    def other(item: pytest.Item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return "name" in params and item.module.__name__.endswith("test_variants") and \
+            for_other_architecture(params.get("case"), params["name"])
+
+    items[:] = [item for item in items if not other(item)]
+
+
 @pytest.fixture(scope="session")
 def contract_notes(request: pytest.FixtureRequest) -> list[str]:
     """Lines a contract adds to the "lowlat contract" summary (e.g. measured step times)."""

@@ -49,7 +49,9 @@ def resolve_device(device: str) -> torch.device:
     """"cuda" -> the current CUDA device; "cpu" -> cpu. Raises ValueError when CUDA is asked for but absent."""
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch sees no CUDA device; use --device cpu")
+            from lowlat.platform import no_cuda_message
+
+            raise ValueError(no_cuda_message("--device cuda", "--device cpu"))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

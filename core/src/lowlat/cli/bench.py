@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lowlat.cli.errors import one_line_errors
-from lowlat.config import DTYPES
+from lowlat.config import DTYPES, dtype_name
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=None, help="timed steps per timing run, two runs per row "
                                                            "(default 100; CPU 3)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default auto")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="default bfloat16")
+    p.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES), default="bfloat16",
+                   help="bfloat16 (bf16, the default), float16 (fp16, half) or float32 (fp32, float)")
     p.add_argument("--seed", type=int, default=0, help="weights, token ids and KV contents (default 0)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size (default 16)")
     p.add_argument("--layer-depth", type=int, default=None,

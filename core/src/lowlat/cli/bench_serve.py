@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lowlat.cli.errors import one_line_errors
-from lowlat.config import DTYPES
+from lowlat.config import DTYPES, dtype_name
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,7 +34,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="preset, checkpoint dir or cached HF repo id (default llama-3.2-1b "
                                                  "on a GPU, tiny-llama on a CPU)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default auto")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="default auto (bf16 on a GPU)")
+    p.add_argument("--dtype", type=dtype_name, choices=("auto", *DTYPES), default="auto",
+                   help="default auto (bf16 on a GPU); aliases bf16, fp16, half, fp32, float")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default 8192; CPU 32)")
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request (default 1024; CPU 16)")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,2,4,8; CPU 1,2)")
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        raise RuntimeError("lowlat bench serve needs httpx: pip install 'lowlat[serve,bench]'") from None
+        raise RuntimeError("lowlat bench serve needs httpx: pip install 'lowlat[serve,bench]' (from a lowlat "
+                           "checkout's root: pip install -e 'core[serve,bench]')") from None
     cfg = config_from_args(args)
     stamp = args.name or "serve-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out = Path(args.out) if args.out else Path("bench") / "results" / stamp

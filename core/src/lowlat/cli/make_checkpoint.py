@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lowlat.config import DTYPES, ConfigError
+from lowlat.config import DTYPES, ConfigError, dtype_name
 from lowlat.loader.presets import PRESETS, get_preset, with_layers
 from lowlat.loader.synthetic import DEFAULT_MAX_SHARD_BYTES, synthetic_num_bytes, write_checkpoint
 
@@ -25,7 +25,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--preset", required=True, metavar="NAME", help="preset name: " + ", ".join(PRESETS))
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="stored dtype (default bfloat16)")
+    p.add_argument("--dtype", type=dtype_name, choices=list(DTYPES), default="bfloat16",
+                   help="stored dtype (default bfloat16; aliases bf16, fp16, half, fp32, float)")
     p.add_argument("--layers", type=int, metavar="N", help="keep only the first N decoder layers")
     p.add_argument("--max-shard-gb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1e9, metavar="GB",
                    help="largest shard file in GB (default %(default)s)")

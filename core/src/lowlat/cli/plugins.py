@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from lowlat.config import EngineConfig, ModelConfig
+from lowlat.config import EngineConfig, ModelConfig, dtype_name
 from lowlat.runtime.plugin_host.discovery import PluginRegistry, discover
 from lowlat.runtime.plugin_host.guard import GuardTrace, evaluate
 
@@ -17,7 +17,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--explain", metavar="ARCH", help="print the whole requirement trace for one architecture")
     p.add_argument("--model", help="evaluate model requirements against this checkpoint dir or preset")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", default=None, help="evaluate dtype requirements for this dtype (default: skip)")
+    p.add_argument("--dtype", type=dtype_name, default=None,
+                   help="evaluate dtype requirements for this dtype (bf16 etc. accepted; default: skip)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to evaluate (default 1)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size to evaluate (default 16)")
     p.set_defaults(func=run)

@@ -22,7 +22,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) plus "
-                    "/health and /metrics (Prometheus). Needs the serve extra: pip install 'lowlat[serve]'.")
+                    "/health and /metrics (Prometheus). Needs the serve extra: pip install 'lowlat[serve]' "
+                    "(from a checkout: pip install -e 'core[serve]').")
     add_arguments(p)
     p.set_defaults(func=serve)
     return p
@@ -84,7 +85,8 @@ def serve(args: argparse.Namespace) -> int:
         from lowlat.serve.app import ServeSettings, create_app
     except ImportError as e:
         raise RuntimeError(f"lowlat serve needs the serve extra ({e.name} is missing): "
-                           "pip install 'lowlat[serve]'") from None
+                           "pip install 'lowlat[serve]', or from a lowlat checkout's root "
+                           "pip install -e 'core[serve]'") from None
     from lowlat.cli.run import engine_config_from_args
     from lowlat.runtime import tp_launch
     from lowlat.runtime.engine import Engine

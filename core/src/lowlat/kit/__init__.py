@@ -3,6 +3,6 @@
 ``write_plugin`` renders the templates beside this file (``templates/*.tmpl``) for a plugin name.
 """
 
-from lowlat.kit.scaffold import FILES, PluginNames, plugin_names, write_plugin
+from lowlat.kit.scaffold import FILES, PluginNames, checkout_commit, lowlat_checkout, plugin_names, write_plugin
 
-__all__ = ["FILES", "PluginNames", "plugin_names", "write_plugin"]
+__all__ = ["FILES", "PluginNames", "checkout_commit", "lowlat_checkout", "plugin_names", "write_plugin"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from lowlat.config import ConfigError, ModelConfig
-from lowlat.loader.presets import PRESETS, get_preset
+from lowlat.loader.presets import PRESETS, closest_preset, get_preset
 from lowlat.loader.synthetic import as_dtype, check_device, hf_tensor_shapes, iter_synthetic_weights
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -310,9 +310,12 @@ def resolve_model(model: str | os.PathLike[str]) -> ModelConfig:
         return ModelConfig.from_dir(p)
     if str(model) in PRESETS:
         return get_preset(str(model))
-    why = "a directory without config.json" if p.is_dir() else "not a directory"
+    why = "a directory without config.json" if p.is_dir() else "a file" if p.exists() else "no such path"
+    close = closest_preset(str(model))
+    hint = f"did you mean the preset {close!r}? " if close else ""
     raise ConfigError(f"model {str(model)!r} is neither a directory with config.json ({why}) nor one of the "
-                      f"presets: {', '.join(PRESETS)}")
+                      f"presets: {', '.join(PRESETS)}; {hint}`lowlat run` / `lowlat serve --model` also take an "
+                      f"HF repo id (org/name) in the local HF cache (`hf download org/name` fetches one)")
 
 
 def open_weights(model: str | os.PathLike[str], config: ModelConfig | None = None, *, seed: int = 0,

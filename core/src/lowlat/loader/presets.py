@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 
 from lowlat.config import ConfigError, ModelConfig
 
@@ -81,9 +82,23 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        close = closest_preset(name)
+        hint = f" (did you mean {close!r}?)" if close else ""
         raise ConfigError(f"unknown preset {name!r}{hint}; presets: {', '.join(PRESETS)}") from None
+
+
+def closest_preset(name: str, cutoff: float = 0.6) -> str | None:
+    """The preset ``name`` most likely meant, or None: by spelling, or by its words in any order (``llama3-tiny``
+    -> ``tiny-llama``, ``Qwen/Qwen3-8B`` -> ``qwen3-8b``), case-insensitively; ``cutoff`` is difflib's ratio."""
+    def words(s: str) -> str:
+        return " ".join(sorted(re.findall(r"[a-z]+|\d+", s.lower())))
+
+    def score(p: str) -> float:
+        return max(difflib.SequenceMatcher(None, name.lower(), p).ratio(),
+                   difflib.SequenceMatcher(None, words(name), words(p)).ratio())
+
+    best = max(PRESETS, key=score)
+    return best if score(best) >= cutoff else None
 
 
 def with_layers(config: ModelConfig, num_layers: int) -> ModelConfig:

@@ -298,7 +298,11 @@ class ModelRunner:
 def _default_device(config: EngineConfig) -> torch.device:
     if config.resolved_device == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' or 'auto'")
+            from lowlat.platform import no_cuda_message
+
+            raise ValueError(no_cuda_message("device='cuda' (--device cuda)",
+                                             "--device cpu on the command line, EngineConfig(device='cpu') from "
+                                             "Python (or 'auto')"))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

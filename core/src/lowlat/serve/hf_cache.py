@@ -43,10 +43,14 @@ def resolve_model_path(model: str, *, cache_dir: str | None = None) -> str:
     try:
         path = snapshot_download(repo, revision=revision or None, local_files_only=True, cache_dir=cache_dir)
     except (LocalEntryNotFoundError, FileNotFoundError, OSError, ValueError):
+        from lowlat.loader.presets import closest_preset
+
+        close = closest_preset(model)
         raise ConfigError(
             f"model {model!r} is not a directory, a preset, or a repo in the local HF cache "
             f"({cache_dir or constants.HF_HUB_CACHE}); fetch it with `hf download {repo}` (or "
-            f"`huggingface-cli download {repo}`), or pass a checkpoint directory") from None
+            f"`huggingface-cli download {repo}`), or pass a checkpoint directory"
+            + (f" (or did you mean the preset {close!r}?)" if close else "")) from None
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"the cached snapshot of {model!r} at {path} has no config.json; is it a model repo? "
                           f"Re-fetch it with `hf download {repo}`")

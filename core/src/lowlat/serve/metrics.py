@@ -78,9 +78,11 @@ class SpecCollector:
     Counters (``_total``): verify_steps, request_steps (requests summed over VERIFY steps), drafted_tokens,
     accepted_tokens, emitted_tokens (appended by VERIFY steps: kept drafts plus the token after them),
     decode_steps and decode_tokens (plain DECODE steps of the speculative loop), and draft / verify / decode
-    seconds. Gauges: ``lowlat_spec_on`` (1 while the off-switch lets speculation run) and ``lowlat_spec_info``
-    (1, labelled with the method, k and whether acceptance is simulated). The engine thread updates these plain
-    ints and floats between steps; a scrape reads each one whole.
+    seconds. Gauges: ``lowlat_spec_on`` (1 while the off-switch lets speculation run), ``lowlat_spec_info``
+    (1, labelled with the method, k and whether acceptance is simulated), ``lowlat_spec_acceptance_length``
+    (the mean since start, ``SpecStats.acceptance_length``) and ``lowlat_spec_acceptance_rate``. A window's
+    acceptance length is the difference of two scrapes' emitted_tokens over that of their request_steps. The
+    engine thread updates these plain ints and floats between steps; a scrape reads each one whole.
     """
 
     COUNTERS = (("verify_steps", "verify_steps", "speculative VERIFY steps"),
@@ -108,5 +110,11 @@ class SpecCollector:
         yield info
         yield GaugeMetricFamily("lowlat_spec_on", "1 while the adaptive off-switch lets speculation run",
                                 value=float(c.on))
+        yield GaugeMetricFamily("lowlat_spec_acceptance_length",
+                                "mean tokens a VERIFY step appended per request since start, the bonus token "
+                                "included (emitted_tokens / request_steps; 0 before any)", value=s.acceptance_length)
+        yield GaugeMetricFamily("lowlat_spec_acceptance_rate",
+                                "draft tokens kept over draft tokens proposed since start (0 before any)",
+                                value=s.acceptance_rate)
         for name, attr, doc in self.COUNTERS:
             yield CounterMetricFamily(f"lowlat_spec_{name}", doc, value=float(getattr(s, attr)))

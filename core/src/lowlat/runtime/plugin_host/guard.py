@@ -111,7 +111,12 @@ def _platform(options: tuple[PlatformRequirement, ...], platform: Platform) -> R
         if o.kind == "cpu" and o.triton_interpreter and not platform.triton_interpreter:
             continue
         return RequirementResult("platform", PASS, f"{platform.describe()} matches {o.describe()}")
-    return RequirementResult("platform", FAIL, f"needs platform {wanted}; this machine: {platform.describe()}")
+    reason = f"needs platform {wanted}; this machine: {platform.describe()}"
+    if platform.kind == "cpu" and not platform.triton_interpreter and any(
+            o.kind == "cpu" and o.triton_interpreter for o in options):
+        reason += (" (Triton interpreter off): set TRITON_INTERPRET=1 in the environment before Python starts, "
+                   "e.g. `TRITON_INTERPRET=1 lowlat run ...` (setting it later has no effect)")
+    return RequirementResult("platform", FAIL, reason)
 
 
 def _library(name: str, rng: str) -> RequirementResult:

@@ -126,14 +126,16 @@ class Controller:
         ratio = self.ratio(batch_size, tokens_per_req)
         if ratio is None or self.tau is None:
             return
+        # tau is a moving average of the latest VERIFY steps, not the run's mean acceptance length: say so.
+        now = (f"recent acceptance length {self.tau:.2f} (moving average of the last VERIFY steps) {{}} "
+               f"VERIFY/DECODE step-time ratio {ratio:.2f} at batch {batch_size}")
         if self.on and self.tau < ratio * (1 - self.hysteresis):
             self.on = False
             self.switches += 1
-            self.reason = (f"off: acceptance length {self.tau:.2f} < VERIFY/DECODE time ratio {ratio:.2f} at batch "
-                           f"{batch_size} (plain DECODE is faster)")
+            self.reason = "off: " + now.format("<") + " (plain DECODE is faster)"
         elif not self.on and self.tau > ratio * (1 + self.hysteresis):
             self.on = True
             self.switches += 1
-            self.reason = f"on: acceptance length {self.tau:.2f} > time ratio {ratio:.2f} at batch {batch_size}"
+            self.reason = "on: " + now.format(">")
         elif self.on:
-            self.reason = f"on: acceptance length {self.tau:.2f} vs time ratio {ratio:.2f} at batch {batch_size}"
+            self.reason = "on: " + now.format("vs") + " (speculation pays while the length is above the ratio)"
