@@ -34,7 +34,8 @@ def tests(session: nox.Session) -> None:
     """
     import pathlib
 
-    session.install(TORCH, *PACKAGES)
+    # pip's own lines (one per package) are the progress of the install, minutes on a fresh machine
+    session.install(TORCH, *PACKAGES, silent=False)
     existing = [d for d in TEST_DIRS if pathlib.Path(d).is_dir()]
     env = {"TRITON_INTERPRET": "1"}
     py = os.path.join(session.bin, "python")
