@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lowlat_contract.mutation_probe import Evidence
+from lowlat_contract.probe_steps import Evidence
 
 AUDIT_CHECKS = frozenset({"params", "built", "live", "scaled", "high_rows", "tp_outside"})
 
@@ -53,10 +53,10 @@ def probe_audit(name: str) -> AuditEvidence:
     from lowlat_contract.cases import TOLERANCES
     from lowlat_contract.harness import Requests, prefix_lens
     from lowlat_contract.memory import live_tensors
-    from lowlat_contract.mutation_probe import _compare, _run_paths, _step_args, build_plugin, engine_config
     from lowlat_contract.oracle import ParamWatch
     from lowlat_contract.plugins.mutants import MUTANTS
     from lowlat_contract.plugins.reference import ReferenceForward
+    from lowlat_contract.probe_steps import _compare, _run_paths, _step_args, build_plugin, engine_config
     from lowlat_contract.stress import FACTOR, scale_attention_scores
 
     m = MUTANTS[name]

@@ -68,9 +68,9 @@ def _steps(rank: int, init: str, name: str) -> Any:
 
     from lowlat_contract.cases import TOLERANCES
     from lowlat_contract.harness import Requests, prefix_lens
-    from lowlat_contract.mutation_probe import Evidence, _compare, _run_paths, _step_args, build_plugin, engine_config
     from lowlat_contract.plugins.mutants import MUTANTS
     from lowlat_contract.plugins.reference import ReferenceForward
+    from lowlat_contract.probe_steps import Evidence, _compare, _run_paths, _step_args, build_plugin, engine_config
 
     torch.set_num_threads(1)
     m = MUTANTS[name]
