@@ -2,9 +2,9 @@
 
     python bench/scripts/e2e_tpot.py --model llama-3.2-1b --paths general,nvidia_mega --batch-sizes 1,8
 
-One engine per path (``general``, ``general-reference``, ``general-fused``, ``general-compiled``: plugin "none" with that general
-implementation, as ``lowlat bench`` names them; else a plugin's name), bf16 on CUDA, DECODE graphs only. Per
-batch size B:
+One engine per path (``general``, ``general-reference``, ``general-fused``, ``general-compiled``: plugin "none"
+with that general implementation, as ``lowlat bench`` names them; else a plugin's name), bf16 on CUDA, DECODE
+graphs only. Per batch size B:
 
 * step ms: ``ModelRunner.forward`` of a DECODE batch of B requests at ``--context`` cached tokens each, timed as
   ``lowlat bench`` times a row (``lowlat.bench.lowlat_path.measure_shape``: CUDA events around each step, no sync
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--paths", default="general,nvidia_mega",
-                    help="general variants (general, general-reference, general-fused, general-compiled) and/or plugin names")
+                    help="general variants (general, general-reference, general-fused, general-compiled) and/or "
+                         "plugin names")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--context", type=int, default=1024, help="mean KV length of the DECODE steps (tokens)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")

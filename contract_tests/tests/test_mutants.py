@@ -7,8 +7,9 @@ a contract expected to catch it; and every mutant must be real (its defect shows
   in this process: ``lowlat_contract.mutation_run``), only the contracts that catch it (selected by their
   ``lowlat_contract`` marker: the registry's ``CAUGHT_BY_0_3`` entry, the measured catchers, else its
   ``expect``), up to the first failure; pytest must exit 1 with a failure in one of them (``"exit"``: the whole
-  suite, any non-zero exit). A mutant those contracts stop catching makes the run exit 0, so the test fails. ``python -m lowlat_contract.mutation_run`` runs every
-  contract on every mutant and prints which catch each (the table behind ESCAPES.md).
+  suite, any non-zero exit). A mutant those contracts stop catching makes the run exit 0, so the test fails.
+  ``python -m lowlat_contract.mutation_run`` runs every contract on every mutant and prints which catch each (the
+  table behind ESCAPES.md).
   A mutant that suite 0.2 misses carries ``escapes`` in the registry and is ``xfail(strict=True)`` here: once
   a suite catches it the XPASS fails this test, and the entry must be cleared. ``tests/mutants/ESCAPES.md``
   lists them with the condition that catches each; ``test_escapes_file_matches_the_registry`` keeps the two

@@ -217,7 +217,8 @@ class ModelRunner:
     # -- steps -----------------------------------------------------------------------------------------------
 
     def general_forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The general model's forward (``config.resolved_general_impl``): float32 logits ``[R, vocab]`` (see ForwardBatch)."""
+        """The general model's forward (``config.resolved_general_impl``): float32 logits ``[R, vocab]``
+        (see ForwardBatch)."""
         return self.general_step(batch, self.kv_pool)
 
     def attach_sampling(self, batch: ForwardBatch, params: list, seeds: list[int], *,

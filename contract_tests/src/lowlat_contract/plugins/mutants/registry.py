@@ -67,7 +67,8 @@ class Mutant:
     """One single-defect plugin: ``cls`` (a HookedReference subclass whose docstring names the defect)."""
 
     cls: type[HookedReference]
-    kind: int  # 1 shape, 2 KV, 3 state, 4 weights, 5 masks/rope, 6 hygiene, 7 variants, 8 false green, 9 ids; 10-15: audit.py
+    kind: int  # 1 shape, 2 KV, 3 state, 4 weights, 5 masks/rope, 6 hygiene, 7 variants, 8 false green, 9 ids;
+    # 10-15: audit.py
     trigger: Trigger
     expect: tuple[str, ...]
     escapes: str | None = None
