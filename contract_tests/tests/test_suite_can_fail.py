@@ -54,13 +54,14 @@ RUNS = {
     "broken_rank": Expect("tp_ranks or alternating", {
         "test_tp_ranks_agree[": "rank 1's logits differ from rank 0's"},
         passes=("test_alternating_paths_match_general[",)),
-    # 0.3: each kind the issue lists as escaping, through a module target (no installed entry point)
-    "kv_slot_module": Expect("shape_sweep or long_run or output_convention", {
+    # 0.3: each kind the issue lists as escaping, through a module target (no installed entry point); test_many_calls
+    # (in test_long_run.py, so "long_run" selects it) also fails the state/slot ones: it is left out of their runs
+    "kv_slot_module": Expect("shape_sweep or (long_run and not many_calls) or output_convention", {
         "test_shape_sweep[": "outside out_cache_loc", "test_long_run_matches_general[": "outside out_cache_loc"},
         passes=("test_output_convention[",), plugin="lowlat_contract.plugins.broken:KV_SLOT_HOOKS", site=False),
     "broken_input_edit": Expect("shape_sweep or output_convention", {
         "test_shape_sweep[": "changed its inputs in place: positions"}, passes=("test_output_convention[",)),
-    "broken_late_state": Expect("long_run or shape_sweep", {
+    "broken_late_state": Expect("(long_run and not many_calls) or shape_sweep", {
         "test_long_run_matches_general[": "K/V stored at out_cache_loc"}, passes=("test_shape_sweep[",)),
     "broken_bias": Expect("variant or shape_sweep", {
         "test_variant_refused_or_matches[LlamaForCausalLM-tiny-llama-float32-llama-attention-bias]": "logits"},
@@ -68,7 +69,7 @@ RUNS = {
     "broken_one_row": Expect("shape_sweep or (logits_match and b3)", {
         "test_shape_sweep[": "1 of 8 row(s) out of bounds"}, args=("--lowlat-dtype", "bfloat16"),
         passes=("test_logits_match_general[LlamaForCausalLM-tiny-llama-bfloat16-DECODE-b3]",)),
-    "broken_leak": Expect("long_run or output_convention", {
+    "broken_leak": Expect("(long_run and not many_calls) or output_convention", {
         "test_long_run_matches_general[": "memory grew"}, passes=("test_output_convention[",)),
 }
 

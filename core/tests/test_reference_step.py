@@ -75,11 +75,43 @@ def test_every_stage_is_on_the_path(runner, stage):
     dense = any(not lp.is_moe for lp in bind_params(binding(runner)).layers)
     if (stage == "moe" and not moe) or (stage == "mlp" and not dense):
         pytest.skip(f"{runner.config.model} has no {stage} layer")
+    if stage == "sample":  # only a DECODE step that wants ids reaches it (plugin API 3)
+        return _sample_stage_is_on_the_path(runner)
     calls: list[str] = []
     base, _ = run_step(runner, ReferenceStep(binding(runner)))
     got, _ = run_step(runner, _perturbed(stage, calls)(binding(runner)))
     assert calls, f"stage {stage} was never called"
     assert not torch.allclose(got, base), f"scaling stage {stage}'s output did not change the logits"
+
+
+def _sample_stage_is_on_the_path(r: ModelRunner) -> None:
+    """A DECODE step that wants greedy ids calls ``sample`` once, and its ids are the general path's argmax."""
+    from lowlat.runtime.sampling import SamplingParams
+    from lowlat.runtime.sampling_inputs import SamplingInputs
+
+    calls: list[torch.Size] = []
+
+    class CountingSample(ReferenceStep):
+        def sample(self, logits, info):  # type: ignore[no-untyped-def]
+            calls.append(logits.shape)
+            return super().sample(logits, info)
+
+    pool = r.kv_pool
+    rows = [pool.alloc_req() for _ in range(2)]
+    try:
+        with torch.inference_mode():
+            r.forward(r.prepare_batch(ForwardMode.PREFILL, rows, [0, 0], [[3, 4, 5, 6], [7, 8]]))
+            batch = r.prepare_batch(ForwardMode.DECODE, rows, [4, 2], [[9], [12]])
+            want = r.general_forward(batch).argmax(dim=-1)
+            si = SamplingInputs(device=r.device, max_rows=2, vocab=r.model_config.vocab_size)
+            batch.sampling = si.fill([SamplingParams(), SamplingParams()], [1, 2], [4, 2])
+            batch.logits_required = False
+            ids = CountingSample(binding(r)).forward(batch)
+    finally:
+        for row in rows:
+            pool.free_req(row)
+    assert len(calls) == 1, f"stage sample was called {len(calls)} times"
+    assert ids.dtype == torch.int64 and torch.equal(ids, want), (ids, want)
 
 
 def test_a_one_stage_plugin_overrides_only_that_stage(runner):

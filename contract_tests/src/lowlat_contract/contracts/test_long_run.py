@@ -185,9 +185,10 @@ def test_long_run_matches_general(case: Any, runner: Any, dispatcher: Any, reque
             pool.free_req(r["row"])
     contract_notes.append(f"long_run  {case.id} ({mode}): {STEPS[mode]} steps, {plugin_steps} on the plugin")
     assert not problems, "the long run diverged from the general path:\n" + "\n".join(problems[:10])
-    assert plugin_steps >= 8, f"only {plugin_steps} plugin steps ran (supports() refused the others)"
     assert not grown, ("the plugin's memory grew over the run (tensors reachable from its forward object; CUDA: "
                        "memory_allocated), compared after steps of the same shape:\n" + "\n".join(grown[:5]))
+    # after the growth check: a run stopped at the first growth has had few plugin steps
+    assert plugin_steps >= 8, f"only {plugin_steps} plugin steps ran (supports() refused the others)"
 
 
 def _live_growth(live: dict[Any, Any], key: Any, step: int, every: int, device: Any) -> list[str]:
