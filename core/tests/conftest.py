@@ -38,3 +38,16 @@ def _no_child_process_left():
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: exercises a GPU path (skips without one); `python bench/gpu_jobs.py "
                             "gpu-tests` runs every test so marked")
+
+
+@pytest.fixture
+def reference_plugin(tmp_path, monkeypatch):
+    """The contract suite's plain-torch reference plugin, installed as a real distribution for this test."""
+    from lowlat_contract.fixtures import install_fixture_plugins
+    from plugin_dists import activate
+
+    site = tmp_path / "site"
+    install_fixture_plugins(site, ["reference"])
+    activate(site, monkeypatch)
+    monkeypatch.setenv("LOWLAT_PLUGINS", "reference")
+    return "reference"

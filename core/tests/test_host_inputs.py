@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _graphs_util import emulated_graphs
 from lowlat.config import EngineConfig
 from lowlat.runtime import Engine, ForwardMode, KVPool, KVPoolExhausted, SamplingParams
 from lowlat.runtime.cuda_graph_runner import CudaGraphRunner, GraphKey
@@ -159,16 +160,6 @@ def test_update_decode_equals_update():
         s.update_decode(s.schedule(), [1], 0.0)
 
 
-class _EagerGraph:
-    """A CUDAGraph stand-in on CPU: replay reruns the forward on the static (fixed-buffer) batch."""
-
-    def __init__(self, forward_fn, batch, out):
-        self.forward_fn, self.batch, self.out = forward_fn, batch, out
-
-    def replay(self):
-        self.out.copy_(self.forward_fn(self.batch))
-
-
 def _engine(**kw):
     return Engine(EngineConfig(model="tiny-llama", device="cpu", dtype="float32", max_context_len=96, page_size=4,
                                max_batch_size=10, max_verify_tokens=3, **kw))
@@ -190,15 +181,7 @@ def test_emulated_graphs_on_shared_inputs_equal_eager(monkeypatch):
             e.step()
     with _engine() as e:
         runner = e.runner
-        graphs = CudaGraphRunner(device=runner.device, dummy_row=runner.dummy_row, max_batch_size=10,
-                                 max_verify_tokens=3, vocab_size=runner.model_config.vocab_size,
-                                 inputs=runner.step_inputs)
-        for key in graphs.keys():
-            batch = graphs._fill_dummy(key)
-            out = runner.forward_fn(batch).clone()
-            graphs.graphs[key] = _EagerGraph(runner.forward_fn, batch, out)
-            graphs.outputs[key] = out
-        runner.graph_runner = graphs
+        graphs = emulated_graphs(runner, max_batch_size=10, max_verify_tokens=3)
         copies, padded = [], []
         graphs.replay_hooks.append(lambda key, batch: padded.append(key.batch_size - batch.batch_size))
         real_copy = graphs._copy_in

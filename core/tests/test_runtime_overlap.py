@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _graphs_util import emulated_graphs
 from lowlat.config import ConfigError, EngineConfig
 from lowlat.runtime import Engine, ForwardMode, SamplingParams
-from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
 from plugin_dists import activate
 
 PROMPTS = [list(range(1, 12)), [300, 5, 17], list(range(40, 70)), [9]]
@@ -39,17 +39,6 @@ def run(overlap: bool, prompts, plist, **kw):
         assert e.overlap is None or e.overlap.pending is None
         return ([c.token_ids for c in got], [c.finish_reason for c in got], seen,
                 e.stats.by_mode[ForwardMode.DECODE].steps)
-
-
-@pytest.fixture
-def reference_plugin(tmp_path, monkeypatch):
-    from lowlat_contract.fixtures import install_fixture_plugins
-
-    site = tmp_path / "site"
-    install_fixture_plugins(site, ["reference"])
-    activate(site, monkeypatch)
-    monkeypatch.setenv("LOWLAT_PLUGINS", "reference")
-    return "reference"
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -157,31 +146,13 @@ def test_verify_after_overlapped_steps_drains_first():
             assert done[0].token_ids == full
 
 
-class _EagerGraph:
-    """A CUDAGraph stand-in on CPU: replay reruns the forward on the static (fixed-buffer) batch."""
-
-    def __init__(self, forward_fn, batch, out):
-        self.forward_fn, self.batch, self.out = forward_fn, batch, out
-
-    def replay(self):
-        self.out.copy_(self.forward_fn(self.batch))
-
-
 def test_emulated_graphs_read_device_ids_from_fixed_buffers(monkeypatch):
     """Through graphs whose fixed buffers are the scheduler's, the device-side id copy lands in the graph's input:
     every DECODE step replays, nothing is copied in, and the tokens equal plain eager steps."""
     want = run(False, PROMPTS, params(4))[0]
     with engine(True, max_verify_tokens=3) as e:
         runner = e.runner
-        graphs = CudaGraphRunner(device=runner.device, dummy_row=runner.dummy_row, max_batch_size=4,
-                                 max_verify_tokens=3, vocab_size=runner.model_config.vocab_size,
-                                 inputs=runner.step_inputs)
-        for key in graphs.keys():
-            batch = graphs._fill_dummy(key)
-            out = runner.forward_fn(batch).clone()
-            graphs.graphs[key] = _EagerGraph(runner.forward_fn, batch, out)
-            graphs.outputs[key] = out
-        runner.graph_runner = graphs
+        graphs = emulated_graphs(runner, max_batch_size=4, max_verify_tokens=3)
         copies = []
         real_copy = graphs._copy_in
         monkeypatch.setattr(graphs, "_copy_in", lambda batch, key: (copies.append(key), real_copy(batch, key)))

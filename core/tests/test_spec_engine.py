@@ -9,7 +9,6 @@ import dataclasses
 import pytest
 from lowlat.config import ConfigError, EngineConfig
 from lowlat.runtime import Engine, ForwardMode, SamplingParams
-from plugin_dists import activate
 
 # Repetitive and plain prompts: the n-gram drafter finds matches in some, none in others.
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [9, 8, 7], [5, 5, 5, 5, 5, 5], [100, 200, 300, 100, 200, 7, 8, 9, 10]]
@@ -30,18 +29,6 @@ def plain() -> dict[tuple[str, int], list[list[int]]]:
         for b in (1, 4):
             out[b] = [c.token_ids for c in e.generate(PROMPTS[:b], params(b))]
     return out
-
-
-@pytest.fixture
-def reference_plugin(tmp_path, monkeypatch):
-    """The contract suite's plain-torch reference plugin, installed as a real distribution for this test."""
-    from lowlat_contract.fixtures import install_fixture_plugins
-
-    site = tmp_path / "site"
-    install_fixture_plugins(site, ["reference"])
-    activate(site, monkeypatch)
-    monkeypatch.setenv("LOWLAT_PLUGINS", "reference")
-    return "reference"
 
 
 def run_spec(method: str, batch: int, plugin: str = "none", **kw):
