@@ -65,3 +65,68 @@ def test_nan_and_shape_mismatch_fail() -> None:
     bad[0, 0] = float("nan")
     assert "NaN" in (BF16.check(bad, want, "logits") or "")
     assert "shape" in (BF16.check(want[:4], want, "logits") or "")
+
+
+def _conditioned(spread_row: int, spread: float) -> tuple[torch.Tensor, object]:
+    """want, and a Conditioned bound whose float32 twin differs from want by ``spread`` in one row only."""
+    from lowlat_contract.conditioning import Conditioned
+
+    want = _logits()
+    ref = want.clone()
+    ref[spread_row] += spread
+    return want, Conditioned(BF16, {"logits": ref})
+
+
+def test_conditioning_widens_only_the_ill_conditioned_row() -> None:
+    """conditioning.Conditioned: a row may be FACTOR x its measured spread away; other rows keep the dtype bound."""
+    from lowlat_contract.conditioning import FACTOR
+
+    want, tol = _conditioned(2, 1.0)
+    got = want.clone()
+    got[2] += 0.95 * FACTOR  # inside FACTOR x spread (1.0), far outside the dtype bound (0.41)
+    assert tol.check(got, want, "logits") is None
+    got[2] = want[2] + 1.05 * FACTOR
+    msg = tol.check(got, want, "logits")
+    assert msg is not None and "widened by this step's conditioning" in msg
+    got = want.clone()
+    got[5] += 1.0  # a row whose twin agrees: the dtype bound, not the widened one
+    assert tol.check(got, want, "logits") is not None and "row 5" in tol.check(got, want, "logits")
+
+
+def test_conditioning_never_tightens_and_never_excuses_nan() -> None:
+    want, tol = _conditioned(2, 0.0)  # the twin agrees everywhere: the dtype bound holds
+    got = want.clone()
+    got[:, ::8] += 0.04  # within every row's dtype bound (scale >= 1: 0.0508 per element, 0.00996 mean)
+    assert tol.check(got, want, "logits") is None
+    want, tol = _conditioned(2, 100.0)
+    got = want.clone()
+    got[2, 0] = float("nan")
+    assert "NaN" in (tol.check(got, want, "logits") or "")
+
+
+def test_conditioning_picks_the_reference_by_what_it_checks() -> None:
+    """The K/V check reads refs["kv"], the logits check refs["logits"]; a shape mismatch falls back to the dtype
+    bound (never to no check)."""
+    from lowlat_contract.conditioning import Conditioned
+
+    want = _logits()
+    tol = Conditioned(BF16, {"logits": want + 5.0, "kv": want.clone()})
+    got = want + 2.0
+    assert tol.check(got, want, "step: logits") is None  # widened to 20 by the logits twin
+    assert tol.check(got, want, "step: K/V stored at out_cache_loc") is not None  # the kv twin agrees
+    assert Conditioned(BF16, {"logits": want[:4]}).check(got, want, "step: logits") is not None
+
+
+def test_conditioning_floors_max_and_mean_apart() -> None:
+    """One element's spread widens the element bound (max), not the row's mean bound by as much."""
+    from lowlat_contract.conditioning import FACTOR, Conditioned
+
+    want = _logits()
+    ref = want.clone()
+    ref[2, 0] += 1.0
+    tol = Conditioned(BF16, {"logits": ref})
+    got = want.clone()
+    got[2, 0] += 0.9 * FACTOR  # one element: max within FACTOR x 1.0, mean 0.056 within FACTOR x 1/64
+    assert tol.check(got, want, "logits") is None
+    got[2] += 0.1  # every element off by 0.1 more: max 3.7 still inside, mean 0.16 past FACTOR x 1/64 and the dtype
+    assert tol.check(got, want, "logits") is not None

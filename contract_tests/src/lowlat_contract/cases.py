@@ -83,9 +83,11 @@ class Tolerance:
         return self.max_rel * max(1.0, float(want.abs().max()) if want.numel() else 1.0)
 
     def check(self, got: torch.Tensor, want: torch.Tensor, what: str,
-              tie_rows: frozenset[int] = frozenset()) -> str | None:
+              tie_rows: frozenset[int] = frozenset(),
+              floor: tuple[torch.Tensor, torch.Tensor] | None = None) -> str | None:
         """None when every row of ``got`` matches ``want`` (rows in ``tie_rows`` excused in low precision);
-        else a message naming ``what``, the worst row, its errors and its bounds."""
+        else a message naming ``what``, the worst row, its errors and its bounds. ``floor``: per-row lower
+        bounds (max, mean) [rows] on the two bounds, from a measured conditioning (``conditioning.Conditioned``)."""
         if got.shape != want.shape:
             return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
         if want.numel() == 0:
@@ -97,14 +99,17 @@ class Tolerance:
         err = (g - w).abs().reshape(rows, -1)
         scale = w.abs().reshape(rows, -1).amax(dim=1).clamp_min(1.0)
         row_max, row_mean = err.amax(dim=1), err.mean(dim=1)
-        over = (row_max > self.max_rel * scale) | (row_mean > self.mean_rel * scale)
+        bound_max, bound_mean = self.max_rel * scale, self.mean_rel * scale
+        if floor is not None:
+            bound_max, bound_mean = torch.maximum(bound_max, floor[0]), torch.maximum(bound_mean, floor[1])
+        over = (row_max > bound_max) | (row_mean > bound_mean)
         excused = torch.zeros_like(over)
         if self.low_precision and tie_rows:
             excused[[r for r in tie_rows if r < rows]] = True
         bad = over & ~excused
         if not bool(bad.any()):
             return None
-        ratio = torch.maximum(row_max / (self.max_rel * scale), row_mean / (self.mean_rel * scale))
+        ratio = torch.maximum(row_max / bound_max, row_mean / bound_mean)
         worst = int(torch.where(bad, ratio, torch.zeros_like(ratio)).argmax())
         n_exc = int((over & excused).sum())
         exc = f"; {n_exc} more at a routing difference (excused)" if n_exc else ""
@@ -112,7 +117,10 @@ class Tolerance:
         return (f"{what}: {int(bad.sum())} of {rows} row(s) out of bounds{exc}; worst row {worst}: max |plugin - "
                 f"general| = {float(row_max[worst]):.4g}, mean {float(row_mean[worst]):.4g}; {self.dtype} allows "
                 f"{self.max_rel:.3g} x scale = {self.max_rel * s:.4g} per element and {self.mean_rel:.3g} x scale = "
-                f"{self.mean_rel * s:.4g} on average (scale = max(1, max |general row|) = {s:.4g})")
+                f"{self.mean_rel * s:.4g} on average (scale = max(1, max |general row|) = {s:.4g})"
+                + ("" if floor is None else f"; widened by this step's conditioning to {float(bound_max[worst]):.4g} "
+                   f"and {float(bound_mean[worst]):.4g} (a multiple of the general path's own distance to its "
+                   "float32 twin: lowlat_contract.conditioning)"))
 
 
 TOLERANCES = {d: Tolerance.for_dtype(d) for d in ("float32", "bfloat16", "float16")}

@@ -80,6 +80,13 @@ class SoftmaxWithoutMax(HookedReference):
         return (p @ vals) / p.sum(dim=-1, keepdim=True)
 
 
+class SoftmaxWithoutMaxBf16(SoftmaxWithoutMax):
+    """softmax_without_max_bf16: softmax_without_max in a bfloat16 engine. There the large-score check's bound
+    is widened by the step's measured conditioning (``conditioning.py``: two correct bfloat16 answers differ by
+    several units of a logit at such scores), so this proves the widening keeps the check's teeth: exp
+    overflows past 88 in bfloat16 as in float32 (inf / inf = NaN). Trigger: scaled attention scores, bfloat16."""
+
+
 class DriftsFinalNorm(HookedReference):
     """drifts_final_norm: the fused residual + final-norm kernel is handed the final norm's weight as its
     in/out scale buffer and rescales it in place on every call (x (1 + 2^-20), below any tolerance per step).

@@ -25,6 +25,8 @@ def audit_mutants(mutant: Any, trigger: Any) -> dict[str, Any]:
         "mlp_k_tail_dropped": M(audit.MlpKTailDropped, 10, T(model="tiny-llama+intermediate_size=80"), (var,)),
         # -- kind 11: value range ----------------------------------------------------------------------------
         "softmax_without_max": M(audit.SoftmaxWithoutMax, 11, T(check="scaled", batch=3), (sw,)),
+        "softmax_without_max_bf16": M(audit.SoftmaxWithoutMaxBf16, 11, T(check="scaled", batch=3, dtype="bfloat16"),
+                                      (sw,), suite_args=("--lowlat-dtype", "bfloat16")),
         # -- kind 12: side effects two agreeing paths cannot show --------------------------------------------
         "drifts_final_norm": M(audit.DriftsFinalNorm, 12, T(check="params"), (fo, kv, sw, lr)),
         "global_scratch_workspace": M(audit.GlobalScratchWorkspace, 12, T(check="built"), (mem, lr)),
