@@ -207,3 +207,41 @@ def test_a_broken_run_is_no_expected_failure(tmp_path: Path) -> None:
     assert run.rc == 4, run.summary()  # pytest.UsageError from the suite's session start
     with pytest.raises(RuntimeError, match="broke"):
         _check_run(run, ("forward_outputs",))
+
+
+COVERING_WEIGHT_MUTANTS = ("layer1_o_proj_from_layer0", "q_norm_layers_swapped", "ignores_k_norm",
+                           "moe_last_expert_aliased", "packed_weights_cached_by_name")
+"""Weight mutants (kind 4, and the packed-weights cache of kind 3) that ``weight_binding``'s covering form (all
+parameters perturbed at once, as vendors' Triton plugins run under the interpreter) must fail on its own."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}") for n in COVERING_WEIGHT_MUTANTS])
+def test_weight_mutant_fails_covering_weight_binding(tmp_path: Path, name: str) -> None:
+    """``weight_binding`` under ``--lowlat-sweep covering`` alone fails each weight mutant: one rebuild with
+    every parameter perturbed catches what the per-parameter form of full sweeps catches."""
+    (tmp_path / "site").mkdir()
+    install_mutant_plugins(tmp_path / "site", [name])
+    m = MUTANTS[name]
+    run = run_suite(name, tmp_path / "site", tmp_path, arch=m.arch,
+                    extra=(*m.suite_args, "--lowlat-sweep", "covering", "-k", "test_every_weight_changes_output"),
+                    contracts=("weight_binding",))
+    _check_run(run, ("weight_binding",))
+    assert run.rc == 1 and run.failed(("weight_binding",)), f"{name} passed covering weight_binding:\n{run.summary()}"
+    assert "every parameter perturbed" in run.failed(("weight_binding",))[0].message, run.summary()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}")
+                                  for n in ("ids_top_k_off_by_one", "ids_temperature_ignored")])
+def test_sampling_mutant_fails_covering_sampled_ids(tmp_path: Path, name: str) -> None:
+    """The distribution test at ``COVERING_DRAWS`` (covering sweeps) alone still fails the kind-9 mutants whose
+    defect is in the distribution."""
+    (tmp_path / "site").mkdir()
+    install_mutant_plugins(tmp_path / "site", [name])
+    m = MUTANTS[name]
+    run = run_suite(name, tmp_path / "site", tmp_path, arch=m.arch,
+                    extra=("--lowlat-sweep", "covering", "-k", "test_sampled_ids_follow_distribution"),
+                    contracts=m.expect)
+    _check_run(run, m.expect)
+    assert run.rc == 1 and run.failed(m.expect), f"{name} passed the covering distribution test:\n{run.summary()}"
+    assert "160 draws" in run.failed(m.expect)[0].message or "never draws" in run.failed(m.expect)[0].message, (
+        run.summary())

@@ -29,6 +29,11 @@ PROMISE = ("With coverage.sampling, sampled ids equal the general path's argmax 
            "the core sampler's distribution; the same seeds give the same ids; non-finite rows come back -1.")
 pytestmark = pytest.mark.lowlat_contract("sampled_ids", PROMISE)
 DRAWS = 480
+COVERING_DRAWS = 160
+"""Draws per variant in ``covering`` sweeps (the Triton interpreter: one draw of B rows is one interpreted forward,
+3-8 s): 20 forwards at B = 8 instead of 60. Still enough: the kind-9 mutants (temperature ignored, top-k one
+too many, ...) fail at this count too (``test_mutants.py::test_sampling_mutant_fails_covering_sampled_ids``);
+full sweeps (GPUs, plain torch) draw ``DRAWS``."""
 
 
 @pytest.fixture
@@ -167,10 +172,10 @@ def test_sampled_ids_follow_distribution(case: Any, runner: Any, dispatcher: Any
     """Sampled ids of one DECODE step follow the core sampler's distribution of the step's logits; seeds
     reproduce.
 
-    Covering sweeps (the default under the Triton interpreter, where the 480 draws cost ~60 interpreted forwards
-    per variant) check each variant on the first architecture case only: the sampling happens after the LM head,
-    on logits whose agreement with the general path every architecture's forward_outputs already checks. Full
-    sweeps check every case.
+    Covering sweeps (the default under the Triton interpreter, where a draw of B rows is one interpreted
+    forward) draw ``COVERING_DRAWS`` and check each variant on the first architecture case only: the sampling
+    happens after the LM head, on logits whose agreement with the general path every architecture's
+    forward_outputs already checks. Full sweeps check every case.
     """
     from lowlat.forward_batch import ForwardMode
     from lowlat.runtime.sampling import SamplingParams
@@ -179,6 +184,7 @@ def test_sampled_ids_follow_distribution(case: Any, runner: Any, dispatcher: Any
     from lowlat_contract.pytest_plugin import sweep_mode
 
     key = (str(request.config.getoption("lowlat_plugin", default="") or ""), variant)
+    n_draws = COVERING_DRAWS if sweep_mode(request.config) == "covering" else DRAWS
     if sweep_mode(request.config) == "covering" and key in _CHECKED:
         pytest.skip(f"covering sweep: {variant} sampling passed on an earlier architecture "
                     "(--lowlat-sweep full checks every one)")
@@ -197,7 +203,7 @@ def test_sampled_ids_follow_distribution(case: Any, runner: Any, dispatcher: Any
         assert isinstance(params, SamplingParams)
         draws, first = [], None
         with torch.inference_mode():
-            for rep in range(-(-DRAWS // b)):
+            for rep in range(-(-n_draws // b)):
                 seeds = [1000 * rep + i + 1 for i in range(b)]
                 # the same inputs rewrite the same K/V at the same slots: no restore between repetitions
                 ids = dispatcher.run("plugin", _attach(runner, batch, [params] * b, seeds)).clone()
