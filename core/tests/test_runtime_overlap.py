@@ -296,3 +296,40 @@ def test_cuda_overlap_equals_plain(plugin, request):
                 assert decode.graph_steps == decode.steps > 0
                 out[overlap] = [(c.token_ids, c.finish_reason) for c in got]
         assert out[True] == out[False]
+
+
+def test_only_single_device_graph_replays_skip_the_watchdog_thread():
+    """OverlapLoop._inline: a launch is enqueued on the engine's thread only for a CUDA-graph replay on one device
+    with no TP workers; everything else (CPU, eager steps, TP) keeps the watchdog (test_stuck_launch_...)."""
+    from types import SimpleNamespace
+
+    from lowlat.runtime.overlap import OverlapLoop
+
+    def inline(cuda: bool, replay: bool, tp: int = 1, workers: object = None) -> bool:
+        loop = OverlapLoop.__new__(OverlapLoop)
+        loop._cuda = cuda
+        loop.engine = SimpleNamespace(config=SimpleNamespace(tp_size=tp), _workers=workers,
+                                      runner=SimpleNamespace(will_replay=lambda batch: replay))
+        return loop._inline(SimpleNamespace(batch=None))
+
+    assert inline(True, True)
+    assert not inline(False, True) and not inline(True, False)
+    assert not inline(True, True, tp=2) and not inline(True, True, workers=object())
+
+
+def test_will_replay_says_what_forward_does():
+    """ModelRunner.will_replay is True exactly when forward replays a graph (last_graphed after it)."""
+    with engine(True, max_verify_tokens=3) as e:
+        runner = e.runner
+        row = runner.kv_pool.alloc_req()
+        runner.forward(runner.prepare_batch(ForwardMode.PREFILL, [row], [0], [PROMPTS[0]]))
+        batch = runner.prepare_batch(ForwardMode.DECODE, [row], [len(PROMPTS[0])], [[5]])
+        assert not runner.will_replay(batch)
+        runner.forward(batch)
+        assert not runner.last_graphed
+        emulated_graphs(runner, max_batch_size=4, max_verify_tokens=3)
+        assert runner.will_replay(batch)
+        runner.forward(batch)
+        assert runner.last_graphed
+        runner.graph_runner = None
+        runner.kv_pool.free_req(row)

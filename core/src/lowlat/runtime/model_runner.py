@@ -254,6 +254,11 @@ class ModelRunner:
         self.last_graphed = key is not None
         return graphs.replay(batch, key) if key is not None else self.dispatcher(batch)  # type: ignore[misc]
 
+    def will_replay(self, batch: ForwardBatch) -> bool:
+        """Whether ``forward(batch)`` will replay a CUDA graph (then no model or plugin code runs on the host)."""
+        graphs = self.graph_runner
+        return graphs is not None and graphs.key_for(batch, self._ids_variant(batch)) is not None
+
     def _ids_variant(self, batch: ForwardBatch) -> str:
         """The ids graph variant for ``batch`` ("" when it replays the logits graph): only for a SamplingInfo in
         this runner's buffers (an ids graph reads those) that the plugin serves."""

@@ -189,11 +189,24 @@ class OverlapLoop:
         """Run ``step`` on the device without reading anything back; ``prev``'s picks feed its inputs.
 
         The launch runs under the engine's step deadline (``Engine._watchdog``, ``lowlat.runtime.deadline``), as a
-        plain step's forward does: on CPU, or in a blocking collective, the launch is where a step can hang.
+        plain step's forward does: on CPU, or in a blocking collective, the launch is where a step can hang. A
+        CUDA-graph replay on one device is enqueued on this thread instead (``_inline``): it runs no model or
+        plugin code on the host, so nothing in it can block, and the device side keeps its deadline in
+        ``_wait``. That saves the watchdog's two thread switches per step, which fall between the batch upload
+        and the graph launch, where the device waits for them at batch 1 (H200:
+        bench/results/2026-12-01-h200-overlap-diag).
         """
         e = self.engine
         t0 = time.perf_counter()
+        e.attach_sampling(step)  # a sampling plugin may return the ids (plugin API 3); host work only
+        if self._inline(step):
+            return self._enqueue(step, prev, t0)
         return e._watchdog.run(lambda: self._enqueue(step, prev, t0), lambda: e._describe_stuck(step))
+
+    def _inline(self, step: ScheduledStep) -> bool:
+        """Whether ``step`` is a CUDA-graph replay on a single device (no TP workers): enqueued on this thread."""
+        e = self.engine
+        return self._cuda and e._workers is None and e.config.tp_size == 1 and e.runner.will_replay(step.batch)
 
     def _enqueue(self, step: ScheduledStep, prev: InFlight | None, t0: float) -> InFlight:
         if not torch.is_inference_mode_enabled():  # the watchdog's thread: inference mode is thread-local
@@ -206,7 +219,6 @@ class OverlapLoop:
                 ids.copy_(prev.picked)
             else:
                 ids.copy_(prev.picked.index_select(0, ids))
-        e.attach_sampling(step)  # a sampling plugin may return the ids (plugin API 3)
         logits = e.runner.forward(step.batch)
         kept = None
         if is_ids(logits):  # its -1 flags non-finite logits: the guard rides on the same read
