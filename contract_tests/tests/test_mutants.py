@@ -209,8 +209,11 @@ def test_a_broken_run_is_no_expected_failure(tmp_path: Path) -> None:
         _check_run(run, ("forward_outputs",))
 
 
+AUDIT2_WEIGHT_MUTANTS = ("ignores_final_norm_weight", "ignores_layer1_post_norm", "ignores_layer1_q_norm",
+                         "layer1_k_norm_from_layer0", "moe_ignores_expert3_down", "moe_layer0_ignores_expert1_down",
+                         "moe_expert_ids_off_by_one", "moe_layer1_router_from_layer0")
 COVERING_WEIGHT_MUTANTS = ("layer1_o_proj_from_layer0", "q_norm_layers_swapped", "ignores_k_norm",
-                           "moe_last_expert_aliased", "packed_weights_cached_by_name")
+                           "moe_last_expert_aliased", "packed_weights_cached_by_name", *AUDIT2_WEIGHT_MUTANTS)
 """Weight mutants (kind 4, and the packed-weights cache of kind 3) that ``weight_binding``'s covering form (all
 parameters perturbed at once, as vendors' Triton plugins run under the interpreter) must fail on its own."""
 
@@ -228,6 +231,42 @@ def test_weight_mutant_fails_covering_weight_binding(tmp_path: Path, name: str) 
     _check_run(run, ("weight_binding",))
     assert run.rc == 1 and run.failed(("weight_binding",)), f"{name} passed covering weight_binding:\n{run.summary()}"
     assert "every parameter perturbed" in run.failed(("weight_binding",))[0].message, run.summary()
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}") for n in AUDIT2_WEIGHT_MUTANTS])
+def test_weight_mutant_fails_covering_weight_binding_in_bfloat16(tmp_path: Path, name: str) -> None:
+    """The covering form in bfloat16 too, where MoE rows whose routing differs between the paths may be excused:
+    only at a router near-tie (``router_ties.routing_excuses``). Before that, ``moe_layer0_ignores_expert1_down``
+    (its damage moves layer 1's routing of the very rows it damages) and ``moe_expert_ids_off_by_one`` (every
+    row's routing differs) passed with every damaged row excused."""
+    (tmp_path / "site").mkdir()
+    install_mutant_plugins(tmp_path / "site", [name])
+    m = MUTANTS[name]
+    run = run_suite(name, tmp_path / "site", tmp_path, arch=m.arch,
+                    extra=("--lowlat-dtype", "bfloat16", "--lowlat-sweep", "covering", "-k",
+                           "test_every_weight_changes_output"), contracts=("weight_binding",))
+    _check_run(run, ("weight_binding",))
+    assert run.rc == 1 and run.failed(("weight_binding",)), f"{name} passed covering weight_binding:\n{run.summary()}"
+
+
+LARGE_SCORE_MUTANTS = ("softmax_without_max_bf16", "softmax_first_tile_max", "softmax_first_tile_max_clamped",
+                       "softmax_saturating_exp", "softmax_max_init_zero")
+"""Softmax defects exact at the tiny presets' scores that the large-score check alone must fail, in bfloat16
+(its bound widened by the step's conditioning) and float32. ``softmax_max_init_zero`` needs the DECODE step's
+request with no cached token (one key, its own: all of a row's scores below about -100)."""
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}") for n in LARGE_SCORE_MUTANTS])
+def test_softmax_mutant_fails_the_large_score_check(tmp_path: Path, name: str, dtype: str) -> None:
+    """``test_large_attention_scores`` on its own fails each large-score softmax mutant."""
+    (tmp_path / "site").mkdir()
+    install_mutant_plugins(tmp_path / "site", [name])
+    m = MUTANTS[name]
+    run = run_suite(name, tmp_path / "site", tmp_path, arch=m.arch,
+                    extra=("--lowlat-dtype", dtype, "-k", "test_large_attention_scores"), contracts=("shape_sweeps",))
+    _check_run(run, ("shape_sweeps",))
+    assert run.rc == 1 and run.failed(("shape_sweeps",)), f"{name} passed the large-score check:\n{run.summary()}"
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, id=f"mutant-{n}")

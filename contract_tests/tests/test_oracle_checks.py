@@ -64,3 +64,37 @@ def test_routing_differences_are_sets_of_experts_per_row() -> None:
     same_order_swapped = [torch.tensor([[1, 0], [2, 3], [4, 6]])]
     assert routing_diff_rows(general, same_order_swapped) == {2}
     assert routing_diff_rows(general * 2, [general[0], torch.tensor([[0, 2], [2, 3], [4, 5]])]) == {0}
+
+
+def test_a_routing_difference_is_excused_only_at_a_router_near_tie() -> None:
+    """With the plugin's routing known (``last_routing()``), a bfloat16 row is excused only where the two paths'
+    experts differ *and* the general path's router had a near-tie there: a selection that differs away from any
+    tie is a defect (expert ids off by one, another layer's router, an earlier layer's error moving the router's
+    input), not rounding."""
+    from lowlat.config import EngineConfig
+    from lowlat.runtime import ModelRunner
+    from lowlat_contract.harness import Requests, prefix_lens
+    from lowlat_contract.oracle import copy_batch
+    from lowlat_contract.router_ties import RoutingRecorder, routing_excuses
+
+    runner = ModelRunner(EngineConfig(model="tiny-qwen3-moe", device="cpu", dtype="bfloat16", plugin="none",
+                                      max_batch_size=8, max_context_len=128, cuda_graph=False, seed=0),
+                         show_progress=False)
+    try:
+        with Requests.with_prefixes(runner, prefix_lens(8), seed=5) as reqs:
+            batch = reqs.step(ForwardMode.VERIFY, 2)
+            t = batch.num_tokens
+            forward = lambda: runner.general_forward(copy_batch(batch))  # noqa: E731
+            rec = RoutingRecorder(runner.model)
+            with rec:
+                forward()
+            experts = runner.model_config.num_experts
+            shifted = [(ids + 1) % experts for ids in rec.topk]  # every row's experts differ in every layer
+            assert routing_excuses(runner.model, forward, t, rec.topk)[1] == frozenset()
+            assert routing_excuses(runner.model, forward, t, shifted)[1] == frozenset(rec.near_ties)
+            assert len(rec.near_ties) < t, "every row a near-tie: the check proves nothing"
+            one = [ids.clone() for ids in rec.topk]
+            one[-1][0] = (one[-1][0] + 1) % experts
+            assert routing_excuses(runner.model, forward, t, one)[1] == frozenset(rec.near_ties) & {0}
+    finally:
+        runner.close()

@@ -137,9 +137,13 @@ def routing_diff_rows(general: list[torch.Tensor], plugin: list[torch.Tensor]) -
 def routing_excuses(model: Any, forward: Any, num_tokens: int,
                     plugin_routing: list[torch.Tensor] | None) -> tuple[Any, frozenset[int]]:
     """Run ``forward()`` (one general-path step of ``num_tokens`` tokens) and return its result and the rows whose
-    MoE routing differs between the two paths: measured from both paths' top-k when the plugin exposes its
-    routing (``plugin_routing``, same layers and rows as the general model's MoE layers), else the general path's
-    near-tie rows (``near_tie_rows``: where a flip is possible). Dense models: always empty."""
+    MoE routing may differ between the two paths by rounding: the general path's near-tie rows (``near_tie_rows``
+    in any MoE layer: where a flip is possible) and, when the plugin exposes its routing (``plugin_routing``, same
+    layers and rows as the general model's MoE layers), only those of them where the two paths' top-k really
+    differ. A row whose routing differs away from any near-tie is not excused: its selection was not flipped by
+    rounding but by a defect (wrong router, expert ids off by one, or an earlier layer's error large enough to
+    move the router's input; the second audit's mutants, ``plugins/mutants/audit2.py``). Dense models: always
+    empty."""
     rec = RoutingRecorder(model)
     with rec:
         out = forward()
@@ -148,5 +152,6 @@ def routing_excuses(model: Any, forward: Any, num_tokens: int,
     usable = plugin_routing is not None and len(plugin_routing) == len(rec.topk) and all(
         p.shape == g.shape for p, g in zip(plugin_routing, rec.topk))
     if usable:
-        return out, frozenset(r for r in routing_diff_rows(rec.topk, plugin_routing) if r < num_tokens)
+        return out, frozenset(r for r in routing_diff_rows(rec.topk, plugin_routing)
+                              if r < num_tokens and r in rec.near_ties)
     return out, frozenset(r for r in rec.near_ties if r < num_tokens)

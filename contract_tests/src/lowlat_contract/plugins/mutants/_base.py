@@ -43,6 +43,7 @@ class HookedReference(ReferenceForward):
             raise ValueError("the reference plugin serves DECODE and VERIFY steps, not PREFILL")
         if self.pool is None:
             raise ValueError("the KV pool is not ready; the runtime calls on_kv_pool_ready before any step")
+        self._routing = []  # as ReferenceStep.forward: last_routing() is this step's (it grew with every call)
         x = self._embed(batch.input_ids)
         cos, sin = self._cos_sin(batch)
         for i, w in enumerate(self.layers):

@@ -18,6 +18,7 @@ from typing import Any
 from lowlat_contract.plugins.mutants import false_green, hygiene, kv, masks, sampling, shapes, state, weights
 from lowlat_contract.plugins.mutants._base import HookedReference, specs
 from lowlat_contract.plugins.mutants.registry_audit import audit_mutants
+from lowlat_contract.plugins.mutants.registry_audit2 import audit2_mutants
 from lowlat_contract.plugins.reference import SpecHooks
 
 LLAMA, QWEN3, MOE = "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
@@ -203,6 +204,7 @@ MUTANTS: dict[str, Mutant] = {
 }
 
 MUTANTS.update(audit_mutants(Mutant, Trigger))  # the outside audit's mutants (kinds 10-15, registry_audit.py)
+MUTANTS.update(audit2_mutants(Mutant, Trigger))  # the second audit's (registry_audit2.py)
 
 # What suite 0.3 fails each mutant in (``python -m lowlat_contract.mutation_run``, CPU, float32, full sweep, run on
 # 2026-12-01 at main after the 0.3 merge): these contracts join the mutant's ``expect`` and clear its ``escapes``.
