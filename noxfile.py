@@ -29,8 +29,9 @@ def tests(session: nox.Session) -> None:
     The two cores stay busy throughout: the vendors' contract suites (one process each) and
     ``contract_tests/tests`` (the mutation campaign and the broken plugins' runs) start in the background, the
     other test directories run in the foreground meanwhile, then the background runs are awaited and reported
-    (``_start_background``). With arguments (``nox -s tests -- -k NAME``) every test directory runs in the
-    foreground with them, as one pytest, and the contract suites run in the background as usual.
+    (``_start_background``). With arguments, only the tests they select run, as one pytest in the foreground and
+    nothing in the background: ``nox -s tests -- core/tests/test_runtime_cli.py`` or ``nox -s tests -- -k
+    overlap`` (a ``-k`` alone applies to every test directory). ``--install-only`` installs and runs nothing.
     """
     import pathlib
 
@@ -38,22 +39,32 @@ def tests(session: nox.Session) -> None:
     session.install(TORCH, *PACKAGES, silent=False)
     existing = [d for d in TEST_DIRS if pathlib.Path(d).is_dir()]
     env = {"TRITON_INTERPRET": "1"}
+    if session.posargs or _install_only(session):
+        paths = [a for a in session.posargs if not a.startswith("-") and pathlib.Path(a.split("::")[0]).exists()]
+        session.run("python", "-m", "pytest", "-q", *([] if paths else existing), *session.posargs, env=env)
+        return
     py = os.path.join(session.bin, "python")
     jobs = [(f"contract {p}", [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--pyargs", "lowlat_contract",
                                "--lowlat-plugin", p], f".nox/contract-{p}.log") for p in CONTRACT_PLUGINS]
-    if BACKGROUND_TEST_DIR in existing and not session.posargs:
+    if BACKGROUND_TEST_DIR in existing:
         existing.remove(BACKGROUND_TEST_DIR)
         jobs.insert(0, (BACKGROUND_TEST_DIR, [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", BACKGROUND_TEST_DIR],
                         ".nox/contract_tests-tests.log"))
     running = _start_background(session, jobs, env)
     failed = []
     try:
-        session.run("python", "-m", "pytest", "-q", *existing, *session.posargs, env=env)
+        session.run("python", "-m", "pytest", "-q", *existing, env=env)
     except nox.command.CommandFailed:
         failed.append(f"pytest {' '.join(existing)}")
     failed += _finish_background(running)
     if failed:
         session.error(f"failed: {'; '.join(failed)} (background logs in .nox/*.log)")
+
+
+def _install_only(session: nox.Session) -> bool:
+    """Whether nox runs with ``--install-only`` (session.run is a no-op then; the background runs must be too)."""
+    runner = getattr(session, "_runner", None)
+    return bool(getattr(getattr(runner, "global_config", None), "install_only", False))
 
 
 BACKGROUND_TEST_DIR = "contract_tests/tests"  # ~40% of the test CPU time: runs beside the foreground pytest

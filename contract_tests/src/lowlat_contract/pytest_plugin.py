@@ -32,7 +32,8 @@ NOTES = pytest.StashKey[list]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lowlat", "lowlat contract suite (docs/contract.md)")
     group.addoption("--lowlat-plugin", metavar="NAME", default=None,
-                    help="the installed lowlat plugin to check (its entry point name)")
+                    help="the installed lowlat plugin to check (its entry point name), or module:OBJECT, a pluggy "
+                         "plugin object not installed (e.g. lowlat_contract.plugins.reference:HOOKS)")
     group.addoption("--lowlat-arch", metavar="ARCH", action="append", default=None,
                     help="only this architecture's spec (repeatable; default: every spec the plugin registers)")
     group.addoption("--lowlat-model", metavar="PRESET_OR_DIR", action="append", default=None,

@@ -47,7 +47,9 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
             out.append(head + ["skipped"] + ["-"] * 3 + ["-", _f(r.get("roofline_ms"), 4)] + ["-"] * 6)
             continue
         s = r["step_ms"]
-        ran = "" if r["ran_on"] in (r["path"], "plugin") else f" (ran on {r['ran_on']})"
+        # a general variant runs on the general path by definition; a plugin row that fell back says so
+        ran = "" if r["ran_on"] in (r["path"], "plugin") or (
+            r["ran_on"] == "general" and r["path"].startswith("general")) else f" (ran on {r['ran_on']})"
         out.append(head[:1] + [r["path"] + ran, head[2]] + [
             _f(s["median"], 4), f"{s['p10']:.4f}-{s['p90']:.4f}", _f(r["repeat_ms"]["median"], 4),
             _f(r["replay_ms"]["median"], 4) if r.get("replay_ms") else "-", _f(r["tokens_per_s_per_req"], 1),

@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="preset names or checkpoint dirs, comma-separated (default: llama-3.2-1b on a GPU, "
                         "tiny-llama on a CPU)")
     p.add_argument("--paths", default=None,
-                   help="comma-separated: general, general-fused, general-compiled, a plugin name, plugins (every "
-                        "installed plugin), hf "
+                   help="comma-separated: general (general_impl auto: fused on CUDA, reference elsewhere), "
+                        "general-reference, general-fused (CUDA or TRITON_INTERPRET=1), general-compiled, a plugin "
+                        "name, plugins (every installed plugin), hf "
                         "(default: general,plugins,hf on a GPU; general,hf on a CPU)")
     p.add_argument("--batch-sizes", default=None, help="DECODE batch sizes (default 1,2,4,8; CPU 1,2)")
     p.add_argument("--modes", default="decode,verify", help="decode and/or verify (default decode,verify)")
