@@ -261,23 +261,12 @@ GPT_FAST_PATHS = "general,general-reference,general-compiled,nvidia_mega"
 def gpt_fast(o: Options) -> list[Step]:
     """gpt-fast (meta-pytorch/gpt-fast, its model.py and generate.py unmodified, --compile, batch 1, random
     weights at the preset's shapes: bench/peers/gpt_fast.py) beside lowlat's e2e TPOT at batch 1 (general under
-    each general_impl, and nvidia_mega; ``GPT_FAST_PATHS`` overrides) per model, then one table of ms/token and
-    ratios (``x gpt-fast``: gpt-fast's decode-only ms over the overlapped TPOT; issue 17: >= 0.91). Models:
-    those of ``--models`` among llama-3.2-1b and qwen3-8b (qwen3-8b as a Llama-style model: no q/k norm), both
-    when none is. gpt-fast's files travel as the ignored folder ``.peers/gpt-fast`` (``GPT_FAST_DIR``) named in
-    the device call's ``carry``; make it from the fetched mirror in the repository root first:
-
-        mkdir -p .peers/gpt-fast && git --git-dir=MIRROR archive HEAD | tar -x -C .peers/gpt-fast \\
-            && git --git-dir=MIRROR rev-parse HEAD > .peers/gpt-fast/.commit
-
-    (MIRROR: the ``fetch`` tool's path for github:meta-pytorch/gpt-fast). The device image has tiktoken and
-    sentencepiece, which gpt-fast's tokenizer.py imports. Runtime, estimated (not timed; compile time is the
-    unknown): llama-3.2-1b about 2.5 min (two compiled generate.py runs, the second from the first's inductor
-    cache, then four engines), qwen3-8b about 4.5 min (a 16 GB checkpoint in /dev/shm, 36 layers to trace). Run
-    one device call per model (``--models llama-3.2-1b``, then ``--models qwen3-8b``): each stays under ~5 min,
-    and its step limits (240 + 120 + 30 s, 300 + 150 + 30 s) under the 600 s command limit; both in one call
-    would need 870 s at the limits. The table of both calls (no GPU): ``python3 bench/peers/gpt_fast_table.py
-    A/gpt_fast_peer_*.json B/gpt_fast_peer_*.json --lowlat A/gpt_fast_lowlat_*.json B/gpt_fast_lowlat_*.json``."""
+    each general_impl, and nvidia_mega; ``GPT_FAST_PATHS`` overrides) per model, then one table (``x gpt-fast``:
+    gpt-fast's decode-only ms over the overlapped TPOT; issue 17: >= 0.91). Models: those of ``--models`` among
+    llama-3.2-1b and qwen3-8b, both when none is. gpt-fast's files travel as the ignored ``.peers/gpt-fast``
+    (``GPT_FAST_DIR``) named in the device call's ``carry`` (docs/benchmarks.md, "gpt-fast", shows how to make
+    it). One device call per model: the step limits (240 + 120 + 30 s, 300 + 150 + 30 s) each fit the 600 s
+    command limit; together they would not."""
     out = os.environ.get("OUT", "/tmp/out")
     checkout = os.environ.get("GPT_FAST_DIR", GPT_FAST_DIR)
     models = [m for m in o.models if m in GPT_FAST_MODELS] or list(GPT_FAST_MODELS)
