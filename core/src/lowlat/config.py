@@ -215,7 +215,7 @@ class EngineConfig:
                               f"per VERIFY step, above max_verify_tokens={self.max_verify_tokens}; lower "
                               "num_draft_tokens or raise max_verify_tokens")
         sm = parse_method(method)
-        if sm.kind == "simulated" and sm.mean > self.draft_tokens + 1:
+        if sm.kind == "simulated" and sm.mean is not None and sm.mean > self.draft_tokens + 1:
             raise ConfigError(f"simulated:{sm.mean:g} is above the longest possible acceptance "
                               f"num_draft_tokens + 1 = {self.draft_tokens + 1}")
 

@@ -10,7 +10,7 @@ what ``F.linear`` takes), so a plugin that perturbs nothing and copies nothing s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -80,6 +80,11 @@ def bind_params(binding: Any) -> ModelParams:
     c, p = binding.model_config, binding.params
     plugin = getattr(binding, "plugin", "?")
 
+    @overload
+    def get(name: str, shape: tuple[int | None, ...] | None = None, *, optional: Literal[False] = False
+            ) -> torch.Tensor: ...
+    @overload
+    def get(name: str, shape: tuple[int | None, ...] | None = None, *, optional: bool) -> torch.Tensor | None: ...
     def get(name: str, shape: tuple[int | None, ...] | None = None, *, optional: bool = False) -> torch.Tensor | None:
         t = p.get(name)
         if t is None:

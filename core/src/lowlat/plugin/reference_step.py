@@ -27,6 +27,7 @@ its deliberately broken variants use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,8 @@ class LayerWeights:
         w = cls(ln_in=lp.input_norm, qkv_t=lp.qkv.t(), qkv_bias=lp.qkv_bias, q_norm=lp.q_norm, k_norm=lp.k_norm,
                 o_t=lp.o_proj.t(), o_bias=lp.o_bias, ln_post=lp.post_norm, params=lp)
         if lp.is_moe:
-            w.router_t, w.experts_w13_t, w.experts_w2_t = lp.router.t(), lp.w13.transpose(1, 2), lp.w2.transpose(1, 2)
+            w.router_t, w.experts_w13_t, w.experts_w2_t = (lp.router.t(), lp.w13.transpose(1, 2),  # type: ignore[union-attr]
+                                                           lp.w2.transpose(1, 2))  # type: ignore[union-attr]
         else:
             w.gate_up_t, w.down_t = lp.gate_up.t(), lp.down.t()  # type: ignore[union-attr]
             w.gate_up_bias, w.down_bias = lp.gate_up_bias, lp.down_bias
@@ -114,7 +116,7 @@ class ReferenceStep:
                              f"kv heads per rank, which do not fit head_dim={self.head_dim}")
         cos, sin = binding.rope_cos_sin()  # core's tables, bit for bit the general path's
         self.cos_table, self.sin_table = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        self.pool = None
+        self.pool: Any = None  # lowlat's KVPool (duck-typed here: the plugin layer imports no runtime type)
         self._routing: list[torch.Tensor] = []
         binding.on_kv_pool_ready(self._set_pool)
 
@@ -157,7 +159,7 @@ class ReferenceStep:
             delta = self._attention(i, w, h, cos, sin, batch)
             x, h = self.add_norm(x, delta, w.ln_post)
             delta = self.moe(i, w, h) if w.router_t is not None else self.mlp(i, w, h)
-        logits = self.lm_head(x + delta)
+        logits = self.lm_head(x + delta)  # type: ignore[operator]  # delta is a tensor after the first layer
         return self.sample(logits, batch.sampling) if batch.wants_ids else logits  # type: ignore[arg-type]
 
     def last_routing(self) -> list[torch.Tensor]:
@@ -266,19 +268,19 @@ class ReferenceStep:
         if w.gate_up_bias is not None:
             gu = gu + w.gate_up_bias
         gate, up = gu.chunk(2, dim=-1)
-        out = self._sum_ranks((F.silu(gate) * up) @ w.down_t)
+        out = self._sum_ranks((F.silu(gate) * up) @ w.down_t)  # type: ignore[operator]
         return out if w.down_bias is None else out + w.down_bias
 
     def _moe(self, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         c = self.config
-        probs = torch.softmax((h @ w.router_t).float(), dim=-1)
+        probs = torch.softmax((h @ w.router_t).float(), dim=-1)  # type: ignore[operator]
         top_w, top_ids = probs.topk(c.num_experts_per_tok, dim=-1)
         self._routing.append(top_ids)
         if c.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         combine = torch.zeros_like(probs, dtype=self.dtype).scatter(1, top_ids, top_w.to(self.dtype))  # [T, E]
-        gate, up = torch.matmul(h[None], w.experts_w13_t).chunk(2, dim=-1)  # [E, T, I_l] each
-        y = torch.matmul(F.silu(gate) * up, w.experts_w2_t)  # [E, T, H]
+        gate, up = torch.matmul(h[None], w.experts_w13_t).chunk(2, dim=-1)  # type: ignore[arg-type]  # [E, T, I_l]
+        y = torch.matmul(F.silu(gate) * up, w.experts_w2_t)  # type: ignore[arg-type]  # [E, T, H]
         return self._sum_ranks((y * combine.t()[:, :, None]).sum(dim=0))
 
     def _sum_ranks(self, x: torch.Tensor) -> torch.Tensor:
