@@ -41,10 +41,6 @@ class Conditioned:
     base: Tolerance
     refs: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    @property
-    def low_precision(self) -> bool:
-        return self.base.low_precision
-
     def check(self, got: torch.Tensor, want: torch.Tensor, what: str,
               tie_rows: frozenset[int] = frozenset()) -> str | None:
         ref = self.refs.get("kv" if "K/V" in what else "logits")

@@ -58,16 +58,15 @@ def _reachable(obj: Any) -> tuple[int, int]:
 
 
 def _allocated(device: torch.device) -> int:
-    """CUDA: the bytes the live tensors asked for (``requested_bytes.all.current``, torch >= 2.1), else
-    ``memory_allocated``. Not ``memory_allocated`` first: it counts whole allocator blocks, and a block of a
+    """CUDA: the bytes the live tensors asked for (``requested_bytes.all.current``). Not ``memory_allocated``:
+    it counts whole allocator blocks, and a block of a
     large tensor keeps an unsplit remainder of up to 1 MiB, so the same tensors read up to 1 MiB more after
     one step than after another (seen on the H200: 1.2-1.5 MB between two steps of one shape at qwen3-8b and
     qwen3-30b-a3b, from the checked step's own logits). CPU: 0 (the live-tensor count covers it)."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
-    requested = torch.cuda.memory_stats(device).get("requested_bytes.all.current")
-    return int(requested if requested is not None else torch.cuda.memory_allocated(device))
+    return int(torch.cuda.memory_stats(device)["requested_bytes.all.current"])
 
 
 def test_workspaces_are_accounted(case: Any, runner: Any, dispatcher: Any) -> None:

@@ -184,8 +184,9 @@ def test_sampled_ids_follow_distribution(case: Any, runner: Any, dispatcher: Any
     from lowlat_contract.pytest_plugin import sweep_mode
 
     key = (str(request.config.getoption("lowlat_plugin", default="") or ""), variant)
-    n_draws = COVERING_DRAWS if sweep_mode(request.config) == "covering" else DRAWS
-    if sweep_mode(request.config) == "covering" and key in _CHECKED:
+    covering = sweep_mode(request.config) == "covering"
+    n_draws = COVERING_DRAWS if covering else DRAWS
+    if covering and key in _CHECKED:
         pytest.skip(f"covering sweep: {variant} sampling passed on an earlier architecture "
                     "(--lowlat-sweep full checks every one)")
 

@@ -255,9 +255,9 @@ class ModelRunner:
         return graphs.replay(batch, key) if key is not None else self.dispatcher(batch)  # type: ignore[misc]
 
     def will_replay(self, batch: ForwardBatch) -> bool:
-        """Whether ``forward(batch)`` will replay a CUDA graph (then no model or plugin code runs on the host)."""
-        graphs = self.graph_runner
-        return graphs is not None and graphs.key_for(batch, self._ids_variant(batch)) is not None
+        """Whether ``forward(batch)`` will replay a CUDA graph (then no model or plugin code runs on the host). An ids
+        graph is only ever captured beside its shape's logits graph, so the logits graph's presence decides."""
+        return self.graph_runner is not None and self.graph_runner.can_run(batch)
 
     def _ids_variant(self, batch: ForwardBatch) -> str:
         """The ids graph variant for ``batch`` ("" when it replays the logits graph): only for a SamplingInfo in
