@@ -284,3 +284,37 @@ def test_sampling_mutant_fails_covering_sampled_ids(tmp_path: Path, name: str) -
     assert run.rc == 1 and run.failed(m.expect), f"{name} passed the covering distribution test:\n{run.summary()}"
     assert "160 draws" in run.failed(m.expect)[0].message or "never draws" in run.failed(m.expect)[0].message, (
         run.summary())
+
+
+PACKED_CONTROL = '''
+from lowlat_contract.plugins.mutants._base import HookedReference, specs
+from lowlat_contract.plugins.reference import SpecHooks
+
+
+class PackedControl(HookedReference):
+    """Correct, but it copies its o_proj weights at build: it sees new weights only when rebuilt."""
+
+    def __init__(self, binding):
+        super().__init__(binding)
+        for w in self.layers:
+            w.o_t = w.o_t.clone()
+
+
+def build(binding):
+    return PackedControl(binding)
+
+
+HOOKS = SpecHooks(lambda: specs("packed_control:build"))
+'''
+
+
+def test_covering_weight_binding_rebuilds_a_plugin_that_copies_its_weights(tmp_path: Path) -> None:
+    """The covering form checks a plugin rebuilt from the perturbed weights: a correct plugin that copies its
+    weights at build passes it (checked against the one built before the perturbation, it would fail)."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "packed_control.py").write_text(PACKED_CONTROL)
+    run = run_suite("packed_control:HOOKS", tmp_path / "site", tmp_path, arch="LlamaForCausalLM",
+                    extra=("--lowlat-sweep", "covering", "-k", "test_every_weight_changes_output"),
+                    contracts=("weight_binding",))
+    _check_run(run, ("weight_binding",))
+    assert run.rc == 0 and any(r.outcome == "passed" for r in run.results), run.summary()
