@@ -1,0 +1,147 @@
+"""Where an overlapped DECODE step's time goes, without a profiler: device phases by CUDA events, host by clock.
+
+    python bench/scripts/overlap_phases.py --model llama-3.2-1b --paths general,nvidia_mega --batch-sizes 1,8
+
+Per path and batch size, ``--steps`` overlapped DECODE steps (after every request has decoded twice; no prefill)
+are run with CUDA events recorded in stream order at four points of each step (``lowlat.runtime.overlap``):
+
+- ``a``: before the batch is built (``OverlapLoop._next_step``: the upload and the KV-slot write are queued there),
+- ``b``/``c``: around ``ModelRunner.forward`` (the graph replay with its replay hooks and the output copy),
+- ``d``: after the picked ids' copy to the host (the end of ``OverlapLoop._enqueue``).
+
+and printed as device µs per step (medians): ``inputs`` a->b (upload, slot write, the ids gather), ``forward``
+b->c, ``epilogue`` c->d (pick, pack, copy to the host), ``gap`` d->next a (idle: the device waited for the host),
+``period`` a->next a (what a token costs). Beside them the host's µs per ``Engine.step()`` call and, of it, the
+time spent waiting for the device (``OverlapLoop._wait``): when the wait is near zero the loop is host-bound.
+
+Diagnostic only (no pass/fail; it patches the loop's methods in this process); CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from lowlat import Engine, EngineConfig, SamplingParams
+from lowlat.bench.config import GENERAL_VARIANTS
+from lowlat.runtime.overlap import OverlapLoop
+
+
+class Phases:
+    """Events and host clocks of the patched loop; ``on`` gates recording (warm-up steps are not recorded)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.marks: list[dict[str, torch.cuda.Event]] = []  # one dict per launched step: a, b, c, d
+        self.host_us: list[float] = []
+        self.wait_us: list[float] = []
+
+    def mark(self, name: str) -> None:
+        if not self.on:
+            return
+        if name == "a" or not self.marks:
+            self.marks.append({})
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.marks[-1][name] = ev
+
+    def patch(self, loop: OverlapLoop) -> None:
+        runner = loop.engine.runner
+        next_step, enqueue, wait, step, forward = (loop._next_step, loop._enqueue, loop._wait, loop.step,
+                                                   runner.forward)
+
+        def p_next(prev):  # noqa: ANN001, ANN202
+            self.mark("a")
+            return next_step(prev)
+
+        def p_forward(batch, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self.mark("b")
+            out = forward(batch, *a, **k)
+            self.mark("c")
+            return out
+
+        def p_enqueue(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            out = enqueue(*a, **k)
+            self.mark("d")
+            return out
+
+        def p_wait(f):  # noqa: ANN001, ANN202
+            t = time.perf_counter()
+            wait(f)
+            if self.on:
+                self.wait_us.append(1e6 * (time.perf_counter() - t))
+
+        def p_step():  # noqa: ANN202
+            t = time.perf_counter()
+            out = step()
+            if self.on:
+                self.host_us.append(1e6 * (time.perf_counter() - t))
+            return out
+
+        loop._next_step, loop._enqueue, loop._wait, loop.step = p_next, p_enqueue, p_wait, p_step
+        runner.forward = p_forward
+
+    def table(self) -> dict[str, float]:
+        torch.cuda.synchronize()
+        full = [m for m in self.marks if set(m) == {"a", "b", "c", "d"}]
+        med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
+        us = lambda x, y: 1e3 * x.elapsed_time(y)  # noqa: E731
+        pairs = list(zip(full, full[1:]))
+        return {"steps": len(full), "inputs": med([us(m["a"], m["b"]) for m in full]),
+                "forward": med([us(m["b"], m["c"]) for m in full]),
+                "epilogue": med([us(m["c"], m["d"]) for m in full]),
+                "gap": med([us(m["d"], n["a"]) for m, n in pairs]),
+                "period": med([us(m["a"], n["a"]) for m, n in pairs]),
+                "host": med(self.host_us), "wait": med(self.wait_us)}
+
+
+def run(engine: Engine, batch: int, steps: int, context: int) -> dict[str, float]:
+    vocab = engine.model_config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(batch)).tolist()
+    params = SamplingParams(max_new_tokens=steps + 16, stop_at_eos=False)
+    engine.generate(prompts, params)  # warm-up
+    phases = Phases()
+    phases.patch(engine.overlap)
+    for p in prompts:
+        engine.add_request(p, params)
+    while any(len(r.output_ids) < 2 for r in engine.scheduler.running) or len(engine.scheduler.running) < batch:
+        engine.step()
+    phases.on = True
+    for _ in range(steps):
+        engine.step()
+    phases.on = False
+    while engine.has_unfinished():
+        engine.step()
+    engine.overlap = OverlapLoop(engine)  # unpatched
+    return phases.table()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--paths", default="general,nvidia_mega")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=96)
+    args = ap.parse_args()
+    cols = ("inputs", "forward", "epilogue", "gap", "period", "host", "wait")
+    print("| model | path | batch | " + " | ".join(f"{c} us" for c in cols) + " |")
+    print("|---|---|---|" + "---|" * len(cols))
+    for path in args.paths.split(","):
+        general = GENERAL_VARIANTS.get(path)
+        bss = [int(b) for b in args.batch_sizes.split(",")]
+        cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none" if general else path,
+                           general_impl=general or "auto", max_batch_size=max(bss),
+                           max_context_len=args.context + args.steps + 32, max_verify_tokens=1, overlap=True)
+        with Engine(cfg) as e:
+            for b in bss:
+                t = run(e, b, args.steps, args.context)
+                print(f"| {args.model} | {path} | {b} | " + " | ".join(f"{t[c]:.1f}" for c in cols) + " |",
+                      flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
