@@ -6,13 +6,18 @@ Per path and batch size, ``--steps`` overlapped DECODE steps (after every reques
 are run with CUDA events recorded in stream order at four points of each step (``lowlat.runtime.overlap``):
 
 - ``a``: before the batch is built (``OverlapLoop._next_step``: the upload and the KV-slot write are queued there),
-- ``b``/``c``: around ``ModelRunner.forward`` (the graph replay with its replay hooks and the output copy),
+- ``b``/``c``: around ``ModelRunner.forward`` (the graph replay with its replay hooks and the output copy; the
+  ``replay`` column is ``CUDAGraph.replay`` alone, by two more events),
 - ``d``: after the picked ids' copy to the host (the end of ``OverlapLoop._enqueue``).
 
 and printed as device µs per step (medians): ``inputs`` a->b (upload, slot write, the ids gather), ``forward``
 b->c, ``epilogue`` c->d (pick, pack, copy to the host), ``gap`` d->next a (idle: the device waited for the host),
 ``period`` a->next a (what a token costs). Beside them the host's µs per ``Engine.step()`` call and, of it, the
 time spent waiting for the device (``OverlapLoop._wait``): when the wait is near zero the loop is host-bound.
+``--wait`` picks how the host waits: ``spin`` (the loop's own ``event.query()`` poll), ``sync``
+(``event.synchronize()``) or ``sleep`` (a poll every 20 µs), to see whether the host's polling slows the device.
+Then ``lowlat bench``'s step and replay (``lowlat.bench.lowlat_path.measure_shape``) at the loop's mean KV length,
+in the same engine, for the side-by-side figure.
 
 Diagnostic only (no pass/fail; it patches the loop's methods in this process); CUDA.
 """
@@ -25,14 +30,17 @@ import time
 
 import torch
 from lowlat import Engine, EngineConfig, SamplingParams
-from lowlat.bench.config import GENERAL_VARIANTS
+from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
+from lowlat.bench.lowlat_path import fill_kv_random, free_rows, input_sets, measure_shape
+from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.overlap import OverlapLoop
 
 
 class Phases:
     """Events and host clocks of the patched loop; ``on`` gates recording (warm-up steps are not recorded)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_mode: str = "spin") -> None:
+        self.wait_mode = wait_mode
         self.on = False
         self.marks: list[dict[str, torch.cuda.Event]] = []  # one dict per launched step: a, b, c, d
         self.host_us: list[float] = []
@@ -41,7 +49,7 @@ class Phases:
     def mark(self, name: str) -> None:
         if not self.on:
             return
-        if name == "a" or not self.marks:
+        if name == "a" or not self.marks or name in self.marks[-1]:
             self.marks.append({})
         ev = torch.cuda.Event(enable_timing=True)
         ev.record()
@@ -69,7 +77,13 @@ class Phases:
 
         def p_wait(f):  # noqa: ANN001, ANN202
             t = time.perf_counter()
-            wait(f)
+            if self.wait_mode == "sync" and f.event is not None:
+                f.event.synchronize()
+            elif self.wait_mode == "sleep" and f.event is not None:
+                while not f.event.query():
+                    time.sleep(2e-5)
+            else:
+                wait(f)
             if self.on:
                 self.wait_us.append(1e6 * (time.perf_counter() - t))
 
@@ -82,6 +96,16 @@ class Phases:
 
         loop._next_step, loop._enqueue, loop._wait, loop.step = p_next, p_enqueue, p_wait, p_step
         runner.forward = p_forward
+        graphs = runner.graph_runner.graphs if runner.graph_runner is not None else {}
+        for key, g in list(graphs.items()):
+            graphs[key] = _Timed(g, self)
+
+    def unpatch(self, loop: OverlapLoop) -> None:
+        runner = loop.engine.runner
+        del runner.forward  # the class's method again
+        graphs = runner.graph_runner.graphs if runner.graph_runner is not None else {}
+        for key, g in list(graphs.items()):
+            graphs[key] = g.graph if isinstance(g, _Timed) else g
 
     def table(self) -> dict[str, float]:
         torch.cuda.synchronize()
@@ -92,17 +116,51 @@ class Phases:
         return {"steps": len(full), "inputs": med([us(m["a"], m["b"]) for m in full]),
                 "forward": med([us(m["b"], m["c"]) for m in full]),
                 "epilogue": med([us(m["c"], m["d"]) for m in full]),
+                "replay": med([us(m["r0"], m["r1"]) for m in full if "r0" in m and "r1" in m]),
                 "gap": med([us(m["d"], n["a"]) for m, n in pairs]),
                 "period": med([us(m["a"], n["a"]) for m, n in pairs]),
                 "host": med(self.host_us), "wait": med(self.wait_us)}
 
 
-def run(engine: Engine, batch: int, steps: int, context: int) -> dict[str, float]:
+class _Timed:
+    """A captured graph whose ``replay`` is bracketed by two events (``r0``, ``r1``) of the current step."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, phases: Phases) -> None:
+        self.graph, self.phases = graph, phases
+
+    def replay(self) -> None:
+        if self.phases.on and self.phases.marks:
+            for name in ("r0", "r1"):
+                if name == "r1":
+                    self.graph.replay()
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self.phases.marks[-1][name] = ev
+        else:
+            self.graph.replay()
+
+
+def bench_step(engine: Engine, batch: int, context: int) -> tuple[float, float]:
+    """``lowlat bench``'s DECODE step and pure replay (median µs) at ``context`` in ``engine``'s runner."""
+    runner = engine.runner
+    cfg = BenchConfig(models=(engine.config.model,), paths=("general",), batch_sizes=(batch,),
+                      modes=(ForwardMode.DECODE,), context=context, input_sets=2, warmup=5, iters=50, device="cuda",
+                      dtype="bfloat16", seed=0, page_size=engine.config.page_size)
+    fill_kv_random(runner.kv_pool, 0)
+    batches, rows = input_sets(runner, Shape(ForwardMode.DECODE, batch, 1), cfg, seed=batch)
+    try:
+        m = measure_shape(runner, batches, cfg, runner.device)
+    finally:
+        free_rows(runner, rows)
+    return 1e3 * m.step.median, 1e3 * m.replay.median if m.replay is not None else float("nan")
+
+
+def run(engine: Engine, batch: int, steps: int, context: int, wait_mode: str) -> dict[str, float]:
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(batch)).tolist()
     params = SamplingParams(max_new_tokens=steps + 16, stop_at_eos=False)
     engine.generate(prompts, params)  # warm-up
-    phases = Phases()
+    phases = Phases(wait_mode)
     phases.patch(engine.overlap)
     for p in prompts:
         engine.add_request(p, params)
@@ -114,8 +172,11 @@ def run(engine: Engine, batch: int, steps: int, context: int) -> dict[str, float
     phases.on = False
     while engine.has_unfinished():
         engine.step()
+    phases.unpatch(engine.overlap)
     engine.overlap = OverlapLoop(engine)  # unpatched
-    return phases.table()
+    t = phases.table()
+    t["bench step"], t["bench replay"] = bench_step(engine, batch, context + (steps + 6) // 2)
+    return t
 
 
 def main() -> int:
@@ -125,21 +186,24 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--wait", default="spin", help="comma-separated host wait modes: spin, sync, sleep")
     args = ap.parse_args()
-    cols = ("inputs", "forward", "epilogue", "gap", "period", "host", "wait")
-    print("| model | path | batch | " + " | ".join(f"{c} us" for c in cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
+    cols = ("inputs", "forward", "replay", "epilogue", "gap", "period", "host", "wait", "bench step", "bench replay")
+    print("| model | path | batch | wait | " + " | ".join(f"{c} us" for c in cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
     for path in args.paths.split(","):
         general = GENERAL_VARIANTS.get(path)
         bss = [int(b) for b in args.batch_sizes.split(",")]
         cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none" if general else path,
-                           general_impl=general or "auto", max_batch_size=max(bss),
-                           max_context_len=args.context + args.steps + 32, max_verify_tokens=1, overlap=True)
+                           general_impl=general or "auto", max_batch_size=2 * max(bss),  # 2 bench input sets
+                           max_context_len=args.context + args.steps + 32, max_verify_tokens=1, overlap=True,
+                           chunked_prefill_size=max(4096, max(bss) * args.context))
         with Engine(cfg) as e:
             for b in bss:
-                t = run(e, b, args.steps, args.context)
-                print(f"| {args.model} | {path} | {b} | " + " | ".join(f"{t[c]:.1f}" for c in cols) + " |",
-                      flush=True)
+                for mode in args.wait.split(","):
+                    t = run(e, b, args.steps, args.context, mode)
+                    print(f"| {args.model} | {path} | {b} | {mode} | " + " | ".join(f"{t[c]:.1f}" for c in cols)
+                          + " |", flush=True)
     return 0
 
 
