@@ -27,7 +27,8 @@ device). Per lowlat preset this harness
    long run: prefill included) and the decode-only ms per token ``(t_long - t_short) / (N_long - N_short)``,
    ``t = N / (tokens/s)``, medians over samples. With the defaults (context 1024, 32 and 160 new tokens:
    P = 928) the decode-only window has KV lengths 960..1087, the same window as bench/scripts/e2e_tpot.py's
-   ``Engine.generate`` run at ``--context 1024 --new-tokens 128``. The second run reuses the first's inductor cache.
+   ``Engine.generate`` run at ``--context 1024 --new-tokens 128``. Each run compiles its own decode graph
+   (generate.py sizes the KV cache to prompt + new tokens, so the two runs' shapes differ).
 """
 
 from __future__ import annotations
