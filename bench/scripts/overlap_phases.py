@@ -109,7 +109,7 @@ class Phases:
 
     def table(self) -> dict[str, float]:
         torch.cuda.synchronize()
-        full = [m for m in self.marks if set(m) == {"a", "b", "c", "d"}]
+        full = [m for m in self.marks if set(m) >= {"a", "b", "c", "d"}]
         med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
         us = lambda x, y: 1e3 * x.elapsed_time(y)  # noqa: E731
         pairs = list(zip(full, full[1:]))
@@ -186,24 +186,37 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=96)
+    ap.add_argument("--max-context-len", type=int, default=1152,
+                    help="the engine's (it sets the attention's split count): e2e_tpot.py's at its defaults")
     ap.add_argument("--wait", default="spin", help="comma-separated host wait modes: spin, sync, sleep")
+    ap.add_argument("--sweep", default="", help="comma-separated KV lengths: lowlat bench's step and replay at "
+                    "each, in a fresh engine before the loop runs and again after it (does the step depend on the "
+                    "KV length, or on what ran before?)")
     args = ap.parse_args()
     cols = ("inputs", "forward", "replay", "epilogue", "gap", "period", "host", "wait", "bench step", "bench replay")
     print("| model | path | batch | wait | " + " | ".join(f"{c} us" for c in cols) + " |")
     print("|---|---|---|---|" + "---|" * len(cols))
+    if args.context + args.steps + 32 > args.max_context_len:
+        ap.error("--context + --steps + 32 must fit --max-context-len")
     for path in args.paths.split(","):
         general = GENERAL_VARIANTS.get(path)
         bss = [int(b) for b in args.batch_sizes.split(",")]
         cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none" if general else path,
                            general_impl=general or "auto", max_batch_size=2 * max(bss),  # 2 bench input sets
-                           max_context_len=args.context + args.steps + 32, max_verify_tokens=1, overlap=True,
+                           max_context_len=args.max_context_len, max_verify_tokens=1, overlap=True,
                            chunked_prefill_size=max(4096, max(bss) * args.context))
         with Engine(cfg) as e:
+            sweep = [int(c) for c in args.sweep.split(",") if c]
+            before = {(b, c): bench_step(e, b, c) for b in bss for c in sweep}
             for b in bss:
                 for mode in args.wait.split(","):
                     t = run(e, b, args.steps, args.context, mode)
                     print(f"| {args.model} | {path} | {b} | {mode} | " + " | ".join(f"{t[c]:.1f}" for c in cols)
                           + " |", flush=True)
+            for (b, c), (step, replay) in before.items():
+                a_step, a_replay = bench_step(e, b, c)
+                print(f"  sweep {path} b={b} KV {c}: bench step {step:.1f} / replay {replay:.1f} us before the loop, "
+                      f"{a_step:.1f} / {a_replay:.1f} us after", flush=True)
     return 0
 
 
