@@ -1,0 +1,72 @@
+"""Which engine activity leaves a path's CUDA-graph replay slower: lowlat bench's DECODE step between activities.
+
+    python bench/scripts/replay_drift.py --model llama-3.2-1b --path general --batch 1
+
+On the H200, the general path's graph replay at batch 1 (llama-3.2-1b, KV 960-1120) measured 1.06 ms in a fresh
+engine and 1.12 ms after an overlapped ``Engine.generate`` in the same engine, at every KV length; nvidia_mega's
+did not move (bench/results/2026-12-01-h200-overlap-phases). This script measures the step (``lowlat bench``'s
+``measure_shape``: step and pure replay, median µs) after each of: nothing, a prefill only (one new token, plain
+loop), plain decode (``overlap=False``), overlapped decode, ``torch.cuda.empty_cache()``, and a second fresh
+measurement, so the activity that causes the drift shows as the first row that moves.
+
+Diagnostic only (no pass/fail); CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from lowlat import Engine, EngineConfig, SamplingParams
+from lowlat.bench.config import GENERAL_VARIANTS
+from lowlat.runtime.overlap import OverlapLoop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overlap_phases import bench_step  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--path", default="general")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    general = GENERAL_VARIANTS.get(args.path)
+    cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none" if general else args.path,
+                       general_impl=general or "auto", max_batch_size=2 * args.batch, max_verify_tokens=1,
+                       max_context_len=args.context + 128, overlap=True,
+                       chunked_prefill_size=max(4096, args.batch * args.context))
+    vocab_gen = torch.Generator().manual_seed(0)
+    with Engine(cfg) as e:
+        prompts = torch.randint(0, e.model_config.vocab_size, (args.batch, args.context - 64),
+                                generator=vocab_gen).tolist()
+
+        def show(label: str) -> None:
+            step, replay = bench_step(e, args.batch, args.context)
+            print(f"| {args.path} | {args.batch} | {label} | {step:.1f} | {replay:.1f} |", flush=True)
+
+        def generate(overlap: bool, n: int) -> None:
+            e.overlap = OverlapLoop(e) if overlap else None
+            e.generate(prompts, SamplingParams(max_new_tokens=n, stop_at_eos=False))
+
+        print("| path | batch | after | bench step us | replay us |\n|---|---|---|---|---|")
+        show("fresh engine")
+        show("fresh engine, again")
+        generate(False, 1)
+        show("a prefill (1 new token)")
+        generate(False, args.new_tokens)
+        show(f"plain decode ({args.new_tokens} tokens)")
+        generate(True, args.new_tokens)
+        show(f"overlapped decode ({args.new_tokens} tokens)")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        show("torch.cuda.empty_cache()")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
