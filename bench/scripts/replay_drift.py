@@ -5,9 +5,10 @@
 On the H200, the general path's graph replay at batch 1 (llama-3.2-1b, KV 960-1120) measured 1.06 ms in a fresh
 engine and 1.12 ms after an overlapped ``Engine.generate`` in the same engine, at every KV length; nvidia_mega's
 did not move (bench/results/2026-12-01-h200-overlap-phases). This script measures the step (``lowlat bench``'s
-``measure_shape``: step and pure replay, median µs) after each of: nothing, a prefill only (one new token, plain
-loop), plain decode (``overlap=False``), overlapped decode, ``torch.cuda.empty_cache()``, and a second fresh
-measurement, so the activity that causes the drift shows as the first row that moves.
+``measure_shape``: step and pure replay, median µs) after each of: nothing (twice), an eager bf16 GEMM and
+an eager causal SDPA of the prefill's shapes, a prefill only (one new token, plain loop), plain decode
+(``overlap=False``), overlapped decode and ``torch.cuda.empty_cache()``, so the activity that causes the drift
+shows as the first row that moves.
 
 Diagnostic only (no pass/fail); CUDA.
 """
@@ -56,6 +57,20 @@ def main() -> int:
         print("| path | batch | after | bench step us | replay us |\n|---|---|---|---|---|")
         show("fresh engine")
         show("fresh engine, again")
+        dev, bf16 = e.runner.device, torch.bfloat16
+        hidden, inter = e.model_config.hidden_size, e.model_config.intermediate_size
+        a, w = torch.randn(args.context, hidden, device=dev, dtype=bf16), torch.randn(hidden, inter, device=dev,
+                                                                                       dtype=bf16)
+        for _ in range(3):
+            a @ w
+        show(f"an eager bf16 GEMM [{args.context}, {hidden}] x [{hidden}, {inter}]")
+        hq, hkv = e.model_config.num_attention_heads, e.model_config.num_key_value_heads
+        d = e.model_config.head_dim
+        q = torch.randn(1, hq, args.context, d, device=dev, dtype=bf16)
+        kv = torch.randn(1, hkv, args.context, d, device=dev, dtype=bf16)
+        for _ in range(3):
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+        show(f"an eager causal SDPA over {args.context} tokens")
         generate(False, 1)
         show("a prefill (1 new token)")
         generate(False, args.new_tokens)
