@@ -4,11 +4,17 @@
 
 On the H200, the general path's graph replay at batch 1 (llama-3.2-1b, KV 960-1120) measured 1.06 ms in a fresh
 engine and 1.12 ms after an overlapped ``Engine.generate`` in the same engine, at every KV length; nvidia_mega's
-did not move (bench/results/2026-12-01-h200-overlap-phases). This script measures the step (``lowlat bench``'s
-``measure_shape``: step and pure replay, median µs) after each of: nothing (twice), an eager bf16 GEMM and
-an eager causal SDPA of the prefill's shapes, a prefill only (one new token, plain loop), plain decode
-(``overlap=False``), overlapped decode and ``torch.cuda.empty_cache()``, so the activity that causes the drift
-shows as the first row that moves.
+did not move (bench/results/2026-12-01-h200-e2e-gptfast-drift). This script measures the step (``lowlat bench``'s
+``measure_shape``: step and pure replay, median µs) after each of, in order:
+
+1. nothing (twice);
+2. an eager bf16 GEMM and an eager causal SDPA of the prefill's shapes (main thread);
+3. the same GEMM on a new thread (its own cuBLAS handle);
+4. a PREFILL through ``ModelRunner.forward`` on the main thread;
+5. a prefill through ``Engine.generate`` (run on the step watchdog's thread; one new token, plain loop);
+6. plain decode (``overlap=False``), overlapped decode, and ``torch.cuda.empty_cache()``;
+
+so the activity that causes the drift shows as the first row that moves.
 
 Diagnostic only (no pass/fail); CUDA.
 """
@@ -17,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from pathlib import Path
 
 import torch
 from lowlat import Engine, EngineConfig, SamplingParams
 from lowlat.bench.config import GENERAL_VARIANTS
+from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.overlap import OverlapLoop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,6 +79,17 @@ def main() -> int:
         for _ in range(3):
             torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
         show(f"an eager causal SDPA over {args.context} tokens")
+        worker = threading.Thread(target=lambda: [a @ w for _ in range(3)] and torch.cuda.synchronize())
+        worker.start()
+        worker.join()
+        show("the same GEMM on a new thread (its own cuBLAS handle)")
+        row = e.runner.kv_pool.alloc_req()
+        try:
+            e.runner.forward(e.runner.prepare_batch(ForwardMode.PREFILL, [row], [0], [prompts[0]]))
+            torch.cuda.synchronize()
+        finally:
+            e.runner.kv_pool.free_req(row)
+        show("a PREFILL through ModelRunner.forward on this thread")
         generate(False, 1)
         show("a prefill (1 new token)")
         generate(False, args.new_tokens)

@@ -34,10 +34,10 @@ def running_server(*, max_queued: int = 2, request_timeout_s: float = 60.0, **en
     slow = Slow()
     forward = engine.runner.forward
 
-    def slowed(batch):
+    def slowed(batch, **kw):
         if slow.s:
             time.sleep(slow.s)
-        return forward(batch)
+        return forward(batch, **kw)
 
     engine.runner.forward = slowed
     metrics = ServeMetrics()

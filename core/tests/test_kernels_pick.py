@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lowlat.kernels.pick import _BLOCK, pick_packed
-from lowlat.runtime.step_guard import packed_picks
+from lowlat.kernels.pick import _BLOCK, pack_ids, pick_packed
+from lowlat.runtime.step_guard import packed_ids, packed_picks
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (conftest.py)
@@ -83,3 +83,44 @@ def test_packed_picks_is_the_same_with_and_without_the_kernel():
     assert torch.equal(got[:3], ref[:3]) and 0 <= got[3] < 1000
     picked = torch.tensor([1, 2, 3, 4], device=DEV)
     assert torch.equal(packed_picks(rows, picked).cpu(), want(rows, picked).cpu())
+
+
+# -- pack_ids: a sampling plugin's ids (-1 flags a row) ---------------------------------------------------------------
+
+
+def _torch_pack(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    i = ids.reshape(-1).to(torch.int64)
+    return torch.cat([i, ((i >= 0) & (i < vocab)).to(torch.int64)]), i.clamp(min=0)
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 1024, 1500])  # 1500: more rows than one 1024-wide block
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_pack_ids_equals_torch_and_flags_every_row_outside_the_vocabulary(n, dtype):
+    vocab = 50
+    ids = torch.randint(-3, vocab + 3, (n,), generator=torch.Generator().manual_seed(n)).to(DEV, dtype)
+    ids[0] = -1  # the plugin's flag for non-finite logits
+    if n > 1:
+        ids[-1] = vocab  # one past the vocabulary
+    packed, fed = pack_ids(ids, vocab)
+    want_packed, want_fed = _torch_pack(ids.cpu(), vocab)
+    assert packed.dtype == fed.dtype == torch.int64
+    assert torch.equal(packed.cpu(), want_packed) and torch.equal(fed.cpu(), want_fed)
+    assert packed[n].item() == 0 and fed[0].item() == 0  # flagged, and it feeds id 0
+
+
+def test_pack_ids_of_no_rows_and_of_a_strided_view():
+    packed, fed = pack_ids(torch.empty(0, dtype=torch.int64, device=DEV), 10)
+    assert packed.numel() == 0 and fed.numel() == 0
+    view = torch.arange(-1, 11, device=DEV).view(3, 4).t()  # row order of the view, not of its storage
+    packed, fed = pack_ids(view, 10)
+    want_packed, want_fed = _torch_pack(view.cpu(), 10)
+    assert torch.equal(packed.cpu(), want_packed) and torch.equal(fed.cpu(), want_fed)
+
+
+def test_packed_ids_is_the_same_with_and_without_the_kernel():
+    ids = torch.tensor([3, -1, 7, 9, 12], device=DEV)
+    got = packed_ids(ids, 10)  # the kernel on CUDA, torch on a CPU
+    want_packed, want_fed = _torch_pack(ids.cpu(), 10)
+    assert torch.equal(got[0].cpu(), want_packed) and torch.equal(got[1].cpu(), want_fed)
+    via_kernel = pack_ids(ids, 10)
+    assert torch.equal(via_kernel[0].cpu(), want_packed) and torch.equal(via_kernel[1].cpu(), want_fed)

@@ -34,8 +34,8 @@ def test_fill_writes_each_row_as_the_runtime_rules_say() -> None:
     # top_k >= vocab is off (0); a greedy row's top-k and top-p are off whatever it asked
     assert info.top_k.tolist() == [0, 5, 0, 0] and info.top_k.dtype == torch.int32
     assert torch.equal(info.top_p, torch.tensor([1.0, 0.9, 1.0, 1.0]))
-    assert info.seeds.tolist() == [7, 2**63 - 1, 2**63 - 1, 3]  # 63 bits, never negative
-    assert info.offsets.tolist() == [0, 4 * VOCAB, 9 * VOCAB, 2 * VOCAB]
+    assert info.seeds.tolist() == [0, 2**63 - 1, 2**63 - 1, 0]  # 63 bits, never negative; greedy rows: 0
+    assert info.offsets.tolist() == [0, 4 * VOCAB, 9 * VOCAB, 0]  # greedy rows draw nothing
     assert (info.all_greedy, info.max_top_k, info.any_top_p, info.top_p_alone) == (False, 5, True, False)
     assert info.variant == "filter"
     pad = si.info(6)  # rows 4 and 5: greedy padding a larger graph reads
@@ -61,6 +61,56 @@ def test_buffers_keep_their_addresses_and_rows_are_rewritten() -> None:
     assert [t.data_ptr() for t in (b.temperature, b.top_k, b.top_p, b.seeds, b.offsets)] == ptrs
     assert si.info(3).temperature.tolist() == [0.0, 2.0, 2.0]  # rows past the fill keep their last values
     assert len({p for p in ptrs}) == 5, "the five fields must not overlap"
+
+
+class _CountingRows:
+    """Stands in for a mirror field (a ctypes array): counts slice stores, forwards them."""
+
+    def __init__(self, arr: object) -> None:
+        self.arr, self.stores = arr, 0
+
+    def __setitem__(self, key: object, value: object) -> None:
+        self.stores += 1
+        self.arr[key] = value  # type: ignore[index]
+
+    def __getitem__(self, key: object) -> object:
+        return self.arr[key]  # type: ignore[index]
+
+
+def test_a_fill_the_buffers_already_hold_writes_nothing() -> None:
+    si = _si()
+    si._host = {name: _CountingRows(arr) for name, arr in si._host.items()}
+    stores = lambda: sum(r.stores for r in si._host.values())  # noqa: E731
+    greedy = [SamplingParams()] * 3
+    si.fill(greedy, [1, 2, 3], [9, 10, 11], pad_to=4)
+    assert stores() == 0, "fresh buffers already hold greedy rows"
+    si.fill([SamplingParams(temperature=1.0)] * 3, [1, 2, 3], [9, 10, 11], pad_to=4)
+    si.fill(greedy, [1, 2, 3], [10, 11, 12], pad_to=4)
+    first = stores()
+    assert first > 0
+    info = si.fill(greedy, [1, 2, 3], [11, 12, 13], pad_to=4)  # the next greedy step: same rows
+    assert stores() == first, "a greedy step rewrote (and would upload) rows the buffers already hold"
+    assert info.variant == "greedy" and info.temperature.tolist() == [0.0] * 3
+    si.fill([SamplingParams(temperature=1.0)] + greedy[1:], [1, 2, 3], [11, 12, 13], pad_to=4)
+    assert stores() > first, "a changed row must be written"
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_k", "top_p", "seeds", "offsets", "padding"])
+def test_a_change_in_any_one_field_reaches_the_buffers(field: str) -> None:
+    si = _si()
+    base = SamplingParams(temperature=0.5, top_k=4, top_p=0.8)
+    si.fill([base] * 2, [5, 6], [3, 4], pad_to=2)
+    change = {"temperature": dict(temperature=0.9), "top_k": dict(top_k=7), "top_p": dict(top_p=0.6)}
+    params = [base, SamplingParams(**{**dict(temperature=0.5, top_k=4, top_p=0.8), **change.get(field, {})})]
+    seeds = [5, 9] if field == "seeds" else [5, 6]
+    positions = [3, 8] if field == "offsets" else [3, 4]
+    info = si.fill(params, seeds, positions, pad_to=3 if field == "padding" else 2)
+    want = SamplingInputs(device="cpu", max_rows=6, vocab=VOCAB).fill(params, seeds, positions,
+                                                                       pad_to=3 if field == "padding" else 2)
+    for name in ("temperature", "top_k", "top_p", "seeds", "offsets"):
+        assert getattr(info, name).tolist() == getattr(want, name).tolist(), name
+    if field == "padding":
+        assert si.info(3).temperature.tolist()[2] == 0.0
 
 
 @pytest.mark.parametrize(("variant", "temp", "k", "p"), [("greedy", 0.0, 0, 1.0), ("sample", 1.0, 0, 1.0),

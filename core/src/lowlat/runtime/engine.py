@@ -301,7 +301,7 @@ class Engine:
         rows = logits if len(step.sample_rows) == logits.shape[0] else logits[step.sample_rows]
         if is_ids(rows):  # a sampling plugin's ids: -1 flags non-finite logits (step_guard)
             self._sync()
-            return checked_picks(packed_ids(rows, self.model_config.vocab_size).tolist(),
+            return checked_picks(packed_ids(rows, self.model_config.vocab_size)[0].tolist(),
                                  lambda: describe_step(step, self.runner, self._steps_run + 1))
         picked = None if step.greedy else sample(rows, [r.params for r in step.sample_reqs],
                                                  [r.generator for r in step.sample_reqs])  # None: argmax

@@ -235,8 +235,12 @@ class ModelRunner:
         batch.sampling = si.fill(params, seeds, [n - 1 for n in batch.seq_lens_cpu], pad_to=min(pad, si.max_rows))
         batch.logits_required = False
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, *, fresh: bool = True) -> torch.Tensor:
         """Run one step (in inference mode): replay a CUDA graph when one fits, else the Dispatcher eagerly.
+
+        Args:
+            fresh: False lets a replay return a view of the graph's fixed output (``CudaGraphRunner.replay``:
+                valid until the next replay; only for reads queued on the stream before it).
 
         Returns:
             float32 logits ``[R, vocab]``: R = T for DECODE/VERIFY, B (last token per request) for PREFILL; or
@@ -244,15 +248,17 @@ class ModelRunner:
             serves them (``Dispatcher.serves_ids``).
         """
         if torch.is_inference_mode_enabled():  # the engine's loop already is: skip the context manager
-            return self._forward(batch)
+            return self._forward(batch, fresh)
         with torch.inference_mode():
-            return self._forward(batch)
+            return self._forward(batch, fresh)
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, fresh: bool) -> torch.Tensor:
         graphs = self.graph_runner
         key = graphs.key_for(batch, self._ids_variant(batch)) if graphs is not None else None
         self.last_graphed = key is not None
-        return graphs.replay(batch, key) if key is not None else self.dispatcher(batch)  # type: ignore[misc]
+        if key is not None:
+            return graphs.replay(batch, key, fresh=fresh)  # type: ignore[union-attr]
+        return self.dispatcher(batch)
 
     def will_replay(self, batch: ForwardBatch) -> bool:
         """Whether ``forward(batch)`` will replay a CUDA graph (then no model or plugin code runs on the host). An ids

@@ -219,11 +219,12 @@ class OverlapLoop:
                 ids.copy_(prev.picked)
             else:
                 ids.copy_(prev.picked.index_select(0, ids))
-        logits = e.runner.forward(step.batch)
+        # Without an observer every read of the output is queued below, before the next replay: no copy needed.
+        logits = e.runner.forward(step.batch, fresh=e.logits_observer is not None)
         kept = None
         if is_ids(logits):  # its -1 flags non-finite logits: the guard rides on the same read
             # the next step feeds on the picks: a flagged row feeds 0 (never an id the embedding cannot index)
-            picked, packed = logits.clamp(min=0), packed_ids(logits, e.model_config.vocab_size)
+            packed, picked = packed_ids(logits, e.model_config.vocab_size)
         else:
             if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
                 kept = logits if e.runner.last_graphed else logits.clone()

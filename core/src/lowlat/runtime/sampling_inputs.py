@@ -7,7 +7,11 @@ sends it in one non-blocking copy, as ``lowlat.runtime.step_inputs.StepInputs`` 
 fixed addresses, so the CUDA graphs of the ids path read them in place. Rows past the step are greedy padding.
 
 The offsets follow ``SamplingInfo``'s rule: ``position * vocab`` for the token sampled at ``position`` (the row's
-new token), so a request's draws are reproducible for its seed and fresh at every position.
+new token), so a request's draws are reproducible for its seed and fresh at every position. A greedy row
+(temperature 0) draws nothing: it carries seed 0 and offset 0, so a greedy batch writes the same rows every step,
+and a fill whose rows the buffers already hold sends nothing (a greedy decode uploads once, not once per step: the
+copy was 8-12 µs of device time per overlapped step at batch 1 on the H200,
+bench/results/2026-12-01-h200-e2e-gptfast-drift).
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ class SamplingInputs:
         for i, (name, dtype, ctype) in enumerate(_FIELDS):
             self._views[name] = self.buffer[i * words:(i + 1) * words].view(dtype)[:max_rows]
             self._host[name] = (ctype * max_rows).from_address(self.host_buffer.data_ptr() + 8 * i * words)
+        self._shadow = {name: [0] * max_rows for name, _, _ in _FIELDS}  # what the buffers hold (after the copy)
         self._top_p_one()
         self._copied = torch.cuda.Event() if cuda else None
         self._in_flight = False
 
     def _top_p_one(self) -> None:
-        self._host["top_p"][:] = [1.0] * self.max_rows
+        self._host["top_p"][:] = self._shadow["top_p"][:] = [1.0] * self.max_rows
         if self.host_buffer is not self.buffer:
             self.buffer.copy_(self.host_buffer)
 
@@ -66,7 +71,8 @@ class SamplingInputs:
 
     def fill(self, params: Sequence[Any], seeds: Sequence[int], positions: Sequence[int],
              pad_to: int | None = None) -> SamplingInfo:
-        """Write one row per entry (a SamplingParams, its request's seed, the position sampled) and upload.
+        """Write one row per entry (a SamplingParams, its request's seed, the position sampled) and upload; a fill
+        whose rows the buffers already hold writes and sends nothing.
 
         Args:
             params / seeds / positions: R entries each. pad_to: rows written (default R): rows R..pad_to-1 are
@@ -85,19 +91,20 @@ class SamplingInputs:
         temps = [p.temperature for p in params]
         ks = [p.top_k if 0 < p.top_k < vocab and p.temperature > 0 else 0 for p in params]
         ps = [p.top_p if p.temperature > 0 else 1.0 for p in params]
-        if self._in_flight:  # the last upload must have read the mirror before it is rewritten
-            self._copied.synchronize()  # type: ignore[union-attr]
-            self._in_flight = False
-        h, pad = self._host, m - n
-        h["temperature"][:m] = temps + [0.0] * pad
-        h["top_k"][:m] = ks + [0] * pad
-        h["top_p"][:m] = ps + [1.0] * pad
-        h["seeds"][:m] = [int(s) & 0x7FFF_FFFF_FFFF_FFFF for s in seeds] + [0] * pad
-        h["offsets"][:m] = [int(q) * vocab for q in positions] + [0] * pad
-        if self.host_buffer is not self.buffer:
-            self.buffer.copy_(self.host_buffer, non_blocking=True)
-            self._copied.record(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
-            self._in_flight = True
+        pad = m - n
+        rows = {"temperature": temps + [0.0] * pad, "top_k": ks + [0] * pad, "top_p": ps + [1.0] * pad,
+                "seeds": [int(s) & 0x7FFF_FFFF_FFFF_FFFF if t > 0 else 0 for s, t in zip(seeds, temps)] + [0] * pad,
+                "offsets": [int(q) * vocab if t > 0 else 0 for q, t in zip(positions, temps)] + [0] * pad}
+        if any(self._shadow[name][:m] != v for name, v in rows.items()):
+            if self._in_flight:  # the last upload must have read the mirror before it is rewritten
+                self._copied.synchronize()  # type: ignore[union-attr]
+                self._in_flight = False
+            for name, v in rows.items():
+                self._host[name][:m] = self._shadow[name][:m] = v
+            if self.host_buffer is not self.buffer:
+                self.buffer.copy_(self.host_buffer, non_blocking=True)
+                self._copied.record(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
+                self._in_flight = True
         sampled = [i for i, t in enumerate(temps) if t > 0]
         return self.info(n, all_greedy=not sampled, max_top_k=max((ks[i] for i in sampled), default=0),
                          any_top_p=any(ps[i] < 1.0 for i in sampled),

@@ -50,11 +50,17 @@ def packed_picks(rows: torch.Tensor, picked: torch.Tensor | None = None) -> torc
     return torch.cat([picked.view(-1).to(torch.int64), flag.to(torch.int64)])
 
 
-def packed_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[2R] int64 like ``packed_picks`` for ids a sampling plugin returned: flag 1 when the id lies in [0, vocab)
-    (the plugin writes -1 for a row whose logits were not all finite)."""
-    ids = ids.view(-1).to(torch.int64)
-    return torch.cat([ids, ((ids >= 0) & (ids < vocab)).to(torch.int64)])
+def packed_ids(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed, fed)`` for ids a sampling plugin returned: packed [2R] int64 like ``packed_picks`` (flag 1 when the
+    id lies in [0, vocab); the plugin writes -1 for a row whose logits were not all finite), and fed [R] int64
+    ``max(id, 0)``, what the next step's inputs take (a flagged row feeds 0, never an id the embedding cannot
+    index). On CUDA one Triton launch (``lowlat.kernels.pick.pack_ids``) instead of torch's six kernels."""
+    if ids.is_cuda:
+        from lowlat.kernels.pick import pack_ids
+
+        return pack_ids(ids, vocab)
+    ids = ids.reshape(-1).to(torch.int64)
+    return torch.cat([ids, ((ids >= 0) & (ids < vocab)).to(torch.int64)]), ids.clamp(min=0)
 
 
 def is_ids(out: torch.Tensor) -> bool:
