@@ -303,6 +303,23 @@ def diag_alternating(o: Options) -> list[Step]:
                  r"^===|divergence [0-9]") for p in o.plugins]
 
 
+def drift(o: Options) -> list[Step]:
+    """Which activity slows a path's graph replay (bench/scripts/replay_drift.py): the general path at batch 1 and
+    8, general-reference and each plugin at batch 1, llama-3.2-1b (or the first of ``--models``)."""
+    m = o.models[0]
+    runs = [("general", 1), ("general", 8), ("general-reference", 1), *[(p, 1) for p in o.plugins]]
+    return [Step(f"drift {p} b={b}", 90, [PY, "bench/scripts/replay_drift.py", "--model", m, "--path", p, "--batch",
+                                          str(b)], f"drift_{_slug(m)}_{p}_{b}.txt", r"^\||rror") for p, b in runs]
+
+
+def phases(o: Options) -> list[Step]:
+    """An overlapped DECODE step's device phases and host time per model (bench/scripts/overlap_phases.py, batch 1
+    and 8, the general path and each plugin), with lowlat bench's step beside them."""
+    return [Step(f"phases {m}", 150, [PY, "bench/scripts/overlap_phases.py", "--model", m, "--paths",
+                                      ",".join(["general", *o.plugins])], f"phases_{_slug(m)}.txt", r"^\||rror")
+            for m in o.models]
+
+
 GENERAL_PATHS = "general,general-reference,general-compiled,hf"
 
 
@@ -320,11 +337,16 @@ def general_speed(o: Options) -> list[Step]:
     """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
     with launches per layer; ``GENERAL_PATHS`` overrides the paths (default
     general,general-reference,general-compiled,hf).
-    One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``."""
+    One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``.
+    ``HF_BUDGET_S`` (default 200) and ``HF_BATCH_SIZES`` pick the hf peer's rows: the qwen3-30b-a3b rows past batch 1
+    (35-75 s of torch.compile each) are ``GENERAL_PATHS=general,hf HF_BATCH_SIZES=2,4,8 HF_BUDGET_S=420``."""
     paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
     out = os.environ.get("OUT", "/tmp/out")
-    return [Step(f"general-speed {m}", 540, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH,
-                                             "--hf-budget-s", "200", "--no-plot", "--out", f"{out}/general_speed_{m}"],
+    hf = ["--hf-budget-s", os.environ.get("HF_BUDGET_S", "200")]
+    if os.environ.get("HF_BATCH_SIZES"):  # e.g. 2,4,8 (VERIFY rows always run): the rows a budget left out
+        hf += ["--hf-batch-sizes", os.environ["HF_BATCH_SIZES"]]  # second-depth rows only at those sizes
+    return [Step(f"general-speed {m}", 540, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH, *hf,
+                                             "--no-plot", "--out", f"{out}/general_speed_{m}"],
                  f"general_speed_{m}.txt", r"\|") for m in o.models]
 
 
@@ -333,7 +355,7 @@ JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot, "gpt-fast": gpt_fast,
-    "oot-vendor": oot_vendor,
+    "oot-vendor": oot_vendor, "drift": drift, "phases": phases,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"

@@ -13,6 +13,8 @@ did not move (bench/results/2026-12-01-h200-e2e-gptfast-drift). This script meas
 4. a PREFILL through ``ModelRunner.forward`` on the main thread;
 5. a prefill through ``Engine.generate`` (run on the step watchdog's thread; one new token, plain loop);
 6. plain decode (``overlap=False``), overlapped decode, and ``torch.cuda.empty_cache()``;
+7. the graphs captured again (``ModelRunner.init_cuda_graphs``): if these replay at the fresh engine's speed, the
+   drift is state the old graphs were captured without, and capturing after a warm-up prefill fixes it;
 
 so the activity that causes the drift shows as the first row that moves.
 
@@ -99,6 +101,9 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         show("torch.cuda.empty_cache()")
+        e.runner.graph_runner.close()
+        e.runner.init_cuda_graphs()  # the same StepInputs: the scheduler's builder keeps feeding them
+        show("the graphs captured again, after all of the above")
     return 0
 
 
