@@ -16,6 +16,7 @@ b->c, ``epilogue`` c->d (pick, pack, copy to the host), ``gap`` d->next a (idle:
 time spent waiting for the device (``OverlapLoop._wait``): when the wait is near zero the loop is host-bound.
 ``--wait`` picks how the host waits: ``spin`` (the loop's own ``event.query()`` poll), ``sync``
 (``event.synchronize()``) or ``sleep`` (a poll every 20 µs), to see whether the host's polling slows the device.
+``--profile`` adds a cProfile of the host over the timed steps.
 Then ``lowlat bench``'s step and replay (``lowlat.bench.lowlat_path.measure_shape``) at the loop's mean KV length,
 in the same engine, for the side-by-side figure.
 
@@ -25,6 +26,8 @@ Diagnostic only (no pass/fail; it patches the loop's methods in this process); C
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -155,7 +158,8 @@ def bench_step(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     return 1e3 * m.step.median, 1e3 * m.replay.median if m.replay is not None else float("nan")
 
 
-def run(engine: Engine, batch: int, steps: int, context: int, wait_mode: str) -> dict[str, float]:
+def run(engine: Engine, batch: int, steps: int, context: int, wait_mode: str, profile: bool = False
+        ) -> dict[str, float]:
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(batch)).tolist()
     params = SamplingParams(max_new_tokens=steps + 16, stop_at_eos=False)
@@ -167,8 +171,16 @@ def run(engine: Engine, batch: int, steps: int, context: int, wait_mode: str) ->
     while any(len(r.output_ids) < 2 for r in engine.scheduler.running) or len(engine.scheduler.running) < batch:
         engine.step()
     phases.on = True
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        prof.enable()
     for _ in range(steps):
         engine.step()
+    if prof is not None:
+        prof.disable()
+        print(f"  host profile, {engine.config.model} b={batch} (cProfile over {steps} steps; top 14 by own time):")
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(14)
     phases.on = False
     while engine.has_unfinished():
         engine.step()
@@ -189,6 +201,8 @@ def main() -> int:
     ap.add_argument("--max-context-len", type=int, default=1152,
                     help="the engine's (it sets the attention's split count): e2e_tpot.py's at its defaults")
     ap.add_argument("--wait", default="spin", help="comma-separated host wait modes: spin, sync, sleep")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of the host over the timed steps "
+                    "(where the host's busy time goes; the profiler slows the host, so its phase rows are not quoted)")
     ap.add_argument("--sweep", default="", help="comma-separated KV lengths: lowlat bench's step and replay at "
                     "each, in a fresh engine before the loop runs and again after it (does the step depend on the "
                     "KV length, or on what ran before?)")
@@ -210,7 +224,7 @@ def main() -> int:
             before = {(b, c): bench_step(e, b, c) for b in bss for c in sweep}
             for b in bss:
                 for mode in args.wait.split(","):
-                    t = run(e, b, args.steps, args.context, mode)
+                    t = run(e, b, args.steps, args.context, mode, args.profile)
                     print(f"| {args.model} | {path} | {b} | {mode} | " + " | ".join(f"{t[c]:.1f}" for c in cols)
                           + " |", flush=True)
             for (b, c), (step, replay) in before.items():

@@ -3,4 +3,4 @@
 Importing this package is cheap (no torch); the suite's modules import the runtime when they run.
 """
 
-__version__ = "0.3.2"
+__version__ = "0.3.3"

@@ -9,9 +9,12 @@
   (``lowlat.runtime.speculative.verify.target_probs``): a draw outside the support (probability 0: cut by top-k or
   top-p) fails at once; otherwise Pearson's chi-square over the tokens of expected count >= 5 (the rest pooled)
   fails when its p-value is below ``ALPHA``. A correct sampler fails with probability at most ALPHA per test.
+- ``sampling_edits``: the SamplingInfo fields a plugin call changed in place.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -97,3 +100,16 @@ def temperature_for(logits: torch.Tensor, top1: float = 0.3) -> float:
         p = float(torch.softmax(row / (10.0 ** mid), dim=-1).max())
         lo, hi = (mid, hi) if p > top1 else (lo, mid)
     return float(10.0 ** ((lo + hi) / 2))
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "offsets")
+
+
+def sampling_edits(info: Any, before: dict[str, torch.Tensor]) -> list[str]:
+    """The ``SamplingInfo`` fields that differ from ``before`` (clones taken before the call), bitwise: a plugin
+    must leave them as the runtime wrote them, since the runtime writes a step's rows only when they change
+    (``lowlat.runtime.sampling_inputs``) and an edit would carry into the next steps."""
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype.is_floating_point else t
+
+    return [n for n in SAMPLING_FIELDS if not torch.equal(bits(getattr(info, n)), bits(before[n]))]

@@ -220,3 +220,37 @@ def test_sampled_ids_follow_distribution(case: Any, runner: Any, dispatcher: Any
     problem = distribution_problem(torch.cat(draws), probs, f"{variant} ({params}) on {case.model}")
     assert problem is None, problem
     _CHECKED.add(key)
+
+
+def test_sampling_inputs_left_untouched(case: Any, runner: Any, dispatcher: Any, sampling: Any) -> None:
+    """The plugin leaves the step's SamplingInfo and batch tensors as the runtime wrote them, for a greedy step
+    and for the widest sampled variant its coverage serves: the runtime rewrites a step's sampling rows only when
+    they change (``lowlat.runtime.sampling_inputs``), so an in-place edit would carry into the next steps."""
+    from lowlat.forward_batch import ForwardMode
+    from lowlat.runtime.sampling import SamplingParams
+
+    from lowlat_contract.ids_check import SAMPLING_FIELDS, sampling_edits
+    from lowlat_contract.oracle import input_edits
+
+    b = _rows(case, 2)
+    sets: list[tuple[str, list]] = [("greedy", [SamplingParams()] * b)]
+    for name in ("top_k_top_p", "top_k", "top_p", "sample"):  # the widest first
+        params = _variant_params(name, sampling, 0.8)
+        if not isinstance(params, str):
+            sets.append((name, [SamplingParams()] + [params] * (b - 1)))
+            break
+    with Requests.with_prefixes(runner, prefix_lens(b), seed=13) as reqs:
+        batch = reqs.step(ForwardMode.DECODE, 1)
+        snap = snapshot(runner.kv_pool)
+        problems = []
+        for name, params in sets:
+            _attach(runner, batch, params, list(range(3, 3 + b)))
+            pristine = copy_batch(batch)
+            before = {n: getattr(batch.sampling, n).clone() for n in SAMPLING_FIELDS}
+            with torch.inference_mode():
+                dispatcher.run("plugin", batch, check=False)
+                restore(runner.kv_pool, snap)
+            edited = sampling_edits(batch.sampling, before) + input_edits(batch, pristine)
+            if edited:
+                problems.append(f"a {name} DECODE step of {b} requests changed {', '.join(edited)} in place")
+    assert not problems, "; ".join(problems) + " (a plugin must treat its inputs as read-only)"

@@ -201,6 +201,8 @@ MUTANTS: dict[str, Mutant] = {
     "ids_temperature_ignored": Mutant(sampling.IdsTemperatureIgnored, 9, T(check="ids"), (IDS,)),
     "ids_nonfinite_unflagged": Mutant(sampling.IdsNonFiniteUnflagged, 9, T(check="ids"), (IDS,)),
     "ids_greedy_argmax_plus_one": Mutant(sampling.IdsGreedyArgmaxPlusOne, 9, T(check="ids"), (IDS,)),
+    "ids_temperature_reciprocal_in_place": Mutant(sampling.IdsTemperatureReciprocalInPlace, 9, T(check="ids"),
+                                                  (IDS,)),
 }
 
 MUTANTS.update(audit_mutants(Mutant, Trigger))  # the outside audit's mutants (kinds 10-15, registry_audit.py)

@@ -56,3 +56,15 @@ class IdsGreedyArgmaxPlusOne(HookedReference):
         ids = sample_ids(logits, info)
         off = torch.where(ids < 0, ids, (ids + 1) % logits.shape[1])
         return torch.where(info.temperature > 0, ids, off)
+
+
+class IdsTemperatureReciprocalInPlace(HookedReference):
+    """ids_temperature_reciprocal_in_place: the kernel wants 1 / temperature and computes it in the runtime's
+    buffer (``info.temperature.reciprocal_()``), then samples with the reciprocal of that: its own step is right,
+    but the buffer now holds 1 / T (inf for a greedy row). The runtime rewrites a step's sampling rows only when
+    they change (``lowlat.runtime.sampling_inputs``), so the next greedy step samples at temperature inf (uniform
+    draws). Trigger: any call; only an input check sees it."""
+
+    def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
+        inv = info.temperature.reciprocal_()
+        return sample_ids(logits, dataclasses.replace(info, temperature=inv.reciprocal()))
