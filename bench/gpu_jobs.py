@@ -1,4 +1,5 @@
-"""The GPU jobs, named in one place: what a device call runs, as steps with time limits and output files.
+"""The GPU jobs, named in one place (this file's JOBS; issue 17's speed jobs in gpu_jobs_speed.py, the Step and
+shared commands in gpu_job_base.py): what a device call runs, as steps with time limits and output files.
 
     python3 bench/gpu_jobs.py JOB [JOB ...] [--models M,M] [--plugins P,P] [--scale X]
     nox -s gpu -- JOB [JOB ...]                      # the same, in the current environment
@@ -24,39 +25,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = sys.executable
-CONTRACT = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs", "lowlat_contract"]
-LOWLAT = [PY, "-m", "lowlat.cli"]
-STANDARD_BENCH = ["--batch-sizes", "1,2,4,8", "--modes", "decode,verify", "--verify-tokens", "6", "--context",
-                  "1024", "--input-sets", "2", "--warmup", "5", "--iters", "50"]
-PASS_FAIL = r"^=+ .*(passed|failed|error)|^(FAILED|ERROR) "
-
-
-@dataclass(frozen=True)
-class Step:
-    """One command: ``argv`` under ``timeout_s`` seconds, output to ``out``; lines matching ``show`` are echoed."""
-
-    name: str
-    timeout_s: float
-    argv: list[str]
-    out: str
-    show: str = PASS_FAIL
-    env: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Options:
-    models: list[str]
-    plugins: list[str]
-    scale: float
-
-
-def _slug(s: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")
+from gpu_job_base import CONTRACT, LOWLAT, PASS_FAIL, PY, ROOT, STANDARD_BENCH, Options, Step, slug
+from gpu_jobs_speed import SPEED_JOBS
 
 
 def smoke(o: Options) -> list[Step]:
@@ -99,7 +72,7 @@ def contract(o: Options) -> list[Step]:
             arch = ["--lowlat-arch", ARCH_OF[m]] if m in ARCH_OF else []
             steps.append(Step(f"contract {p} {m}", 300, [*CONTRACT, "--lowlat-plugin", p, "--lowlat-device", "cuda",
                                                          "--lowlat-model", m, *arch],
-                              f"contract_{p}_{_slug(m)}.txt", PASS_FAIL + r"|^performance"))
+                              f"contract_{p}_{slug(m)}.txt", PASS_FAIL + r"|^performance"))
     return steps
 
 
@@ -153,7 +126,7 @@ def serve(o: Options) -> list[Step]:
         extra.append("--speculative-only")
     if spec and os.environ.get("SPEC_ADAPTIVE") == "0":
         extra.append("--serve-arg=--no-spec-adaptive")  # one token: argparse would take a bare "--x" as a flag
-    tag = f"_{_slug(spec)}" if spec else ""
+    tag = f"_{slug(spec)}" if spec else ""
     return [Step(f"bench serve {m}{' ' + spec if spec else ''}", 560,
                  [*LOWLAT, "bench", "serve", "--paths", ",".join(["general", *o.plugins]), "--model", m, "--device",
                   "cuda", "--input-len", os.environ.get("INPUT_LEN", "8192"), "--output-len",
@@ -191,7 +164,7 @@ def spec_ngram(o: Options) -> list[Step]:
     paths = ",".join(["none", *o.plugins])
     return [Step(f"spec ngram {m}", 180 if "1b" in m else 420,
                  [PY, "bench/scripts/spec_ngram.py", "--model", m, "--device", "cuda", "--paths", paths, "--json",
-                  f"{out}/spec_ngram_{_slug(m)}.json"], f"spec_ngram_{_slug(m)}.txt", r"^\||^n-gram|failed|^\(")
+                  f"{out}/spec_ngram_{slug(m)}.json"], f"spec_ngram_{slug(m)}.txt", r"^\||^n-gram|failed|^\(")
             for m in o.models]
 
 
@@ -233,69 +206,6 @@ def oot_vendor(o: Options) -> list[Step]:
                  "contract_swiglu.txt", PASS_FAIL + r"|^(PASS|FAIL|SKIP) ", env={"PYTHONPATH": path})]
 
 
-E2E_GENERAL = "general,general-reference,general-compiled"  # the default (fused on CUDA), the oracle, compiled
-E2E_LIMIT_S = {"llama-3.2-1b": 170, "qwen3-8b": 260, "qwen3-30b-a3b": 370}  # per model; others 300
-
-
-def e2e_tpot(o: Options) -> list[Step]:
-    """Engine.generate's TPOT against ``lowlat bench``'s step latency (context 1024, batch 1 and 8) per model,
-    for the general path under each general_impl and each plugin, plain and overlapped loop (issue 17: overlapped
-    within 1.03 of the step), with a token identity check of the two loops. One step per model (one process, the
-    paths one after another, its JSON rewritten after each path); ``E2E_PATHS`` overrides the paths, ``REPEATS``
-    the timed runs per loop (3). ``--models llama-3.2-1b,qwen3-30b-a3b`` fits one device call: its step limits add
-    up to 540 s (estimated 1.5 min for llama-3.2-1b and 5 min for qwen3-30b-a3b with both plugins; not timed)."""
-    out = os.environ.get("OUT", "/tmp/out")
-    paths = os.environ.get("E2E_PATHS", ",".join([E2E_GENERAL, *o.plugins]))
-    return [Step(f"e2e tpot {m}", E2E_LIMIT_S.get(m, 300),
-                 [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", paths, "--batch-sizes",
-                  os.environ.get("BATCH_SIZES", "1,8"), "--repeats", os.environ.get("REPEATS", "3"), "--json",
-                  f"{out}/e2e_tpot_{_slug(m)}.json"], f"e2e_tpot_{_slug(m)}.txt", r"^\||error|warning|within")
-            for m in o.models]
-
-
-GPT_FAST_DIR = ".peers/gpt-fast"
-GPT_FAST_MODELS = ("llama-3.2-1b", "qwen3-8b")  # dense presets gpt-fast's Llama-style model can express
-GPT_FAST_PATHS = "general,general-reference,general-compiled,nvidia_mega"
-
-
-def gpt_fast(o: Options) -> list[Step]:
-    """gpt-fast (meta-pytorch/gpt-fast, its model.py and generate.py unmodified, --compile, batch 1, random
-    weights at the preset's shapes: bench/peers/gpt_fast.py) beside lowlat's e2e TPOT at batch 1 (general under
-    each general_impl, and nvidia_mega; ``GPT_FAST_PATHS`` overrides) per model, then one table (``x gpt-fast``:
-    gpt-fast's decode-only ms over the overlapped TPOT; issue 17: >= 0.91). Models: those of ``--models`` among
-    llama-3.2-1b and qwen3-8b, both when none is. gpt-fast's files travel as the ignored ``.peers/gpt-fast``
-    (``GPT_FAST_DIR``) named in the device call's ``carry`` (docs/benchmarks.md, "gpt-fast", shows how to make
-    it). Each generate.py run compiles its own decode graph (its KV cache is sized by prompt + new tokens, so
-    the second run's shapes differ from the first's: 78-129 s per compile on llama-3.2-1b, H200). One device
-    call for llama-3.2-1b (400 + 90 + 30 s); qwen3-8b's peer alone takes one (``GPT_FAST_STEPS=peer``: 560 s),
-    its lowlat rows another (``GPT_FAST_STEPS=lowlat,table`` with the peer's JSON copied back into ``$OUT``)."""
-    out = os.environ.get("OUT", "/tmp/out")
-    checkout = os.environ.get("GPT_FAST_DIR", GPT_FAST_DIR)
-    models = [m for m in o.models if m in GPT_FAST_MODELS] or list(GPT_FAST_MODELS)
-    limits = {"llama-3.2-1b": (400, 90), "qwen3-8b": (560, 200)}
-    parts = os.environ.get("GPT_FAST_STEPS", "peer,lowlat,table").split(",")
-    steps: list[Step] = []
-    for m in models:
-        peer_s, e2e_s = limits[m]
-        if "peer" in parts:
-            steps.append(Step(f"gpt-fast {m}", peer_s,
-                              [PY, "bench/peers/gpt_fast.py", "measure", "--checkout", checkout, "--model", m,
-                               "--timeout-s", str(peer_s - 10), "--json", f"{out}/gpt_fast_peer_{m}.json"],
-                              f"gpt_fast_{m}.txt", r"^\[gpt-fast\]|rror"))
-        if "lowlat" in parts:
-            steps.append(Step(f"gpt-fast lowlat {m}", e2e_s,
-                              [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths",
-                               os.environ.get("GPT_FAST_PATHS", GPT_FAST_PATHS), "--batch-sizes", "1", "--repeats",
-                               "2", "--json", f"{out}/gpt_fast_lowlat_{m}.json"], f"gpt_fast_lowlat_{m}.txt",
-                              r"^\||error|within"))
-    if "table" in parts:
-        steps.append(Step("gpt-fast table", 30, [PY, "bench/peers/gpt_fast_table.py",
-                                                 *[f"{out}/gpt_fast_peer_{m}.json" for m in models], "--lowlat",
-                                                 *[f"{out}/gpt_fast_lowlat_{m}.json" for m in models], "--out",
-                                                 f"{out}/gpt_fast_table.md"], "gpt_fast_table.txt", r"."))
-    return steps
-
-
 def diag_alternating(o: Options) -> list[Step]:
     """Per-step logit differences and router gaps of each plugin on tiny-qwen3-moe (router near-tie diagnosis)."""
     return [Step(f"diag alternating {p}", 150, [PY, "bench/scripts/diag_alternating.py", "--plugin", p, "--device",
@@ -303,59 +213,11 @@ def diag_alternating(o: Options) -> list[Step]:
                  r"^===|divergence [0-9]") for p in o.plugins]
 
 
-def drift(o: Options) -> list[Step]:
-    """Which activity slows a path's graph replay (bench/scripts/replay_drift.py): the general path at batch 1 and
-    8, general-reference and each plugin at batch 1, llama-3.2-1b (or the first of ``--models``)."""
-    m = o.models[0]
-    runs = [("general", 1), ("general", 8), ("general-reference", 1), *[(p, 1) for p in o.plugins]]
-    return [Step(f"drift {p} b={b}", 90, [PY, "bench/scripts/replay_drift.py", "--model", m, "--path", p, "--batch",
-                                          str(b)], f"drift_{_slug(m)}_{p}_{b}.txt", r"^\||rror") for p, b in runs]
-
-
-def phases(o: Options) -> list[Step]:
-    """An overlapped DECODE step's device phases and host time per model (bench/scripts/overlap_phases.py, batch 1
-    and 8, the general path and each plugin), with lowlat bench's step beside them."""
-    return [Step(f"phases {m}", 150, [PY, "bench/scripts/overlap_phases.py", "--model", m, "--paths",
-                                      ",".join(["general", *o.plugins])], f"phases_{_slug(m)}.txt", r"^\||rror")
-            for m in o.models]
-
-
-GENERAL_PATHS = "general,general-reference,general-compiled,hf"
-
-
-def general_tests(o: Options) -> list[Step]:
-    """The fused kernels and general_impl on CUDA (bf16 bits, CUDA graphs, inductor), the sampler's syncs, and each
-    fused piece's device time against plain torch, torch.compile and its byte floor."""
-    return [Step("general tests", 360, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                        "core/tests/test_kernels_fused.py", "core/tests/test_general_impl.py",
-                                        "core/tests/test_runtime_sampling.py"], "general_tests.txt"),
-            Step("fused kernels bench", 200, [PY, "bench/scripts/bench_fused_kernels.py"], "fused_kernels.txt",
-                 r"\||bandwidth")]
-
-
-def general_speed(o: Options) -> list[Step]:
-    """The general path's variants (reference, fused Triton kernels, torch.compile) against the hf peer per model,
-    with launches per layer; ``GENERAL_PATHS`` overrides the paths (default
-    general,general-reference,general-compiled,hf).
-    One model per device call fits its 600 s: ``--models llama-3.2-1b``, then ``--models qwen3-30b-a3b``.
-    ``HF_BUDGET_S`` (default 200) and ``HF_BATCH_SIZES`` pick the hf peer's rows: the qwen3-30b-a3b rows past batch 1
-    (35-75 s of torch.compile each) are ``GENERAL_PATHS=general,hf HF_BATCH_SIZES=2,4,8 HF_BUDGET_S=420``."""
-    paths = os.environ.get("GENERAL_PATHS", GENERAL_PATHS)
-    out = os.environ.get("OUT", "/tmp/out")
-    hf = ["--hf-budget-s", os.environ.get("HF_BUDGET_S", "200")]
-    if os.environ.get("HF_BATCH_SIZES"):  # e.g. 2,4,8 (VERIFY rows always run): the rows a budget left out
-        hf += ["--hf-batch-sizes", os.environ["HF_BATCH_SIZES"]]  # second-depth rows only at those sizes
-    return [Step(f"general-speed {m}", 540, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH, *hf,
-                                             "--no-plot", "--out", f"{out}/general_speed_{m}"],
-                 f"general_speed_{m}.txt", r"\|") for m in o.models]
-
-
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
-    "general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot, "gpt-fast": gpt_fast,
-    "oot-vendor": oot_vendor, "drift": drift, "phases": phases,
+    "oot-vendor": oot_vendor, **SPEED_JOBS,
 }
 DEFAULT_MODELS = "llama-3.2-1b,qwen3-8b,qwen3-30b-a3b"
 DEFAULT_PLUGINS = "nvidia_mega,amd_mono"
