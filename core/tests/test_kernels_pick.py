@@ -90,7 +90,8 @@ def test_packed_picks_is_the_same_with_and_without_the_kernel():
 
 def _torch_pack(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     i = ids.reshape(-1).to(torch.int64)
-    return torch.cat([i, ((i >= 0) & (i < vocab)).to(torch.int64)]), i.clamp(min=0)
+    ok = (i >= 0) & (i < vocab)
+    return torch.cat([i, ok.to(torch.int64)]), torch.where(ok, i, 0)
 
 
 @pytest.mark.parametrize("n", [1, 5, 8, 1024, 1500])  # 1500: more rows than one 1024-wide block
@@ -106,6 +107,9 @@ def test_pack_ids_equals_torch_and_flags_every_row_outside_the_vocabulary(n, dty
     assert packed.dtype == fed.dtype == torch.int64
     assert torch.equal(packed.cpu(), want_packed) and torch.equal(fed.cpu(), want_fed)
     assert packed[n].item() == 0 and fed[0].item() == 0  # flagged, and it feeds id 0
+    if n > 1:  # one past the vocabulary: flagged, and it feeds 0 (the next step's embedding must index it)
+        assert packed[2 * n - 1].item() == 0 and fed[-1].item() == 0
+    assert int(fed.max()) < vocab and int(fed.min()) >= 0
 
 
 def test_pack_ids_of_no_rows_and_of_a_strided_view():

@@ -178,6 +178,26 @@ def test_logits_observer_sees_kept_rows_only():
     assert rows[True] == rows[False]
 
 
+def test_logits_observer_sees_only_the_steps_that_need_logits():
+    """With ``logits_needed``, the overlapped loop keeps (and shows) logits only for the steps that need them, the
+    plain loop's rows for those; the other steps' outputs are read in place (``fresh=False``), never kept."""
+    with engine(True) as e:
+        seen, fresh = [], []
+        forward = e.runner.forward
+
+        def spy(batch, **kw):
+            fresh.append(kw.get("fresh", True))
+            return forward(batch, **kw)
+
+        e.runner.forward = spy
+        e.logits_observer = lambda s, lg: seen.append(len(s.requests))
+        e.logits_needed = lambda s: len(fresh) % 2 == 1  # every other launch, as the server's logprobs may
+        e.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=9, stop_at_eos=False)] * 2)
+    decode = [f for f in fresh[1:]]  # the first forward is the prefill (plain step: a copy)
+    assert True in decode and False in decode, decode
+    assert len(seen) == sum(decode) + 1, (seen, fresh)  # + the prefill, which the plain step shows
+
+
 def test_nan_in_a_decode_step_raises_at_its_read(monkeypatch):
     """The non-finite guard (step_guard) rides on the late read: a NaN DECODE step fails the engine, naming it."""
     from lowlat.runtime.step_guard import NonFiniteLogits

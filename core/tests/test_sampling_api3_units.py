@@ -113,6 +113,18 @@ def test_a_change_in_any_one_field_reaches_the_buffers(field: str) -> None:
         assert si.info(3).temperature.tolist()[2] == 0.0
 
 
+def test_padding_rows_of_an_earlier_larger_fill_are_rewritten() -> None:
+    """A padded graph reads rows past the step: a row an earlier, larger sampled fill wrote there must become
+    greedy padding again (the comparison covers every row written, padding included)."""
+    si = _si()
+    sampled = SamplingParams(temperature=0.9, top_k=4)
+    si.fill([sampled] * 3, [1, 2, 3], [5, 6, 7])
+    si.fill([sampled] * 2, [1, 2], [5, 6], pad_to=3)
+    row = si.info(3)
+    assert row.temperature.tolist()[2] == 0.0 and row.top_k.tolist()[2] == 0
+    assert row.seeds.tolist()[2] == 0 and row.offsets.tolist()[2] == 0
+
+
 @pytest.mark.parametrize(("variant", "temp", "k", "p"), [("greedy", 0.0, 0, 1.0), ("sample", 1.0, 0, 1.0),
                                                          ("filter", 1.0, 32, 0.9)])
 def test_static_info_holds_its_variants_values(variant: str, temp: float, k: int, p: float) -> None:

@@ -50,10 +50,11 @@ class SamplingInfo:
         temperature: [R] float32; 0 makes the row greedy (argmax, the lowest index among equal maxima).
         top_k: [R] int32; 0 is off (the runtime writes 0 for a top_k >= vocab).
         top_p: [R] float32 in (0, 1]; 1.0 is off.
-        seeds: [R] int64, the request's seed (the same every step).
+        seeds: [R] int64, the request's seed (the same every step); 0 for a greedy row, which draws nothing.
         offsets: [R] int64 counter base: the draw for token i of row r uses the counter-based RNG stream
-            (seeds[r], offsets[r] + i); the runtime writes ``position * vocab``, so every (request, position,
-            token) draws its own number. A plugin's draws need not equal the general path's (which come from the
+            (seeds[r], offsets[r] + i); the runtime writes ``position * vocab`` (0 for a greedy row), so every
+            (request, position, token) draws its own number. All five are read-only: the runtime rewrites them
+            only when a step's rows change. A plugin's draws need not equal the general path's (which come from the
             request's torch.Generator), only follow the same distribution and be reproducible for a seed.
         all_greedy / max_top_k / any_top_p / top_p_alone: host-side summary (no device read): every row greedy;
             the largest top_k of a sampled row (0: none uses top-k); some sampled row has top_p < 1; some

@@ -237,7 +237,7 @@ def test_sampling_inputs_left_untouched(case: Any, runner: Any, dispatcher: Any,
     for name in ("top_k_top_p", "top_k", "top_p", "sample"):  # the widest first
         params = _variant_params(name, sampling, 0.8)
         if not isinstance(params, str):
-            sets.append((name, [SamplingParams()] + [params] * (b - 1)))
+            sets.append((name, [params] * b if b == 1 else [SamplingParams()] + [params] * (b - 1)))
             break
     with Requests.with_prefixes(runner, prefix_lens(b), seed=13) as reqs:
         batch = reqs.step(ForwardMode.DECODE, 1)

@@ -16,9 +16,9 @@ Grid: ``(R, cdiv(V, BLOCK))`` then ``(R,)``.
 
 ``pack_ids`` is the same layout for ids a sampling plugin returned (plugin API 3: -1 marks a row whose logits were
 not all finite): ``out[r] = ids[r]``, ``out[R + r] = 1 if 0 <= ids[r] < V else 0``, and the ids the next step feeds
-on, ``max(ids[r], 0)``, in one launch of one program, where torch takes six kernels (a clamp, two compares, an and,
-a cast and a cat: 21 µs of the overlapped step's device time at batch 1 on the H200, against 12 µs for the general
-path's pick; bench/results/2026-12-01-h200-e2e-gptfast-drift).
+on (``ids[r]`` where flagged 1, else 0), in one launch of one program where torch took six kernels (a clamp, two
+compares, an and, a cast and a cat: 21 µs of the overlapped step's device time at batch 1 on the H200 with the
+copy out, against 12 µs for the general path's pick; bench/results/2026-12-01-h200-e2e-gptfast-drift).
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def _pack_ids_kernel(ids_ptr, out_ptr, fed_ptr, n_rows, vocab, BLOCK: tl.constex
         mask = offs < n_rows
         i = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int64)
         tl.store(out_ptr + offs, i, mask=mask)
-        tl.store(out_ptr + n_rows + offs, ((i >= 0) & (i < vocab)).to(tl.int64), mask=mask)
-        tl.store(fed_ptr + offs, tl.maximum(i, 0), mask=mask)
+        ok = (i >= 0) & (i < vocab)
+        tl.store(out_ptr + n_rows + offs, ok.to(tl.int64), mask=mask)
+        tl.store(fed_ptr + offs, tl.where(ok, i, 0), mask=mask)
 
 
 def pack_ids(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,8 +89,8 @@ def pack_ids(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]
             a row; on CUDA, or on CPU under TRITON_INTERPRET=1.
         vocab: the vocabulary size V (an id outside [0, V) is flagged 0).
     Returns:
-        ``(packed, fed)``: int64 ``[2R]`` (the ids, then 1/0 per row for "id in [0, V)") and int64 ``[R]``
-        ``max(id, 0)`` (a flagged row feeds id 0, which any embedding can index).
+        ``(packed, fed)``: int64 ``[2R]`` (the ids, then 1/0 per row for "id in [0, V)") and int64 ``[R]``: the id
+        where it lies in [0, V), else 0 (a flagged row feeds id 0, which any embedding can index).
     Raises:
         ValueError: CPU tensors without the interpreter.
     """

@@ -68,7 +68,8 @@ class InFlight:
             pinned on CUDA, where the copy into it is non-blocking).
         event: recorded after the copy (CUDA), None on CPU (the copy is done).
         t0: ``time.perf_counter()`` at launch (s).
-        logits: the step's logits (a copy of an eager forward's), kept only while a ``logits_observer`` is set.
+        logits: the step's logits (a copy of an eager forward's), kept only while a ``logits_observer`` is set and
+            the step needs them (``Engine.logits_needed``; the observer sees only such steps).
         graphed, path: what ``ModelRunner.forward`` did (``last_graphed``, ``last_path``).
     """
 
@@ -219,14 +220,16 @@ class OverlapLoop:
                 ids.copy_(prev.picked)
             else:
                 ids.copy_(prev.picked.index_select(0, ids))
-        # Without an observer every read of the output is queued below, before the next replay: no copy needed.
-        logits = e.runner.forward(step.batch, fresh=e.logits_observer is not None)
+        # Logits are kept for the observer only when the step needs them (``Engine.logits_needed``); otherwise
+        # every read of the output is queued below, before the next replay: it is read in place, not copied.
+        wants = e.logits_observer is not None and (e.logits_needed is None or e.logits_needed(step))
+        logits = e.runner.forward(step.batch, fresh=wants)
         kept = None
         if is_ids(logits):  # its -1 flags non-finite logits: the guard rides on the same read
             # the next step feeds on the picks: a flagged row feeds 0 (never an id the embedding cannot index)
             packed, picked = packed_ids(logits, e.model_config.vocab_size)
         else:
-            if e.logits_observer is not None:  # a replay returns a fresh tensor; an eager forward_fn may not
+            if wants:  # a replay returned a fresh tensor; an eager forward_fn may not
                 kept = logits if e.runner.last_graphed else logits.clone()
             if step.greedy:  # argmax and the non-finite guard in one pass (lowlat.kernels.pick on CUDA)
                 packed = packed_picks(logits)

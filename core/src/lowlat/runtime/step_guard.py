@@ -52,15 +52,17 @@ def packed_picks(rows: torch.Tensor, picked: torch.Tensor | None = None) -> torc
 
 def packed_ids(ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, fed)`` for ids a sampling plugin returned: packed [2R] int64 like ``packed_picks`` (flag 1 when the
-    id lies in [0, vocab); the plugin writes -1 for a row whose logits were not all finite), and fed [R] int64
-    ``max(id, 0)``, what the next step's inputs take (a flagged row feeds 0, never an id the embedding cannot
-    index). On CUDA one Triton launch (``lowlat.kernels.pick.pack_ids``) instead of torch's six kernels."""
+    id lies in [0, vocab); the plugin writes -1 for a row whose logits were not all finite), and fed [R] int64,
+    what the next step's inputs take: the id where flagged 1, else 0 (never an id the embedding cannot index: the
+    overlapped loop launches the next step before it reads the flags). On CUDA one Triton launch
+    (``lowlat.kernels.pick.pack_ids``) instead of torch's six kernels."""
     if ids.is_cuda:
         from lowlat.kernels.pick import pack_ids
 
         return pack_ids(ids, vocab)
     ids = ids.reshape(-1).to(torch.int64)
-    return torch.cat([ids, ((ids >= 0) & (ids < vocab)).to(torch.int64)]), ids.clamp(min=0)
+    ok = (ids >= 0) & (ids < vocab)
+    return torch.cat([ids, ok.to(torch.int64)]), torch.where(ok, ids, torch.zeros_like(ids))
 
 
 def is_ids(out: torch.Tensor) -> bool:

@@ -62,8 +62,9 @@ class IdsTemperatureReciprocalInPlace(HookedReference):
     """ids_temperature_reciprocal_in_place: the kernel wants 1 / temperature and computes it in the runtime's
     buffer (``info.temperature.reciprocal_()``), then samples with the reciprocal of that: its own step is right,
     but the buffer now holds 1 / T (inf for a greedy row). The runtime rewrites a step's sampling rows only when
-    they change (``lowlat.runtime.sampling_inputs``), so the next greedy step samples at temperature inf (uniform
-    draws). Trigger: any call; only an input check sees it."""
+    they change (``lowlat.runtime.sampling_inputs``), so the edit stays for the next step with the same rows: a
+    kernel that reads temperature per row then sees inf (a greedy row sampled uniformly) or 1 / T, where one that
+    picks the greedy variant on the host is spared. Trigger: any call; only an input check sees it."""
 
     def sample(self, logits: torch.Tensor, info: SamplingInfo) -> torch.Tensor:
         inv = info.temperature.reciprocal_()
