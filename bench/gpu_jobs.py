@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from gpu_job_base import CONTRACT, LOWLAT, PASS_FAIL, PY, ROOT, STANDARD_BENCH, Options, Step, slug
-from gpu_jobs_speed import SPEED_JOBS
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, however this file is loaded
+from gpu_job_base import CONTRACT, LOWLAT, PASS_FAIL, PY, ROOT, STANDARD_BENCH, Options, Step, slug  # noqa: E402
+from gpu_jobs_speed import SPEED_JOBS  # noqa: E402
 
 
 def smoke(o: Options) -> list[Step]:
