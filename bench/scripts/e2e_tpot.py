@@ -36,8 +36,8 @@ import time
 
 import torch
 from lowlat import Engine, EngineConfig, SamplingParams
-from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
-from lowlat.bench.lowlat_path import fill_kv_random, free_rows, input_sets, measure_shape
+from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig
+from lowlat.bench.lowlat_path import measure_decode
 from lowlat.runtime import ForwardMode
 from lowlat.runtime.overlap import OverlapLoop
 
@@ -50,12 +50,7 @@ def step_ms(engine: Engine, batch: int, args: argparse.Namespace) -> float:
     cfg = BenchConfig(models=(args.model,), paths=("general",), batch_sizes=(batch,), modes=(ForwardMode.DECODE,),
                       context=args.context, input_sets=args.input_sets, warmup=args.warmup, iters=args.iters,
                       device=args.device, dtype=args.dtype, seed=0, page_size=args.page_size)
-    fill_kv_random(runner.kv_pool, 0)
-    batches, rows = input_sets(runner, Shape(ForwardMode.DECODE, batch, 1), cfg, seed=batch)
-    try:
-        m = measure_shape(runner, batches, cfg, runner.device)
-    finally:
-        free_rows(runner, rows)
+    m = measure_decode(runner, cfg, batch, seed=batch)
     if not m.graphed and args.device == "cuda":
         print(f"  warning: DECODE b={batch} did not replay a CUDA graph", flush=True)
     return m.step.median

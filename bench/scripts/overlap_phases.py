@@ -33,8 +33,8 @@ import time
 
 import torch
 from lowlat import Engine, EngineConfig, SamplingParams
-from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
-from lowlat.bench.lowlat_path import fill_kv_random, free_rows, input_sets, measure_shape
+from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig
+from lowlat.bench.lowlat_path import measure_decode
 from lowlat.forward_batch import ForwardMode
 from lowlat.runtime.overlap import OverlapLoop
 
@@ -149,12 +149,7 @@ def bench_step(engine: Engine, batch: int, context: int) -> tuple[float, float]:
     cfg = BenchConfig(models=(engine.config.model,), paths=("general",), batch_sizes=(batch,),
                       modes=(ForwardMode.DECODE,), context=context, input_sets=2, warmup=5, iters=50, device="cuda",
                       dtype="bfloat16", seed=0, page_size=engine.config.page_size)
-    fill_kv_random(runner.kv_pool, 0)
-    batches, rows = input_sets(runner, Shape(ForwardMode.DECODE, batch, 1), cfg, seed=batch)
-    try:
-        m = measure_shape(runner, batches, cfg, runner.device)
-    finally:
-        free_rows(runner, rows)
+    m = measure_decode(runner, cfg, batch, seed=batch)
     return 1e3 * m.step.median, 1e3 * m.replay.median if m.replay is not None else float("nan")
 
 

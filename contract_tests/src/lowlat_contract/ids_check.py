@@ -105,6 +105,11 @@ def temperature_for(logits: torch.Tensor, top1: float = 0.3) -> float:
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "offsets")
 
 
+def sampling_snapshot(info: Any) -> dict[str, torch.Tensor]:
+    """Clones of a ``SamplingInfo``'s five tensors, for ``sampling_edits`` after the call."""
+    return {n: getattr(info, n).clone() for n in SAMPLING_FIELDS}
+
+
 def sampling_edits(info: Any, before: dict[str, torch.Tensor]) -> list[str]:
     """The ``SamplingInfo`` fields that differ from ``before`` (clones taken before the call), bitwise: a plugin
     must leave them as the runtime wrote them, since the runtime writes a step's rows only when they change

@@ -19,9 +19,9 @@ VOCAB, DRAWS = 64, 480
 
 def _sample(forward: Any, logits: torch.Tensor, info: Any) -> tuple[torch.Tensor, str | None]:
     """``forward.sample(logits, info)`` and the SamplingInfo fields it changed in place (None: none)."""
-    from lowlat_contract.ids_check import sampling_edits
+    from lowlat_contract.ids_check import sampling_edits, sampling_snapshot
 
-    before = {n: getattr(info, n).clone() for n in ("temperature", "top_k", "top_p", "seeds", "offsets")}
+    before = sampling_snapshot(info)
     ids = forward.sample(logits, info)
     edited = sampling_edits(info, before)
     return ids, (f"sample() changed its SamplingInfo in place: {', '.join(edited)}" if edited else None)

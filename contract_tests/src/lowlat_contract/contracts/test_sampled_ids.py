@@ -232,7 +232,7 @@ def test_sampling_inputs_left_untouched(case: Any, runner: Any, dispatcher: Any,
     from lowlat.forward_batch import ForwardMode
     from lowlat.runtime.sampling import SamplingParams
 
-    from lowlat_contract.ids_check import SAMPLING_FIELDS, sampling_edits
+    from lowlat_contract.ids_check import sampling_edits, sampling_snapshot
     from lowlat_contract.oracle import input_edits
     from lowlat_contract.pytest_plugin import sweep_mode
 
@@ -256,7 +256,7 @@ def test_sampling_inputs_left_untouched(case: Any, runner: Any, dispatcher: Any,
         for name, params in sets:
             _attach(runner, batch, params, list(range(3, 3 + b)))
             pristine = copy_batch(batch)
-            before = {n: getattr(batch.sampling, n).clone() for n in SAMPLING_FIELDS}
+            before = sampling_snapshot(batch.sampling)
             with torch.inference_mode():
                 dispatcher.run("plugin", batch, check=False)
                 restore(runner.kv_pool, snap)

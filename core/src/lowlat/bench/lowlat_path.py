@@ -37,7 +37,7 @@ from lowlat.bench.measure import (
 from lowlat.bench.roofline import measure_routing
 from lowlat.bench.timing import summarize, time_steps, warm_up
 from lowlat.config import EngineConfig
-from lowlat.forward_batch import ForwardBatch
+from lowlat.forward_batch import ForwardBatch, ForwardMode
 
 Log = Callable[[str], None]
 
@@ -115,6 +115,17 @@ def measure_shape(runner: object, batches: list[ForwardBatch], cfg: BenchConfig,
         warm_up(replay, 2, device)
         m.replay = summarize(time_steps(replay, cfg.iters, device))
     return m
+
+
+def measure_decode(runner: object, cfg: BenchConfig, batch: int, seed: int) -> Measurement:
+    """``lowlat bench``'s DECODE measurement of ``batch`` requests in an existing runner (an Engine's): random KV
+    (``fill_kv_random``), ``cfg.input_sets`` fresh input sets at ``cfg.context``, ``measure_shape``, rows freed."""
+    fill_kv_random(runner.kv_pool, 0)  # type: ignore[attr-defined]
+    batches, rows = input_sets(runner, Shape(ForwardMode.DECODE, batch, 1), cfg, seed=seed)
+    try:
+        return measure_shape(runner, batches, cfg, runner.device)  # type: ignore[attr-defined]
+    finally:
+        free_rows(runner, rows)
 
 
 def eager_pass(runner: object, batches: list[ForwardBatch], device: torch.device, m: Measurement,
