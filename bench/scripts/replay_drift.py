@@ -16,7 +16,9 @@ did not move (bench/results/2026-12-01-h200-e2e-gptfast-drift). This script meas
 7. the graphs captured again (``ModelRunner.init_cuda_graphs``): if these replay at the fresh engine's speed, the
    drift is state the old graphs were captured without, and capturing after a warm-up prefill fixes it;
 
-so the activity that causes the drift shows as the first row that moves.
+so the activity that causes the drift shows as the first row that moves. With ``--kernels``, the step is also
+profiled (torch.profiler, CUDA activity: graph replays included) in the fresh engine and after the overlapped
+decode, and the kernels whose mean device time moved most are printed: the slowed kernel by name.
 
 Diagnostic only (no pass/fail); CUDA.
 """
@@ -38,6 +40,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overlap_phases import bench_step  # noqa: E402
 
 
+def kernel_means(engine: Engine, batch: int, context: int) -> dict[str, tuple[float, int]]:
+    """Per CUDA kernel name: (mean device µs, launches) over one ``bench_step`` under torch.profiler."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bench_step(engine, batch, context)
+    out = {}
+    for ev in prof.key_averages():
+        if ev.device_type == DeviceType.CUDA and ev.count:
+            out[ev.key] = (ev.self_device_time_total / ev.count, ev.count)
+    return out
+
+
+def print_kernel_moves(
+    before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]], top: int = 12
+) -> None:
+    """The ``top`` kernels whose mean µs moved most between two ``kernel_means`` (launch-weighted total first)."""
+    rows = []
+    for name in before.keys() | after.keys():
+        (b, nb), (a, na) = before.get(name, (0.0, 0)), after.get(name, (0.0, 0))
+        rows.append((a * na - b * nb, name, b, nb, a, na))
+    rows.sort(key=lambda r: -abs(r[0]))
+    print("\n| kernel | fresh µs | n | after µs | n | total moved µs |\n|---|---|---|---|---|---|")
+    for d, name, b, nb, a, na in rows[:top]:
+        print(f"| {name[:90]} | {b:.2f} | {nb} | {a:.2f} | {na} | {d:+.0f} |", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
@@ -45,16 +75,26 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--kernels", action="store_true", help="profile the step's kernels fresh and after decode")
     args = ap.parse_args()
     general = GENERAL_VARIANTS.get(args.path)
-    cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none" if general else args.path,
-                       general_impl=general or "auto", max_batch_size=2 * args.batch, max_verify_tokens=1,
-                       max_context_len=args.context + 128, overlap=True,
-                       chunked_prefill_size=max(4096, args.batch * args.context))
+    cfg = EngineConfig(
+        model=args.model,
+        device="cuda",
+        dtype="bfloat16",
+        plugin="none" if general else args.path,
+        general_impl=general or "auto",
+        max_batch_size=2 * args.batch,
+        max_verify_tokens=1,
+        max_context_len=args.context + 128,
+        overlap=True,
+        chunked_prefill_size=max(4096, args.batch * args.context),
+    )
     vocab_gen = torch.Generator().manual_seed(0)
     with Engine(cfg) as e:
-        prompts = torch.randint(0, e.model_config.vocab_size, (args.batch, args.context - 64),
-                                generator=vocab_gen).tolist()
+        prompts = torch.randint(
+            0, e.model_config.vocab_size, (args.batch, args.context - 64), generator=vocab_gen
+        ).tolist()
 
         def show(label: str) -> None:
             step, replay = bench_step(e, args.batch, args.context)
@@ -67,10 +107,13 @@ def main() -> int:
         print("| path | batch | after | bench step us | replay us |\n|---|---|---|---|---|")
         show("fresh engine")
         show("fresh engine, again")
+        fresh = kernel_means(e, args.batch, args.context) if args.kernels else None
         dev, bf16 = e.runner.device, torch.bfloat16
         hidden, inter = e.model_config.hidden_size, e.model_config.intermediate_size
-        a, w = torch.randn(args.context, hidden, device=dev, dtype=bf16), torch.randn(hidden, inter, device=dev,
-                                                                                       dtype=bf16)
+        a, w = (
+            torch.randn(args.context, hidden, device=dev, dtype=bf16),
+            torch.randn(hidden, inter, device=dev, dtype=bf16),
+        )
         for _ in range(3):
             a @ w
         show(f"an eager bf16 GEMM [{args.context}, {hidden}] x [{hidden}, {inter}]")
@@ -98,12 +141,15 @@ def main() -> int:
         show(f"plain decode ({args.new_tokens} tokens)")
         generate(True, args.new_tokens)
         show(f"overlapped decode ({args.new_tokens} tokens)")
+        moved = kernel_means(e, args.batch, args.context) if args.kernels else None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         show("torch.cuda.empty_cache()")
         e.runner.graph_runner.close()
         e.runner.init_cuda_graphs()  # the same StepInputs: the scheduler's builder keeps feeding them
         show("the graphs captured again, after all of the above")
+        if fresh is not None and moved is not None:
+            print_kernel_moves(fresh, moved)
     return 0
 
 
