@@ -40,32 +40,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overlap_phases import bench_step  # noqa: E402
 
 
-def kernel_means(engine: Engine, batch: int, context: int) -> dict[str, tuple[float, int]]:
-    """Per CUDA kernel name: (mean device µs, launches) over one ``bench_step`` under torch.profiler."""
+def kernel_means(engine: Engine, batch: int, context: int) -> dict[str, tuple[float, float, int]]:
+    """Per CUDA kernel name over one ``bench_step`` under torch.profiler: (mean device µs, mean idle µs before it
+    since the previous kernel ended, launches); idle spans of 50 µs or more (host waits) count as 0."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         bench_step(engine, batch, context)
-    out = {}
-    for ev in prof.key_averages():
-        if ev.device_type == DeviceType.CUDA and ev.count:
-            out[ev.key] = (ev.self_device_time_total / ev.count, ev.count)
-    return out
+    kernels = sorted(
+        (ev for ev in prof.events() if ev.device_type == DeviceType.CUDA), key=lambda ev: ev.time_range.start
+    )
+    sums: dict[str, list[float]] = {}
+    prev_end = None
+    for ev in kernels:
+        gap = 0.0 if prev_end is None else ev.time_range.start - prev_end
+        prev_end = max(prev_end or 0.0, ev.time_range.end)
+        acc = sums.setdefault(ev.name, [0.0, 0.0, 0])
+        acc[0] += ev.time_range.elapsed_us()
+        acc[1] += gap if 0.0 < gap < 50.0 else 0.0
+        acc[2] += 1
+    return {name: (t / n, g / n, n) for name, (t, g, n) in sums.items()}
 
 
 def print_kernel_moves(
-    before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]], top: int = 12
+    before: dict[str, tuple[float, float, int]], after: dict[str, tuple[float, float, int]], top: int = 12
 ) -> None:
-    """The ``top`` kernels whose mean µs moved most between two ``kernel_means`` (launch-weighted total first)."""
+    """The ``top`` kernels whose launch-weighted device time plus idle-before time moved most between two
+    ``kernel_means``."""
     rows = []
     for name in before.keys() | after.keys():
-        (b, nb), (a, na) = before.get(name, (0.0, 0)), after.get(name, (0.0, 0))
-        rows.append((a * na - b * nb, name, b, nb, a, na))
+        (b, bg, nb), (a, ag, na) = before.get(name, (0.0, 0.0, 0)), after.get(name, (0.0, 0.0, 0))
+        rows.append(((a + ag) * na - (b + bg) * nb, name, b, bg, nb, a, ag, na))
     rows.sort(key=lambda r: -abs(r[0]))
-    print("\n| kernel | fresh µs | n | after µs | n | total moved µs |\n|---|---|---|---|---|---|")
-    for d, name, b, nb, a, na in rows[:top]:
-        print(f"| {name[:90]} | {b:.2f} | {nb} | {a:.2f} | {na} | {d:+.0f} |", flush=True)
+    print(
+        "\n| kernel | fresh µs | idle before | n | after µs | idle before | n | total moved µs |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    for d, name, b, bg, nb, a, ag, na in rows[:top]:
+        print(f"| {name[:80]} | {b:.2f} | {bg:.2f} | {nb} | {a:.2f} | {ag:.2f} | {na} | {d:+.0f} |", flush=True)
+    idle = [sum(g * n for _, g, n in m.values()) for m in (before, after)]
+    print(f"\nidle between kernels (< 50 µs spans), whole bench step: fresh {idle[0]:.0f} µs, after {idle[1]:.0f} µs")
 
 
 def main() -> int:
@@ -76,6 +91,11 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--kernels", action="store_true", help="profile the step's kernels fresh and after decode")
+    ap.add_argument(
+        "--sdpa-backend",
+        choices=("flash", "efficient", "cudnn", "math"),
+        help="only: fresh, one eager SDPA of this backend (the kernels with --kernels)",
+    )
     args = ap.parse_args()
     general = GENERAL_VARIANTS.get(args.path)
     cfg = EngineConfig(
@@ -121,6 +141,24 @@ def main() -> int:
         d = e.model_config.head_dim
         q = torch.randn(1, hq, args.context, d, device=dev, dtype=bf16)
         kv = torch.randn(1, hkv, args.context, d, device=dev, dtype=bf16)
+        if args.sdpa_backend:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            backend = {
+                "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "math": SDPBackend.MATH,
+            }[args.sdpa_backend]
+            kv = kv.repeat_interleave(hq // hkv, dim=1)  # not every backend takes enable_gqa
+            with sdpa_kernel([backend]):
+                for _ in range(3):
+                    torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True)
+            torch.cuda.synchronize()
+            show(f"an eager causal SDPA over {args.context} tokens, {args.sdpa_backend} backend only")
+            if fresh is not None:
+                print_kernel_moves(fresh, kernel_means(e, args.batch, args.context))
+            return 0
         for _ in range(3):
             torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
         show(f"an eager causal SDPA over {args.context} tokens")
