@@ -22,29 +22,11 @@ def e2e_tpot(o: Options) -> list[Step]:
     up to 540 s (estimated 1.5 min for llama-3.2-1b and 5 min for qwen3-30b-a3b with both plugins; not timed)."""
     out = os.environ.get("OUT", "/tmp/out")
     paths = os.environ.get("E2E_PATHS", ",".join([E2E_GENERAL, *o.plugins]))
-    return [
-        Step(
-            f"e2e tpot {m}",
-            E2E_LIMIT_S.get(m, 300),
-            [
-                PY,
-                "bench/scripts/e2e_tpot.py",
-                "--model",
-                m,
-                "--paths",
-                paths,
-                "--batch-sizes",
-                os.environ.get("BATCH_SIZES", "1,8"),
-                "--repeats",
-                os.environ.get("REPEATS", "3"),
-                "--json",
-                f"{out}/e2e_tpot_{slug(m)}.json",
-            ],
-            f"e2e_tpot_{slug(m)}.txt",
-            r"^\||error|warning|within",
-        )
-        for m in o.models
-    ]
+    return [Step(f"e2e tpot {m}", E2E_LIMIT_S.get(m, 300),
+                 [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths", paths, "--batch-sizes",
+                  os.environ.get("BATCH_SIZES", "1,8"), "--repeats", os.environ.get("REPEATS", "3"), "--json",
+                  f"{out}/e2e_tpot_{slug(m)}.json"], f"e2e_tpot_{slug(m)}.txt", r"^\||error|warning|within")
+            for m in o.models]
 
 
 GPT_FAST_DIR = ".peers/gpt-fast"
@@ -72,68 +54,21 @@ def gpt_fast(o: Options) -> list[Step]:
     for m in models:
         peer_s, e2e_s = limits[m]
         if "peer" in parts:
-            steps.append(
-                Step(
-                    f"gpt-fast {m}",
-                    peer_s,
-                    [
-                        PY,
-                        "bench/peers/gpt_fast.py",
-                        "measure",
-                        "--checkout",
-                        checkout,
-                        "--model",
-                        m,
-                        "--timeout-s",
-                        str(peer_s - 10),
-                        "--json",
-                        f"{out}/gpt_fast_peer_{m}.json",
-                    ],
-                    f"gpt_fast_{m}.txt",
-                    r"^\[gpt-fast\]|rror",
-                )
-            )
+            steps.append(Step(f"gpt-fast {m}", peer_s,
+                              [PY, "bench/peers/gpt_fast.py", "measure", "--checkout", checkout, "--model", m,
+                               "--timeout-s", str(peer_s - 10), "--json", f"{out}/gpt_fast_peer_{m}.json"],
+                              f"gpt_fast_{m}.txt", r"^\[gpt-fast\]|rror"))
         if "lowlat" in parts:
-            steps.append(
-                Step(
-                    f"gpt-fast lowlat {m}",
-                    e2e_s,
-                    [
-                        PY,
-                        "bench/scripts/e2e_tpot.py",
-                        "--model",
-                        m,
-                        "--paths",
-                        os.environ.get("GPT_FAST_PATHS", GPT_FAST_PATHS),
-                        "--batch-sizes",
-                        "1",
-                        "--repeats",
-                        "2",
-                        "--json",
-                        f"{out}/gpt_fast_lowlat_{m}.json",
-                    ],
-                    f"gpt_fast_lowlat_{m}.txt",
-                    r"^\||error|within",
-                )
-            )
+            steps.append(Step(f"gpt-fast lowlat {m}", e2e_s,
+                              [PY, "bench/scripts/e2e_tpot.py", "--model", m, "--paths",
+                               os.environ.get("GPT_FAST_PATHS", GPT_FAST_PATHS), "--batch-sizes", "1", "--repeats",
+                               "2", "--json", f"{out}/gpt_fast_lowlat_{m}.json"], f"gpt_fast_lowlat_{m}.txt",
+                              r"^\||error|within"))
     if "table" in parts:
-        steps.append(
-            Step(
-                "gpt-fast table",
-                30,
-                [
-                    PY,
-                    "bench/peers/gpt_fast_table.py",
-                    *[f"{out}/gpt_fast_peer_{m}.json" for m in models],
-                    "--lowlat",
-                    *[f"{out}/gpt_fast_lowlat_{m}.json" for m in models],
-                    "--out",
-                    f"{out}/gpt_fast_table.md",
-                ],
-                "gpt_fast_table.txt",
-                r".",
-            )
-        )
+        steps.append(Step("gpt-fast table", 30, [PY, "bench/peers/gpt_fast_table.py",
+                                                 *[f"{out}/gpt_fast_peer_{m}.json" for m in models], "--lowlat",
+                                                 *[f"{out}/gpt_fast_lowlat_{m}.json" for m in models], "--out",
+                                                 f"{out}/gpt_fast_table.md"], "gpt_fast_table.txt", r"."))
     return steps
 
 
@@ -142,31 +77,17 @@ def drift(o: Options) -> list[Step]:
     8, general-reference and each plugin at batch 1, llama-3.2-1b (or the first of ``--models``)."""
     m = o.models[0]
     runs = [("general", 1), ("general", 8), ("general-reference", 1), *[(p, 1) for p in o.plugins]]
-    return [
-        Step(
-            f"drift {p} b={b}",
-            90,
-            [PY, "bench/scripts/replay_drift.py", "--model", m, "--path", p, "--kernels", "--batch", str(b)],
-            f"drift_{slug(m)}_{p}_{b}.txt",
-            r"^\||rror",
-        )
-        for p, b in runs
-    ]
+    script = [PY, "bench/scripts/replay_drift.py", "--model", m, "--kernels"]
+    return [Step(f"drift {p} b={b}", 90, [*script, "--path", p, "--batch", str(b)], f"drift_{slug(m)}_{p}_{b}.txt",
+                 r"^\||rror|idle") for p, b in runs]
 
 
 def phases(o: Options) -> list[Step]:
     """An overlapped DECODE step's device phases and host time per model (bench/scripts/overlap_phases.py, batch 1
     and 8, the general path and each plugin), with lowlat bench's step beside them."""
-    return [
-        Step(
-            f"phases {m}",
-            150,
-            [PY, "bench/scripts/overlap_phases.py", "--model", m, "--paths", ",".join(["general", *o.plugins])],
-            f"phases_{slug(m)}.txt",
-            r"^\||rror",
-        )
-        for m in o.models
-    ]
+    return [Step(f"phases {m}", 150, [PY, "bench/scripts/overlap_phases.py", "--model", m, "--paths",
+                                      ",".join(["general", *o.plugins])], f"phases_{slug(m)}.txt", r"^\||rror")
+            for m in o.models]
 
 
 GENERAL_PATHS = "general,general-reference,general-compiled,hf"
@@ -175,31 +96,11 @@ GENERAL_PATHS = "general,general-reference,general-compiled,hf"
 def general_tests(o: Options) -> list[Step]:
     """The fused kernels and general_impl on CUDA (bf16 bits, CUDA graphs, inductor), the sampler's syncs, and each
     fused piece's device time against plain torch, torch.compile and its byte floor."""
-    return [
-        Step(
-            "general tests",
-            360,
-            [
-                PY,
-                "-m",
-                "pytest",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "core/tests/test_kernels_fused.py",
-                "core/tests/test_general_impl.py",
-                "core/tests/test_runtime_sampling.py",
-            ],
-            "general_tests.txt",
-        ),
-        Step(
-            "fused kernels bench",
-            200,
-            [PY, "bench/scripts/bench_fused_kernels.py"],
-            "fused_kernels.txt",
-            r"\||bandwidth",
-        ),
-    ]
+    return [Step("general tests", 360, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                        "core/tests/test_kernels_fused.py", "core/tests/test_general_impl.py",
+                                        "core/tests/test_runtime_sampling.py"], "general_tests.txt"),
+            Step("fused kernels bench", 200, [PY, "bench/scripts/bench_fused_kernels.py"], "fused_kernels.txt",
+                 r"\||bandwidth")]
 
 
 def general_speed(o: Options) -> list[Step]:
@@ -214,35 +115,10 @@ def general_speed(o: Options) -> list[Step]:
     hf = ["--hf-budget-s", os.environ.get("HF_BUDGET_S", "200")]
     if os.environ.get("HF_BATCH_SIZES"):  # e.g. 2,4,8 (VERIFY rows always run): the rows a budget left out
         hf += ["--hf-batch-sizes", os.environ["HF_BATCH_SIZES"]]  # second-depth rows only at those sizes
-    return [
-        Step(
-            f"general-speed {m}",
-            540,
-            [
-                *LOWLAT,
-                "bench",
-                "--model",
-                m,
-                "--paths",
-                paths,
-                *STANDARD_BENCH,
-                *hf,
-                "--no-plot",
-                "--out",
-                f"{out}/general_speed_{m}",
-            ],
-            f"general_speed_{m}.txt",
-            r"\|",
-        )
-        for m in o.models
-    ]
+    return [Step(f"general-speed {m}", 540, [*LOWLAT, "bench", "--model", m, "--paths", paths, *STANDARD_BENCH, *hf,
+                                             "--no-plot", "--out", f"{out}/general_speed_{m}"],
+                 f"general_speed_{m}.txt", r"\|") for m in o.models]
 
 
-SPEED_JOBS = {
-    "general-tests": general_tests,
-    "general-speed": general_speed,
-    "e2e-tpot": e2e_tpot,
-    "gpt-fast": gpt_fast,
-    "drift": drift,
-    "phases": phases,
-}
+SPEED_JOBS = {"general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
+              "gpt-fast": gpt_fast, "drift": drift, "phases": phases}

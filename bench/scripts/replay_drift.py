@@ -4,11 +4,13 @@
 
 On the H200, the general path's graph replay at batch 1 (llama-3.2-1b, KV 960-1120) measured 1.06 ms in a fresh
 engine and 1.12 ms after an overlapped ``Engine.generate`` in the same engine, at every KV length; nvidia_mega's
-did not move (bench/results/2026-12-01-h200-e2e-gptfast-drift). This script measures the step (``lowlat bench``'s
+did not move (bench/results/2026-12-01-h200-e2e-gptfast-drift). The cause was torch's cuDNN SDPA backend in the
+prefill (``--sdpa-backend cudnn`` reproduces it; bench/results/2026-12-01-h200-cudnn-drift), which
+``lowlat.layers.attention.sdpa`` now excludes. This script measures the step (``lowlat bench``'s
 ``measure_shape``: step and pure replay, median µs) after each of, in order:
 
 1. nothing (twice);
-2. an eager bf16 GEMM and an eager causal SDPA of the prefill's shapes (main thread);
+2. an eager bf16 GEMM and an eager causal SDPA (``lowlat.layers.attention.sdpa``) of the prefill's shapes;
 3. the same GEMM on a new thread (its own cuBLAS handle);
 4. a PREFILL through ``ModelRunner.forward`` on the main thread;
 5. a prefill through ``Engine.generate`` (run on the step watchdog's thread; one new token, plain loop);
@@ -18,7 +20,7 @@ did not move (bench/results/2026-12-01-h200-e2e-gptfast-drift). This script meas
 
 so the activity that causes the drift shows as the first row that moves. With ``--kernels``, the step is also
 profiled (torch.profiler, CUDA activity: graph replays included) in the fresh engine and after the overlapped
-decode, and the kernels whose mean device time moved most are printed: the slowed kernel by name.
+decode, and the kernels whose device time plus idle time before them moved most are printed.
 
 Diagnostic only (no pass/fail); CUDA.
 """
@@ -34,6 +36,7 @@ import torch
 from lowlat import Engine, EngineConfig, SamplingParams
 from lowlat.bench.config import GENERAL_VARIANTS
 from lowlat.forward_batch import ForwardMode
+from lowlat.layers.attention import sdpa
 from lowlat.runtime.overlap import OverlapLoop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -160,8 +163,8 @@ def main() -> int:
                 print_kernel_moves(fresh, kernel_means(e, args.batch, args.context))
             return 0
         for _ in range(3):
-            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-        show(f"an eager causal SDPA over {args.context} tokens")
+            sdpa(q, kv, kv, is_causal=True, enable_gqa=True)
+        show(f"an eager causal SDPA over {args.context} tokens (lowlat.layers.attention.sdpa: no cuDNN)")
         worker = threading.Thread(target=lambda: [a @ w for _ in range(3)] and torch.cuda.synchronize())
         worker.start()
         worker.join()

@@ -138,3 +138,31 @@ def test_torch_decode_attention_matches_the_kernel_contract():
         got = decode_attention_torch(q, kb, vb, req_to_token, rows, seq_lens, n, 0.25)
         torch.testing.assert_close(got, ref(q, kb, vb, req_to_token, rows, seq_lens, n, 0.25), **TOL)
         assert not got[n:2 * n].any()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_prefill_attention_with_and_without_a_cached_prefix(device):
+    """Each request's new tokens see keys 0 .. their position (a cached prefix included), GQA heads shared: against
+    an explicit float32 softmax over a boolean mask (on CUDA in bf16: the flash / efficient backends ``sdpa`` picks)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from lowlat.layers.attention import prefill_attention_torch
+
+    dtype, tol = (torch.float32, TOL) if device == "cpu" else (torch.bfloat16, {"atol": 2e-2, "rtol": 2e-2})
+    gen = torch.Generator().manual_seed(1)
+    kb, vb = torch.randn(64, 2, 64, generator=gen), torch.randn(64, 2, 64, generator=gen)
+    req_to_token = torch.randperm(64, generator=gen)[:60].reshape(3, 20).to(torch.int32)
+    rows = torch.tensor([1, 2])
+    seq_lens, extend_lens = [9, 14], [9, 5]  # the second request has a 9-token prefix
+    q = torch.randn(sum(extend_lens), 4, 64, generator=gen)
+    got = prefill_attention_torch(*(t.to(device, dtype) for t in (q, kb, vb)), req_to_token.to(device),
+                                  rows.to(device), seq_lens, extend_lens, 0.125).float().cpu()
+    start = 0
+    for b, (seq, n) in enumerate(zip(seq_lens, extend_lens)):
+        slots = req_to_token[rows[b], :seq].long()
+        k, v = kb[slots].repeat_interleave(2, 1), vb[slots].repeat_interleave(2, 1)  # [seq, 4, 64]
+        scores = torch.einsum("nhd,lhd->hnl", q[start:start + n], k) * 0.125
+        visible = torch.arange(seq)[None, :] <= torch.arange(seq - n, seq)[:, None]
+        p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        torch.testing.assert_close(got[start:start + n], torch.einsum("hnl,lhd->nhd", p, v), **tol)
+        start += n

@@ -6,7 +6,7 @@ sits at position ``seq_lens[b] - n + i`` and sees keys ``0 ..`` that position (c
 
 Backends:
 - ``torch``: PREFILL uses SDPA per request on the gathered slots with host lengths (a PREFILL step is never
-  graph-captured). DECODE/VERIFY gather every request's whole ``req_to_token`` row (static
+  graph-captured), never its cuDNN backend (``sdpa``). DECODE/VERIFY gather every request's whole ``req_to_token`` row (static
   ``max_context_len``) and mask by ``seq_lens`` on the device: no host sync, graph capturable.
 - ``triton``: DECODE/VERIFY call ``lowlat.kernels.decode_attention.decode_attention`` (imported lazily, CUDA
   only); PREFILL uses the torch path.
@@ -16,11 +16,26 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool
 
 BACKENDS = ("torch", "triton")
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no cuDNN
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with its cuDNN backend excluded (flash, then efficient, then math).
+
+    Why: measured on the H200 (torch 2.11), one cuDNN SDPA call leaves every later kernel boundary of a CUDA-graph
+    replay about 0.36 µs idler for the rest of the process, graphs captured afterwards included: +64 µs (6%) on
+    the general path's llama-3.2-1b DECODE step after the first prefill; flash, efficient and math leave it
+    unchanged (bench/results/2026-12-01-h200-cudnn-drift).
+    """
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -74,11 +89,11 @@ def prefill_attention_torch(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
         qb = q[start:start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
         prefix = seq - n
         if prefix == 0:
-            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale, enable_gqa=True)
-        else:
-            qpos = torch.arange(prefix, seq, device=q.device)
-            mask = torch.arange(seq, device=q.device)[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+            o = sdpa(qb, k, v, is_causal=True, scale=sm_scale, enable_gqa=True)
+        else:  # new token i sees keys 0 .. prefix + i: causal aligned to the lower right (flash, no mask tensor)
+            group = qb.shape[1] // k.shape[1]
+            o = sdpa(qb, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                     attn_mask=causal_lower_right(n, seq), scale=sm_scale)
         out[start:start + n] = o[0].transpose(0, 1)
         start += n
     return out
