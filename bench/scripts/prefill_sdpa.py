@@ -1,0 +1,65 @@
+"""A PREFILL step's time with and without torch's cuDNN SDPA backend (``lowlat.layers.attention.sdpa``).
+
+    python bench/scripts/prefill_sdpa.py --model llama-3.2-1b --tokens 1024,8192
+
+The general path's prefill excludes cuDNN because one cuDNN SDPA call slows every later CUDA-graph replay of the
+general path (bench/results/2026-12-01-h200-cudnn-drift). This prints what that costs the prefill (TTFT): one
+request of each length, the PREFILL through ``ModelRunner.forward``, median of 5 after 2 warm-ups (ms), first
+without cuDNN (the default), then with cuDNN first in the backend list. Diagnostic only; CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from lowlat import Engine, EngineConfig
+from lowlat.forward_batch import ForwardMode
+from lowlat.layers import attention
+from torch.nn.attention import SDPBackend
+
+
+def prefill_ms(e: Engine, n: int, reps: int = 5) -> float:
+    ids = torch.randint(0, e.model_config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    times = []
+    for i in range(reps + 2):
+        row = e.runner.kv_pool.alloc_req()
+        try:
+            batch = e.runner.prepare_batch(ForwardMode.PREFILL, [row], [0], [ids])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            e.runner.forward(batch)
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+        finally:
+            e.runner.kv_pool.free_req(row)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--tokens", default="1024,8192")
+    args = ap.parse_args()
+    lengths = [int(t) for t in args.tokens.split(",")]
+    cfg = EngineConfig(model=args.model, device="cuda", dtype="bfloat16", plugin="none", max_batch_size=1,
+                       max_context_len=max(lengths) + 64, chunked_prefill_size=max(lengths))
+    with Engine(cfg) as e:
+        print("| model | tokens | prefill ms, no cuDNN | prefill ms, cuDNN | no cuDNN / cuDNN |\n|---|---|---|---|---|")
+        default = list(attention._SDPA_BACKENDS)
+        for n in lengths:
+            without = prefill_ms(e, n)
+            attention._SDPA_BACKENDS[:] = [SDPBackend.CUDNN_ATTENTION, *default]
+            try:
+                with_cudnn = prefill_ms(e, n)
+            finally:
+                attention._SDPA_BACKENDS[:] = default
+            print(f"| {args.model} | {n} | {without:.2f} | {with_cudnn:.2f} | {without / with_cudnn:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
