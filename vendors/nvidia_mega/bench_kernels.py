@@ -31,16 +31,25 @@ from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, r
 from lowlat_nvidia_mega.kernels.small_gemm import make_plan, num_sms, small_gemm, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
-SHAPES = {
-    "llama-3.2-1b": dict(hidden=2048, heads=32, kv_heads=8, head_dim=64, inter=8192, layers=16, vocab=128256,
-                         qk_norm=False, experts=0, top_k=0, moe_inter=0),
-    "qwen3-30b-a3b": dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, inter=0, layers=48, vocab=151936,
-                          qk_norm=True, experts=128, top_k=8, moe_inter=768),
+SHAPES = {  # shapes without a lowlat preset; a preset name maps through preset_shape
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=128, layers=2, vocab=96, qk_norm=True,
                  experts=8, top_k=2, moe_inter=32),
 }
 L2_BYTES = 50 * 2**20
 EPS = 1e-6
+
+
+def preset_shape(name: str) -> dict:
+    """A ``SHAPES`` entry from lowlat's model preset ``name`` (llama-3.2-1b, qwen3-8b, ...). Raises KeyError for an
+    unknown name."""
+    from lowlat.loader.presets import get_preset
+
+    c = get_preset(name)
+    moe = bool(c.num_experts)
+    return dict(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                head_dim=c.head_dim, inter=0 if moe else c.intermediate_size, layers=c.num_hidden_layers,
+                vocab=c.vocab_size, qk_norm=c.has_qk_norm, experts=c.num_experts or 0,
+                top_k=c.num_experts_per_tok or 0, moe_inter=c.moe_intermediate_size or 0)
 
 
 def copy_bandwidth(dev: torch.device) -> float:
@@ -87,7 +96,7 @@ class Case:
     """Weights, KV buffers and workspaces of one (model, rows) configuration, several copies of each."""
 
     def __init__(self, name: str, rows: int, ctx: int, dev: torch.device, dtype: torch.dtype) -> None:
-        s = SHAPES[name]
+        s = SHAPES[name] if name in SHAPES else preset_shape(name)
         self.l2 = L2_BYTES if dev.type == "cuda" else 0  # smoke runs: two copies of everything
         self.s, self.t, self.ctx, self.dev, self.dt = s, rows, ctx, dev, dtype
         self.sms = num_sms(dev)
