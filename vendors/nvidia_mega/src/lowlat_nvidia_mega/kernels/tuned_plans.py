@@ -25,7 +25,7 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
     ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (64, 128, 8, 2, 5),    # qwen3 o_proj    9.13 -> 7.15
     ("NVIDIA H200", "gated", 8192, 2048, "bfloat16"): (32, 256, 1, 4, 3),   # llama gate_up  25.57 -> 22.32
     ("NVIDIA H200", "gemm", 2048, 8192, "bfloat16"): (64, 128, 4, 2, 4),    # llama down     14.41 -> 11.97
-    # 2026-12-01, qwen3-8b (bench/results/2026-12-01-h200-cudnn-drift-tune/tune_qwen3-8b.txt):
+    # 2026-12-01, qwen3-8b (bench/results/2026-12-01-h200-qwen3-speed/call6/tune_qwen3-8b.txt):
     ("NVIDIA H200", "qkv", 6144, 4096, "bfloat16"): (128, 128, 4, 8, 3),    # qwen3-8b qkv   28.86 -> 22.21
     ("NVIDIA H200", "gemm", 4096, 4096, "bfloat16"): (128, 64, 8, 2, 3),    # qwen3-8b o     14.56 -> 11.76
     ("NVIDIA H200", "gated", 12288, 4096, "bfloat16"): (64, 128, 1, 8, 3),  # qwen3-8b gu    86.62 -> 59.18
