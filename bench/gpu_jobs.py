@@ -271,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not (args.jobs or args.list):
         ap.error(f"unknown job(s) {unknown}; jobs: {', '.join(JOBS)}" if unknown else "name at least one job")
     if args.list:
-        for name, make in JOBS.items():
-            print(f"{name}: {(make.__doc__ or '').strip()}")
-            for s in make(opts):
-                print(f"    {s.name} ({s.timeout_s:.0f} s): {' '.join(s.argv)}")
+        try:
+            for name, make in JOBS.items():
+                print(f"{name}: {(make.__doc__ or '').strip()}")
+                for s in make(opts):
+                    print(f"    {s.name} ({s.timeout_s:.0f} s): {' '.join(s.argv)}")
+            sys.stdout.flush()
+        except BrokenPipeError:  # `--list | head`: the reader left; stay quiet (the Python docs' idiom)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ def test_plugins_table_and_explain(tmp_path):
     out = lowlat(site, "plugins", "--device", "cpu", env_extra={"LOWLAT_PLUGINS": "nvidia_mega,amd_mono"})
     assert out.returncode == 0, out.stderr
     assert "nvidia_mega" in out.stdout and "Qwen3MoeForCausalLM" in out.stdout and "guard here: fail" in out.stdout
+    assert "loaded, guards pass here for 0 of 3 architectures" in out.stdout  # no bare "ok" beside failing guards
     out = lowlat(site, "plugins", "--device", "cpu", "--explain", "Qwen3ForCausalLM", "--dtype", "bfloat16",
                  env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr

@@ -33,6 +33,8 @@ def test_run_prints_completions_and_summary(capsys):
     assert "[0] hello" in out and "[1] second prompt" in out
     for word in ("prefill ms", "decode tok/s", "PREFILL", "DECODE", "steps by forward mode"):
         assert word in out
+    # tiny-llama's checkpoint is bf16; dtype auto computes in float32 on a CPU, and the summary says so
+    assert "float32 (the checkpoint's bfloat16; --dtype bfloat16 keeps it)" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("argv, msg", [

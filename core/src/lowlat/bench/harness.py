@@ -218,7 +218,8 @@ def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[st
             plot_results(results, out_dir / "results.png")
             plotted = True
         except ImportError as e:
-            log(f"[bench] no plot: {e} (pip install 'lowlat[bench]' for matplotlib and the hf peer)")
+            log(f"[bench] no plot: {e} (matplotlib and the hf peer: pip install 'lowlat[bench]', in a checkout "
+                "pip install -e 'core[bench]')")
     log(f"[bench] wrote {out_dir}/results.json, results.md{', results.png' if plotted else ''} "
         f"in {results['meta']['wall_s']:.0f} s")
     return results

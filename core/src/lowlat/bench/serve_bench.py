@@ -399,4 +399,5 @@ def _write(results: dict[str, Any], out_dir: Path, *, plot: bool, log: Log) -> N
         try:
             plot_serve(results, out_dir / "results.png")
         except ImportError:
-            log("bench serve: matplotlib is missing; no PNG (pip install 'lowlat[bench]')")
+            log("bench serve: matplotlib is missing; no PNG (pip install 'lowlat[bench]'; in a checkout: "
+                "pip install -e 'core[bench]')")

@@ -123,7 +123,10 @@ def _print_table(report: dict[str, Any]) -> None:
         console.print("no plugins installed; pip install 'lowlat[all]'")
         return
     for p in report["plugins"]:
-        status = "[green]ok[/]" if p["status"] == "ok" else f"[red]{p['status']}[/]: {p['error']}"
+        passing = sum(s["guard"] == "pass" for s in p["specs"])
+        usable = "[green]" if passing else "[yellow]"
+        status = (f"loaded, {usable}guards pass here for {passing} of {len(p['specs'])} architectures[/]"
+                  if p["status"] == "ok" else f"[red]{p['status']}[/]: {p['error']}")
         console.print(f"\n[bold]{p['name']}[/]  {p['distribution']} {p['version']}  core range {p['core_range']}  "
                       f"{status}")
         shown = None

@@ -211,8 +211,11 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
 
     console = Console()
     runner = engine.runner
+    dtype, ckpt = str(runner.dtype).removeprefix("torch."), engine.model_config.torch_dtype
+    if engine.config.dtype == "auto" and ckpt and ckpt != dtype:  # e.g. a bf16 checkpoint on a CPU
+        dtype += f" (the checkpoint's {ckpt}; --dtype {ckpt} keeps it)"
     console.print(Text(f"model {engine.config.model} ({engine.model_config.architecture}) on {runner.device}, "
-                       f"{str(runner.dtype).removeprefix('torch.')}, tp={engine.config.tp_size}, "
+                       f"{dtype}, tp={engine.config.tp_size}, "
                        f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
                        f"overlapped loop {'on' if getattr(engine, 'overlap', None) is not None else 'off'}"))
     sel = runner.plugin_host.selection

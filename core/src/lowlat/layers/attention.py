@@ -5,9 +5,9 @@ Each request's keys live at slots ``req_to_token[req_pool_indices[b], :seq_lens[
 sits at position ``seq_lens[b] - n + i`` and sees keys ``0 ..`` that position (causal among new tokens).
 
 Backends:
-- ``torch``: PREFILL uses SDPA per request on the gathered slots with host lengths (a PREFILL step is never
-  graph-captured), never its cuDNN backend (``sdpa``). DECODE/VERIFY gather every request's whole ``req_to_token`` row (static
-  ``max_context_len``) and mask by ``seq_lens`` on the device: no host sync, graph capturable.
+- ``torch``: PREFILL uses SDPA (``sdpa``: never its cuDNN backend) per request on the gathered slots with host
+  lengths (a PREFILL step is never graph-captured). DECODE/VERIFY gather every request's whole ``req_to_token``
+  row (static ``max_context_len``) and mask by ``seq_lens`` on the device: no host sync, graph capturable.
 - ``triton``: DECODE/VERIFY call ``lowlat.kernels.decode_attention.decode_attention`` (imported lazily, CUDA
   only); PREFILL uses the torch path.
 """
