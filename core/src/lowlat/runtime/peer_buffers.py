@@ -1,0 +1,201 @@
+"""Peer buffers: one rank's symmetric buffers for the one-shot peer all-reduce, and its error record.
+
+Every rank holds the same-shaped ``data`` [2, W, capacity] (the all-reduce's dtype) and ``flags``
+[2, ceil(capacity / block), W] int32 (zero at the start), plus a local ``ctl`` error record; a table of int64 base
+addresses (``data_ptrs``, ``flag_ptrs``, [W], on the device) tells this rank where every rank's buffers are in its
+own address space. The layout and the protocol are in ``lowlat.kernels.peer_allreduce``.
+
+Where the table comes from:
+
+* ``PeerBuffers.simulated`` (implemented): W ranks' buffers in one process on one device (separate tensors, their
+  real addresses in one shared table), one ``PeerBuffers`` per simulated rank. Tests use it on CPU under the
+  Triton interpreter; on one GPU it runs the two-launch mode.
+* CUDA across processes (not implemented here: it cannot be run without two GPUs): allocate ``data`` with
+  ``torch.distributed._symmetric_memory.empty`` and ``flags`` as a second symmetric tensor (or the handle's
+  signal pad, sized by ``set_signal_pad_size``), ``handle = rendezvous(tensor, group)`` on every rank, and build
+  the tables from ``handle.buffer_ptrs`` (host list of W addresses, this rank's view; ``buffer_ptrs_dev`` is the
+  same array already on the device). Multicast must stay off: set ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+  never read ``handle.multicast_ptr``. CUDA IPC handles (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``, what
+  vLLM's custom all-reduce exchanges) would give the same table.
+
+Accounting: every buffer is allocated through ``alloc(name, shape, dtype)`` (default: a zero-filled tensor on the
+device), so the caller can hand in an accounted workspace allocator; ``nbytes`` is this rank's total.
+
+Deadline: each cross-rank wait gives up after ``deadline`` units of ``timer``: nanoseconds on CUDA
+(``DEFAULT_DEADLINE_NS`` = 5 s, below the engine's 60 s step watchdog), polls on CPU (the interpreter has no
+clock; 350 to 480 polls per second were measured for W = 2..8 on a busy 2-core CPU, so the default 2,000 polls is
+about 5 s). Polls on a GPU (``timer=TIMER_POLLS``, a fallback) take an explicit deadline: a poll there lasts about
+a microsecond, not a known time. A rank still compiling its first launch while its peers wait counts against the
+deadline: warm the kernels before the first cross-rank call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+
+from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TIMER_NS, TIMER_POLLS
+from lowlat.runtime.deadline import StepDeadlineExceeded
+
+__all__ = ["DEFAULT_BLOCK", "DEFAULT_DEADLINE_NS", "DEFAULT_DEADLINE_POLLS", "PeerBuffers", "PeerWaitTimeout"]
+
+DEFAULT_BLOCK = 1024  # elements per tile (one program's work in a loop step, one flag per rank)
+DEFAULT_DEADLINE_NS = 5_000_000_000
+DEFAULT_DEADLINE_POLLS = 2_000  # about 5 s under the interpreter
+
+Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+class PeerWaitTimeout(StepDeadlineExceeded):
+    """A rank's peer all-reduce gave up waiting for a peer within its deadline (this engine is unusable).
+
+    Attributes:
+        rank, peer, stage, tag, tile, site, waited: the error record (``peer`` is the first rank found missing).
+    """
+
+    def __init__(self, message: str, record: dict[str, int]) -> None:
+        super().__init__(message)
+        self.record = record
+        for k, v in record.items():
+            setattr(self, k, v)
+
+
+def _check_sizes(world: int, capacity: int, dtype: torch.dtype, block: int) -> None:
+    if not 2 <= world <= 8:
+        raise ValueError(f"world must be in [2, 8], got {world}")
+    if capacity < 1 or block < 16 or block & (block - 1):
+        raise ValueError(f"capacity must be >= 1 and block a power of two >= 16, got {capacity} and {block}")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
+
+
+def _zeros(device: torch.device) -> Alloc:
+    return lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
+
+
+class PeerBuffers:
+    """This rank's peer buffers, the table of every rank's addresses, and the error record.
+
+    Attributes:
+        rank, world: this rank and the number of ranks (2 <= world <= 8).
+        capacity: elements per rank a call may reduce at most; dtype: the element dtype; device: where all live.
+        block: elements per tile; the same on every rank.
+        data: [2, world, capacity] ``dtype``; flags: [2, ceil(capacity / block), world] int32; ctl: [CTL_SIZE]
+            int64, the error record (``lowlat.kernels.peer_allreduce``), local to this rank.
+        data_ptrs, flag_ptrs: int64 [world] on ``device``: every rank's ``data`` / ``flags`` base address.
+        timer, deadline: TIMER_NS (CUDA) or TIMER_POLLS, and the wait's bound in that unit.
+        max_programs: the one-launch mode's grid bound (the SM count on CUDA).
+    """
+
+    def __init__(self, *, rank: int, world: int, capacity: int, dtype: torch.dtype, block: int,
+                 data: torch.Tensor, flags: torch.Tensor, ctl: torch.Tensor, data_ptrs: torch.Tensor,
+                 flag_ptrs: torch.Tensor, deadline: int | None = None, timer: int | None = None) -> None:
+        _check_sizes(world, capacity, dtype, block)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank}")
+        device = data.device
+        if timer is None:
+            timer = TIMER_NS if device.type == "cuda" else TIMER_POLLS
+        if timer not in (TIMER_NS, TIMER_POLLS) or (timer == TIMER_NS and device.type != "cuda"):
+            raise ValueError(f"timer must be TIMER_POLLS, or TIMER_NS on CUDA; got {timer} on {device}")
+        if deadline is None:
+            if timer == TIMER_POLLS and device.type != "cpu":
+                raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline (polls; about 1 us each)")
+            deadline = DEFAULT_DEADLINE_NS if timer == TIMER_NS else DEFAULT_DEADLINE_POLLS
+        if not 0 < deadline < 2**62:
+            raise ValueError(f"deadline must be a positive count of {'ns' if timer == TIMER_NS else 'polls'}, "
+                             f"got {deadline}")
+        tiles = triton.cdiv(capacity, block)
+        want = {"data": (data, (2, world, capacity), dtype), "flags": (flags, (2, tiles, world), torch.int32),
+                "ctl": (ctl, (CTL_SIZE,), torch.int64), "data_ptrs": (data_ptrs, (world,), torch.int64),
+                "flag_ptrs": (flag_ptrs, (world,), torch.int64)}
+        for name, (t, shape, dt) in want.items():
+            if tuple(t.shape) != shape or t.dtype != dt or t.device != device or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {dt} {shape} on {device}, got {t.dtype} "
+                                 f"{tuple(t.shape)} on {t.device}")
+        self.rank, self.world, self.capacity, self.dtype, self.block = rank, world, capacity, dtype, block
+        self.device = device
+        self.data, self.flags, self.ctl, self.data_ptrs, self.flag_ptrs = data, flags, ctl, data_ptrs, flag_ptrs
+        self.timer, self.deadline = timer, int(deadline)
+        self.max_programs = (torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else tiles)
+
+    @classmethod
+    def simulated(cls, world: int, capacity: int, dtype: torch.dtype, *, device: torch.device | str = "cpu",
+                  block: int = DEFAULT_BLOCK, deadline: int | None = None, timer: int | None = None,
+                  alloc: Alloc | None = None) -> list[PeerBuffers]:
+        """``world`` simulated ranks in this process: each its own buffers, all of them in one shared table.
+
+        Args:
+            world: 2 .. 8 ranks. capacity: elements per rank (> 0). dtype: bf16, fp16 or fp32.
+            block: elements per tile, a power of two. deadline, timer: see the class (defaults by device).
+            alloc: ``alloc(name, shape, dtype) -> tensor`` (zero-filled, contiguous, on ``device``); called once
+                per buffer and rank (names ``peer_data.<rank>`` etc.), e.g. an accounted workspace allocator.
+        Returns:
+            the ``PeerBuffers`` of ranks 0 .. world - 1.
+        Raises:
+            ValueError: a size, dtype or block out of range, or an allocator returning the wrong tensor.
+        """
+        device = torch.device(device)
+        _check_sizes(world, capacity, dtype, block)
+        alloc = alloc or _zeros(device)
+        tiles = triton.cdiv(capacity, block)
+        data = [alloc(f"peer_data.{r}", (2, world, capacity), dtype) for r in range(world)]
+        flags = [alloc(f"peer_flags.{r}", (2, tiles, world), torch.int32) for r in range(world)]
+        ctls = [alloc(f"peer_ctl.{r}", (CTL_SIZE,), torch.int64) for r in range(world)]
+        data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device=device)
+        flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
+        return [cls(rank=r, world=world, capacity=capacity, dtype=dtype, block=block, data=data[r], flags=flags[r],
+                    ctl=ctls[r], data_ptrs=data_ptrs, flag_ptrs=flag_ptrs, deadline=deadline, timer=timer)
+                for r in range(world)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this rank's buffers (data, flags, error record; the tables are counted too)."""
+        ts = (self.data, self.flags, self.ctl, self.data_ptrs, self.flag_ptrs)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """True when ``x`` can go through the peer all-reduce (dtype, device, contiguity, size); else use NCCL."""
+        return (x.dtype == self.dtype and x.device == self.device and x.is_contiguous()
+                and x.numel() <= self.capacity)
+
+    def check(self) -> None:
+        """Read the error record (one small device-to-host copy: a sync; call it where the engine already reads
+        back) and raise when a wait gave up.
+
+        Raises:
+            PeerWaitTimeout: naming this rank, the awaited peer, the stage, the tag and what to check.
+        """
+        self.check_record(self.ctl.tolist())
+
+    def check_record(self, values: Sequence[int]) -> None:
+        """``check`` on a host copy of ``ctl`` (e.g. copied non-blocking beside the step's sampled ids)."""
+        if len(values) != CTL_SIZE:
+            raise ValueError(f"an error record has {CTL_SIZE} values, got {len(values)}")
+        rec = dict(zip(CTL_FIELDS, (int(v) for v in values), strict=True))
+        if rec["abort"] == 0:
+            return
+        if rec["stage"] not in STAGE_NAMES:
+            raise PeerWaitTimeout(f"peer all-reduce on rank {self.rank}: the waits were aborted from outside (abort "
+                                  f"word {rec['abort']}, no wait timed out); outputs since then are undefined", rec)
+        unit = "ns" if self.timer == TIMER_NS else "polls"
+        who = (f"rank {rec['peer']} never published" if rec["peer"] != rec["rank"] else
+               f"this rank's own push (rank {rec['peer']}) never published (a skipped push launch, or fault "
+               "injection)")
+        raise PeerWaitTimeout(
+            f"peer all-reduce: rank {rec['rank']} timed out in stage {STAGE_NAMES[rec['stage']]!r} waiting for rank "
+            f"{rec['peer']}'s push (step tag {rec['tag']}, tile {rec['tile']}, call site {rec['site']}) after "
+            f"{rec['waited']} {unit} (deadline {self.deadline} {unit}): {who} its contribution. Check that rank "
+            f"{rec['peer']} is alive and has not failed earlier (its log), that every rank issues the same "
+            "all-reduces in the same order with the same sizes and consecutive tags, and that no rank stalled past "
+            "the deadline (first-launch compilation, a host pause). Later waits on this rank are skipped until "
+            "PeerBuffers.reset(); this engine is unusable: close it and create a new one", rec)
+
+    def reset(self) -> None:
+        """Clear the error record and the flags. Only when no launch is in flight on any rank and
+        every rank resets before its next call; tags then start again at 1."""
+        self.ctl.zero_()
+        self.flags.zero_()
