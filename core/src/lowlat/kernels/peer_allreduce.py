@@ -40,9 +40,11 @@ leaves at once, so a dead peer costs one deadline, not one per call. Outputs of 
 awaited peer, stage, tile, call site, time waited (in the timer's unit)].
 
 Design sources, read for ideas only (no code taken): the one-shot custom all-reduce of vLLM and SGLang
-(``custom_all_reduce.cuh``: every rank reads all peers' buffers, flags with release/acquire at system scope,
-``cross_device_reduce_1stage``), torch symmetric memory's Triton all-reduce kernels (``buffer_ptrs_dev``,
-signal pads) and the tag protocol of ``lowlat_amd_mono.kernels.sync`` (acquire polling, deadline, abort word).
+(``custom_all_reduce.cuh``, ``cross_device_reduce_1stage``: after a flag barrier each rank *reads* every peer's
+input and sums in rank order; here each rank *pushes* instead, so the wait is per tile and the reduce reads only
+local memory), torch symmetric memory's Triton kernels (``buffer_ptrs_dev`` and signal pads, flags stored with
+release and polled with acquire at system scope) and the tag protocol of ``lowlat_amd_mono.kernels.sync``
+(acquire polling, a clock or poll-count deadline, an abort word, an error record naming the stage).
 """
 
 from __future__ import annotations

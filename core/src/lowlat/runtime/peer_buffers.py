@@ -19,13 +19,14 @@ Where the table comes from:
   vLLM's custom all-reduce exchanges) would give the same table.
 
 Accounting: every buffer is allocated through ``alloc(name, shape, dtype)`` (default: a zero-filled tensor on the
-device), so the caller can hand in an accounted workspace allocator; ``nbytes`` is this rank's total.
+device), so the caller can hand in an accounted workspace allocator; ``nbytes`` is this rank's total. The general
+path's rule (``ModelRunner.reserved_bytes``): allocate before the KV pool is sized, or reserve ``nbytes`` first.
 
 Deadline: each cross-rank wait gives up after ``deadline`` units of ``timer``: nanoseconds on CUDA
 (``DEFAULT_DEADLINE_NS`` = 5 s, below the engine's 60 s step watchdog), polls on CPU (the interpreter has no
 clock; 350 to 480 polls per second were measured for W = 2..8 on a busy 2-core CPU, so the default 2,000 polls is
-about 5 s). Polls on a GPU (``timer=TIMER_POLLS``, a fallback) take an explicit deadline: a poll there lasts about
-a microsecond, not a known time. A rank still compiling its first launch while its peers wait counts against the
+about 5 s). Polls on a GPU (``timer=TIMER_POLLS``, a fallback) take an explicit deadline: a poll's duration there
+is not measured yet. A rank still compiling its first launch while its peers wait counts against the
 deadline: warm the kernels before the first cross-rank call.
 """
 
@@ -102,7 +103,7 @@ class PeerBuffers:
             raise ValueError(f"timer must be TIMER_POLLS, or TIMER_NS on CUDA; got {timer} on {device}")
         if deadline is None:
             if timer == TIMER_POLLS and device.type != "cpu":
-                raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline (polls; about 1 us each)")
+                raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline, in polls")
             deadline = DEFAULT_DEADLINE_NS if timer == TIMER_NS else DEFAULT_DEADLINE_POLLS
         if not 0 < deadline < 2**62:
             raise ValueError(f"deadline must be a positive count of {'ns' if timer == TIMER_NS else 'polls'}, "
@@ -131,7 +132,7 @@ class PeerBuffers:
         Args:
             world: 2 .. 8 ranks. capacity: elements per rank (> 0). dtype: bf16, fp16 or fp32.
             block: elements per tile, a power of two. deadline, timer: see the class (defaults by device).
-            alloc: ``alloc(name, shape, dtype) -> tensor`` (zero-filled, contiguous, on ``device``); called once
+            alloc: ``alloc(name, shape, dtype) -> tensor`` (contiguous, on ``device``; flags are zeroed); called once
                 per buffer and rank (names ``peer_data.<rank>`` etc.), e.g. an accounted workspace allocator.
         Returns:
             the ``PeerBuffers`` of ranks 0 .. world - 1.
@@ -145,6 +146,8 @@ class PeerBuffers:
         data = [alloc(f"peer_data.{r}", (2, world, capacity), dtype) for r in range(world)]
         flags = [alloc(f"peer_flags.{r}", (2, tiles, world), torch.int32) for r in range(world)]
         ctls = [alloc(f"peer_ctl.{r}", (CTL_SIZE,), torch.int64) for r in range(world)]
+        for t in flags + ctls:  # the protocol starts from zero flags and an empty record, whatever alloc returned
+            t.zero_()
         data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device=device)
         flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
         return [cls(rank=r, world=world, capacity=capacity, dtype=dtype, block=block, data=data[r], flags=flags[r],

@@ -1,0 +1,93 @@
+"""Mutation pass of the peer all-reduce: break it in one place, run its test file, expect a failure.
+
+    python3 bench/scripts/mutate_peer_allreduce.py      # from the repository root (or a worktree's)
+
+Each mutation is applied to the source, core/tests/test_peer_allreduce.py runs under TRITON_INTERPRET=1 with
+this checkout's core/src first on the path (a hang counts as caught after 300 s), and the source is restored.
+Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed. The memory-order
+mutations (no barrier, release before the data, weaker order or scope) change nothing the interpreter computes (it
+runs one program at a time): test_every_flag_release_follows_its_data_and_a_barrier catches them by watching the
+interpreted operations, which checks the program as written, not the GPU's behaviour (that is the 2-GPU run's).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+K = pathlib.Path("core/src/lowlat/kernels/peer_allreduce.py")
+H = pathlib.Path("core/src/lowlat/runtime/peer_buffers.py")
+_LOADS = ("                for s in tl.static_range(WORLD):\n"
+          "                    v = tl.load(own_data + (parity * WORLD + s).to(tl.int64) * cap + offs, mask=mask, "
+          "other=0.0)\n                    acc += v.to(tl.float32)\n")
+_LOADS_EARLY = "".join(line[4:] + "\n" for line in _LOADS.splitlines())  # the same loads, one level out
+_WAIT = ("            ready = _wait_tile(own_flags + (parity * cap_tiles + t) * WORLD, tag, ctl_ptr, deadline, rank, "
+         "t, site,\n                               WORLD, WPAD, TIMER)\n")
+_PUSH_DATA = ("            for p in tl.static_range(WORLD):\n"
+              "                peer_data = tl.load(data_ptrs + p).to(tl.pointer_type(elem))\n"
+              "                tl.store(peer_data + (parity * WORLD + rank).to(tl.int64) * cap + offs, v, mask=mask)\n")
+_PUSH_FLAGS = ("            for p in tl.static_range(WORLD):\n"
+               "                peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))\n"
+               "                tl.atomic_xchg(peer_flags + (parity * cap_tiles + t) * WORLD + rank, tag, "
+               "mask=publish != 0,\n                               sem=\"release\", scope=\"sys\")\n")
+_BARRIER = "            tl.debug_barrier()  # every thread's stores of this tile happen before the release below\n"
+M = [  # (name, file, original text, mutated text)
+    ("wrong rank order (sum W-1 .. 0)", K, "(parity * WORLD + s).to(tl.int64)",
+     "(parity * WORLD + (WORLD - 1 - s)).to(tl.int64)"),
+    ("reduce before acquire (data loaded before the wait)", K,
+     _WAIT + "            if ready:\n                acc = tl.zeros([BLOCK], tl.float32)\n" + _LOADS,
+     "            acc = tl.zeros([BLOCK], tl.float32)\n" + _LOADS_EARLY + _WAIT + "            if ready:\n"),
+    ("tag compare off by one (the previous tag counts)", K, "live & (seen != tag)", "live & (seen < tag - 1)"),
+    ("tag compare: any published tag counts (stale flags)", K, "live & (seen != tag)", "live & (seen == 0)"),
+    ("no parity (one slot for every step)", K, "parity = tag & 1", "parity = tag & 0"),
+    ("deadline ignored", K, "tl.where(zero + waited > deadline, 3, 0)", "tl.where(zero + waited < 0, 3, 0)"),
+    ("deadline doubled", K, "tl.where(zero + waited > deadline, 3, 0)", "tl.where(zero + waited > 2 * deadline, 3, 0)"),
+    ("error record not written", K, "first = timed_out & (prev == 0)", "first = timed_out & (prev == -7)"),
+    ("record names this rank as the peer", K, "tl.store(ctl_ptr + CTL_PEER, peer.to(tl.int64), mask=first)",
+     "tl.store(ctl_ptr + CTL_PEER, rank.to(tl.int64), mask=first)"),
+    ("abort word not set", K,
+     'prev = tl.atomic_xchg(ctl_ptr + CTL_ABORT, tag.to(tl.int64), mask=timed_out, sem="acq_rel", scope="gpu")',
+     "prev = tl.load(ctl_ptr + CTL_ABORT)"),
+    ("abort word not polled", K, "abort = tl.load(ctl_ptr + CTL_ABORT, volatile=True)",
+     "abort = tl.full([], 0, tl.int64)"),
+    ("an aborted wait counts as ready", K, "state = tl.where(peer >= WORLD, 1, sig)",
+     "state = tl.where(peer >= WORLD, 1, tl.where(sig == 2, 1, sig))"),
+    ("fault injection ignored (publish always)", K, "mask=publish != 0,", "mask=publish != 2,"),
+    ("push only into this rank's own buffer", K, "peer_data = tl.load(data_ptrs + p)",
+     "peer_data = tl.load(data_ptrs + rank)"),
+    ("flag published into the wrong rank's slot", K, "* WORLD + rank, tag,", "* WORLD + p, tag,"),
+    ("host check never raises", H, 'if rec["abort"] == 0:', 'if rec["abort"] != -12345:'),
+    ("host message names the wrong peer", H, "{rec['peer']}'s push (step tag", "{rec['rank']}'s push (step tag"),
+    ("host check on by default (a sync per call)", K,
+     "out: torch.Tensor | None = None, site: int = 0,\n                check: bool = False",
+     "out: torch.Tensor | None = None, site: int = 0,\n                check: bool = True"),
+    ("memory order: no CTA barrier before the release", K, _BARRIER, ""),
+    ("memory order: flags released before the data", K, _PUSH_DATA + _BARRIER + _PUSH_FLAGS,
+     _PUSH_FLAGS + _BARRIER + _PUSH_DATA),
+    ("memory order: relaxed flag store", K, 'sem="release", scope="sys"', 'sem="relaxed", scope="sys"'),
+    ("memory order: release at gpu scope", K, 'sem="release", scope="sys"', 'sem="release", scope="gpu"'),
+    ("memory order: acquire at gpu scope", K, 'sem="acquire", scope="sys"', 'sem="acquire", scope="gpu"'),
+    ("memory order: relaxed poll", K, 'sem="acquire", scope="sys"', 'sem="relaxed", scope="sys"'),
+]
+env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
+       "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}
+missed = 0
+for name, p, old, new in M:
+    src = p.read_text()
+    assert src.count(old) == 1, (name, old)
+    p.write_text(src.replace(old, new))
+    try:
+        try:
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                "-rf", "core/tests/test_peer_allreduce.py"], capture_output=True, text=True, env=env,
+                               timeout=300)
+            lines = r.stdout.strip().splitlines() or ["(no output)"]
+            first = next((ln.split("::")[1].split(" ")[0] for ln in lines if ln.startswith("FAILED ")), "")
+            rc, last = r.returncode, f"{first}: {lines[-1]}"
+        except subprocess.TimeoutExpired:
+            rc, last = 124, "hung: killed after 300 s"
+        missed += rc == 0
+        print(("CAUGHT " if rc else "MISSED ") + name + " -> " + last, flush=True)
+    finally:
+        p.write_text(src)
+sys.exit(1 if missed else 0)
