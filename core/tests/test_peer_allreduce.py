@@ -1,18 +1,27 @@
 """The one-shot peer all-reduce (lowlat.kernels.peer_allreduce) with simulated ranks in one process.
 
 On CPU the kernels run under the Triton interpreter, in the two-launch mode (every simulated rank pushes, then
-every rank reduces: the interpreter runs one launch at a time) and the deadline counts polls. On a GPU (the same
-file, DEV = cuda: ``python bench/gpu_jobs.py gpu-tests``) the simulated ranks share one device, the deadline is
-%globaltimer nanoseconds, and one test runs the one-launch mode with two ranks on concurrent streams.
+every rank reduces: the interpreter runs one launch at a time) and the deadline counts polls. The interpreter runs
+one program at a time, so two tests stand in for concurrency: a host thread plays a peer that publishes tile by
+tile while a reduce polls, and a watcher checks every interpreted flag operation (data and a barrier before each
+release; release/acquire at system scope); a third compiles the kernel for sm90 and reads its PTX.
+On a GPU (the same file, DEV = cuda: ``python bench/gpu_jobs.py gpu-tests``) the simulated ranks share one device,
+the deadline is %globaltimer nanoseconds, and one test runs the one-launch mode with 2 and 4 ranks on concurrent
+streams. None of this is two GPUs: no NVLink, no symmetric memory, no second process.
 Mutation pass: bench/scripts/mutate_peer_allreduce.py.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -338,6 +347,24 @@ def test_cuda_one_launch_ranks_on_concurrent_streams(world: int) -> None:
         for b, out in zip(bufs, outs, strict=True):
             b.check()
             assert torch.equal(out, rank_order_sum(xs)), (tag, b.rank)
+
+
+def test_kernel_compiles_for_sm90_with_system_scope_release_acquire() -> None:
+    """Without a GPU: Triton's compiler and bundled ptxas build the kernel for sm90 (one launch, push alone, reduce
+    alone; three dtypes; W = 2, 4, 8; both timers), and its PTX publishes with a system-scope release exchange,
+    polls with a system-scope acquire, orders with bar.sync and reads %globaltimer for the nanosecond deadline."""
+    pytest.importorskip("triton.backends.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("_sm90_compile_peer.py")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    if r.returncode and "ptxas" in r.stderr and "not found" in r.stderr:
+        pytest.skip("this Triton has no bundled ptxas")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {tuple(d["config"]): set(d["ops"]) for d in map(json.loads, r.stdout.splitlines())}
+    release, acquire = "atom.global.sys.release.exch.b32", "atom.global.sys.acquire.add.u32"
+    assert got[("bf16", 2, True, True, 1)] >= {release, acquire, "bar.sync", "%globaltimer", "ld.volatile.global.b64"}
+    assert release in got[("fp32", 4, True, False, 1)] and acquire not in got[("fp32", 4, True, False, 1)]
+    assert acquire in got[("fp16", 8, False, True, 0)] and "%globaltimer" not in got[("fp16", 8, False, True, 0)]
 
 
 # -- inputs and allocation -----------------------------------------------------------------------------------
