@@ -4,8 +4,10 @@
 
 The general path's prefill excludes cuDNN because one cuDNN SDPA call slows every later CUDA-graph replay of the
 general path (bench/results/2026-12-01-h200-cudnn-drift). This prints what that costs the prefill (TTFT): one
-request of each length, the PREFILL through ``ModelRunner.forward``, median of 5 after 2 warm-ups (ms), first
-without cuDNN (the default), then with cuDNN first in the backend list. Diagnostic only; CUDA.
+request of each length (no cached prefix), the PREFILL through ``ModelRunner.forward``, median of 5 after 2
+warm-ups (ms), every length without cuDNN first (the default), then every length with cuDNN as the only SDPA
+backend (``attention.EXCLUDE_CUDNN = False`` under ``sdpa_kernel([CUDNN_ATTENTION])``: an error if cuDNN cannot
+run the shape, never a silent other backend). Diagnostic only; CUDA.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from lowlat import Engine, EngineConfig
 from lowlat.forward_batch import ForwardMode
 from lowlat.layers import attention
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def prefill_ms(e: Engine, n: int, reps: int = 5) -> float:
@@ -49,15 +51,15 @@ def main() -> int:
                        max_context_len=max(lengths) + 64, chunked_prefill_size=max(lengths))
     with Engine(cfg) as e:
         print("| model | tokens | prefill ms, no cuDNN | prefill ms, cuDNN | no cuDNN / cuDNN |\n|---|---|---|---|---|")
-        default = list(attention._SDPA_BACKENDS)
-        for n in lengths:
-            without = prefill_ms(e, n)
-            attention._SDPA_BACKENDS[:] = [SDPBackend.CUDNN_ATTENTION, *default]
-            try:
-                with_cudnn = prefill_ms(e, n)
-            finally:
-                attention._SDPA_BACKENDS[:] = default
-            print(f"| {args.model} | {n} | {without:.2f} | {with_cudnn:.2f} | {without / with_cudnn:.3f} |", flush=True)
+        without = [prefill_ms(e, n) for n in lengths]
+        attention.EXCLUDE_CUDNN = False
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                with_cudnn = [prefill_ms(e, n) for n in lengths]
+        finally:
+            attention.EXCLUDE_CUDNN = True
+        for n, a, b in zip(lengths, without, with_cudnn):
+            print(f"| {args.model} | {n} | {a:.2f} | {b:.2f} | {a / b:.3f} |", flush=True)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _models_util import Driver, random_model, tiny_config
 from lowlat.forward_batch import ForwardMode
 
@@ -140,15 +141,18 @@ def test_torch_decode_attention_matches_the_kernel_contract():
         assert not got[n:2 * n].any()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_torch_prefill_attention_with_and_without_a_cached_prefix(device):
-    """Each request's new tokens see keys 0 .. their position (a cached prefix included), GQA heads shared: against
-    an explicit float32 softmax over a boolean mask (on CUDA in bf16: the flash / efficient backends ``sdpa`` picks)."""
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32),
+                                           pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", torch.float32, marks=pytest.mark.gpu)])
+def test_torch_prefill_attention_with_and_without_a_cached_prefix(device, dtype):
+    """Each request's new tokens see keys 0 .. their position (a cached prefix included), GQA heads shared, at a
+    scale other than SDPA's default: against an explicit float32 softmax over a boolean mask (on CUDA: the flash
+    backend in bf16, the efficient one in float32)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from lowlat.layers.attention import prefill_attention_torch
 
-    dtype, tol = (torch.float32, TOL) if device == "cpu" else (torch.bfloat16, {"atol": 2e-2, "rtol": 2e-2})
+    tol = TOL if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     gen = torch.Generator().manual_seed(1)
     kb, vb = torch.randn(64, 2, 64, generator=gen), torch.randn(64, 2, 64, generator=gen)
     req_to_token = torch.randperm(64, generator=gen)[:60].reshape(3, 20).to(torch.int32)
@@ -156,13 +160,45 @@ def test_torch_prefill_attention_with_and_without_a_cached_prefix(device):
     seq_lens, extend_lens = [9, 14], [9, 5]  # the second request has a 9-token prefix
     q = torch.randn(sum(extend_lens), 4, 64, generator=gen)
     got = prefill_attention_torch(*(t.to(device, dtype) for t in (q, kb, vb)), req_to_token.to(device),
-                                  rows.to(device), seq_lens, extend_lens, 0.125).float().cpu()
+                                  rows.to(device), seq_lens, extend_lens, 0.2).float().cpu()
     start = 0
     for b, (seq, n) in enumerate(zip(seq_lens, extend_lens)):
         slots = req_to_token[rows[b], :seq].long()
         k, v = kb[slots].repeat_interleave(2, 1), vb[slots].repeat_interleave(2, 1)  # [seq, 4, 64]
-        scores = torch.einsum("nhd,lhd->hnl", q[start:start + n], k) * 0.125
+        scores = torch.einsum("nhd,lhd->hnl", q[start:start + n], k) * 0.2
         visible = torch.arange(seq)[None, :] <= torch.arange(seq - n, seq)[:, None]
         p = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         torch.testing.assert_close(got[start:start + n], torch.einsum("hnl,lhd->nhd", p, v), **tol)
         start += n
+
+
+def test_prefill_sdpa_never_runs_cudnn_and_keeps_the_users_backend_choices(monkeypatch):
+    """Both prefill branches call SDPA with cuDNN disabled (a cuDNN call slows later CUDA-graph replays on the
+    H200), backends the user disabled stay disabled, every flag is restored after the call, and the lower-right
+    causal bias holds no storage."""
+    from types import SimpleNamespace
+
+    from lowlat.layers import attention
+
+    seen = []
+
+    def spy(q, k, v, **kw):
+        b = torch.backends.cuda
+        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled()))
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
+    kb, vb = torch.randn(32, 2, 8), torch.randn(32, 2, 8)
+    r2t = torch.arange(32, dtype=torch.int32).reshape(2, 16)
+    q = torch.randn(9, 4, 8)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    attention.prefill_attention_torch(q, kb, vb, r2t, torch.tensor([0, 1]), [6, 10], [6, 3], 0.3)
+    assert len(seen) == 2 and all(not c and f for c, f, _ in seen)  # no prefix, then a 7-token prefix
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    try:
+        attention.prefill_attention_torch(q[:6], kb, vb, r2t, torch.tensor([0]), [6], [6], 0.3)
+        assert seen[-1] == (False, True, False)  # not turned back on for the call
+    finally:
+        torch.backends.cuda.enable_mem_efficient_sdp(True)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert attention.causal_lower_right(8192, 131072).numel() == 0

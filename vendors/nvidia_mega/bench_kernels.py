@@ -40,8 +40,8 @@ EPS = 1e-6
 
 
 def preset_shape(name: str) -> dict:
-    """A ``SHAPES`` entry from lowlat's model preset ``name`` (llama-3.2-1b, qwen3-8b, ...). Raises KeyError for an
-    unknown name."""
+    """A ``SHAPES`` entry from lowlat's model preset ``name`` (llama-3.2-1b, qwen3-8b, ...). Raises
+    ``lowlat.errors.ConfigError`` (a ValueError) for an unknown name."""
     from lowlat.loader.presets import get_preset
 
     c = get_preset(name)

@@ -213,7 +213,7 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
     runner = engine.runner
     dtype, ckpt = str(runner.dtype).removeprefix("torch."), engine.model_config.torch_dtype
     if engine.config.dtype == "auto" and ckpt and ckpt != dtype:  # e.g. a bf16 checkpoint on a CPU
-        dtype += f" (the checkpoint's {ckpt}; --dtype {ckpt} keeps it)"
+        dtype += f" (the checkpoint's {ckpt}" + (f"; --dtype {ckpt} keeps it)" if ckpt in DTYPES else ")")
     console.print(Text(f"model {engine.config.model} ({engine.model_config.architecture}) on {runner.device}, "
                        f"{dtype}, tp={engine.config.tp_size}, "
                        f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "

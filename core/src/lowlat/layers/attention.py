@@ -14,28 +14,62 @@ Backends:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool
 
 BACKENDS = ("torch", "triton")
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no cuDNN
+EXCLUDE_CUDNN = True  # False: SDPA as torch chooses (bench/scripts/prefill_sdpa.py measures both)
+_NON_CUDNN = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
+              (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
+              (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled))
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with its cuDNN backend excluded (flash, then efficient, then math).
+    """``F.scaled_dot_product_attention`` without its cuDNN backend: the backends the process has enabled, minus
+    cuDNN (torch then picks flash, efficient or math). If cuDNN is the only one enabled, the user's choice stands.
 
-    Why: measured on the H200 (torch 2.11), one cuDNN SDPA call leaves every later kernel boundary of a CUDA-graph
-    replay about 0.36 µs idler for the rest of the process, graphs captured afterwards included: +64 µs (6%) on
-    the general path's llama-3.2-1b DECODE step after the first prefill; flash, efficient and math leave it
-    unchanged (bench/results/2026-12-01-h200-cudnn-drift).
+    Why: measured on the H200 (torch 2.11, which prefers cuDNN there), one cuDNN SDPA call leaves every later
+    kernel boundary of a CUDA-graph replay about 0.36 µs idler for the rest of the process, graphs captured
+    afterwards included: +64 µs (6%) on the general path's llama-3.2-1b DECODE step after the first prefill;
+    flash, efficient and math leave it unchanged (bench/results/2026-12-01-h200-cudnn-drift).
+
+    ``sdpa_kernel`` sets torch's process-wide backend flags for the call and restores them: an SDPA call made on
+    another thread at the same moment sees the narrowed set.
     """
-    with sdpa_kernel(_SDPA_BACKENDS):
+    allowed = [b for b, enabled in _NON_CUDNN if enabled()] if EXCLUDE_CUDNN else []
+    if not allowed:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+    with sdpa_kernel(allowed):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+
+
+@functools.cache
+def _lower_right_type() -> type:
+    from torch.nn.attention.bias import CausalBias  # imports torch._dynamo (~2 s): only when a prefix is cached
+
+    class LowerRight(CausalBias):
+        """CausalBias without the storage its torch.Tensor base would allocate: ``CausalBias(variant, n, s)``
+        reaches ``torch.Tensor(variant, n, s)``, an uninitialized float32 [2, n, s] (8 GiB at 8192 x 131072)."""
+
+        def __new__(cls, *args: object, **kwargs: object) -> LowerRight:
+            return torch.Tensor._make_subclass(cls, torch.empty(0))
+
+    return LowerRight
+
+
+def causal_lower_right(n: int, seq: int) -> torch.Tensor:
+    """The attention bias of ``n`` new tokens over ``seq`` keys, the new ones last: token i sees keys 0 ..
+    seq - n + i (``torch.nn.attention.bias.causal_lower_right``; SDPA runs it on flash or efficient, no mask
+    tensor). Holds no storage."""
+    from torch.nn.attention.bias import CausalVariant
+
+    return _lower_right_type()(CausalVariant.LOWER_RIGHT, n, seq)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -91,6 +125,8 @@ def prefill_attention_torch(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
         if prefix == 0:
             o = sdpa(qb, k, v, is_causal=True, scale=sm_scale, enable_gqa=True)
         else:  # new token i sees keys 0 .. prefix + i: causal aligned to the lower right (flash, no mask tensor)
+            # K/V repeated to Hq heads: a transient Hq / Hkv times the gathered rows (1 GiB each at Hq 32, Hkv 4,
+            # D 128 and 131072 keys); flash could take them unrepeated, not checked on a GPU yet
             group = qb.shape[1] // k.shape[1]
             o = sdpa(qb, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                      attn_mask=causal_lower_right(n, seq), scale=sm_scale)
