@@ -78,7 +78,7 @@ def drift(o: Options) -> list[Step]:
     m = o.models[0]
     runs = [("general", 1), ("general", 8), ("general-reference", 1), *[(p, 1) for p in o.plugins]]
     script = [PY, "bench/scripts/replay_drift.py", "--model", m, "--kernels"]
-    return [Step(f"drift {p} b={b}", 90, [*script, "--path", p, "--batch", str(b)], f"drift_{slug(m)}_{p}_{b}.txt",
+    return [Step(f"drift {p} b={b}", 120, [*script, "--path", p, "--batch", str(b)], f"drift_{slug(m)}_{p}_{b}.txt",
                  r"^\||rror|idle") for p, b in runs]
 
 

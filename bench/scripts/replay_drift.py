@@ -15,12 +15,15 @@ prefill (``--sdpa-backend cudnn`` reproduces it; bench/results/2026-12-01-h200-c
 4. a PREFILL through ``ModelRunner.forward`` on the main thread;
 5. a prefill through ``Engine.generate`` (run on the step watchdog's thread; one new token, plain loop);
 6. plain decode (``overlap=False``), overlapped decode, and ``torch.cuda.empty_cache()``;
-7. the graphs captured again (``ModelRunner.init_cuda_graphs``): if these replay at the fresh engine's speed, the
-   drift is state the old graphs were captured without, and capturing after a warm-up prefill fixes it;
+7. the graphs captured again (``ModelRunner.init_cuda_graphs``; on the H200 at main ba4dcc9 these replayed 62 µs
+   slower, a second effect not yet diagnosed);
+8. a second Engine built in the same process after the first closed (``lowlat bench`` builds a runner per path
+   and per layer depth in one process);
 
 so the activity that causes the drift shows as the first row that moves. With ``--kernels``, the step is also
-profiled (torch.profiler, CUDA activity: graph replays included) in the fresh engine and after the overlapped
-decode, and the kernels whose device time plus idle time before them moved most are printed.
+profiled (torch.profiler, CUDA activity: graph replays included) in the fresh engine, after the overlapped decode,
+after the recapture and in the second engine, and for each later profile the kernels whose device time plus idle
+time before them moved most against the fresh one are printed.
 
 Diagnostic only (no pass/fail); CUDA.
 """
@@ -119,8 +122,8 @@ def main() -> int:
             0, e.model_config.vocab_size, (args.batch, args.context - 64), generator=vocab_gen
         ).tolist()
 
-        def show(label: str) -> None:
-            step, replay = bench_step(e, args.batch, args.context)
+        def show(label: str, engine: Engine = e) -> None:
+            step, replay = bench_step(engine, args.batch, args.context)
             print(f"| {args.path} | {args.batch} | {label} | {step:.1f} | {replay:.1f} |", flush=True)
 
         def generate(overlap: bool, n: int) -> None:
@@ -189,8 +192,15 @@ def main() -> int:
         e.runner.graph_runner.close()
         e.runner.init_cuda_graphs()  # the same StepInputs: the scheduler's builder keeps feeding them
         show("the graphs captured again, after all of the above")
-        if fresh is not None and moved is not None:
-            print_kernel_moves(fresh, moved)
+        recaptured = kernel_means(e, args.batch, args.context) if args.kernels else None
+    with Engine(cfg) as second:  # lowlat bench builds a runner per path and layer depth in one process
+        show("a second engine in this process (the first closed)", second)
+        again = kernel_means(second, args.batch, args.context) if args.kernels else None
+    for label, later in (("after the overlapped decode", moved), ("graphs captured again", recaptured),
+                         ("a second engine", again)):
+        if fresh is not None and later is not None:
+            print(f"\nfresh engine against {label}:")
+            print_kernel_moves(fresh, later)
     return 0
 
 
