@@ -283,9 +283,12 @@ class Engine:
         logits are needed (an observer that wants them). No-op without a sampling plugin."""
         if self.runner.sampling_inputs is None or step.mode is not ForwardMode.DECODE:
             return
-        needed = self.logits_observer is not None and (self.logits_needed is None or self.logits_needed(step))
         self.runner.attach_sampling(step.batch, [r.params for r in step.requests], [r.seed for r in step.requests],
-                                    logits_required=needed)
+                                    logits_required=self.wants_logits(step))
+
+    def wants_logits(self, step: ScheduledStep) -> bool:
+        """Whether ``step``'s logits are needed: a ``logits_observer`` is set and ``logits_needed`` (if set) says so."""
+        return self.logits_observer is not None and (self.logits_needed is None or self.logits_needed(step))
 
     def _describe_stuck(self, step: ScheduledStep) -> str:
         progress = self._ctx.progress if self._ctx is not None else None

@@ -220,9 +220,9 @@ class OverlapLoop:
                 ids.copy_(prev.picked)
             else:
                 ids.copy_(prev.picked.index_select(0, ids))
-        # Logits are kept for the observer only when the step needs them (``Engine.logits_needed``); otherwise
+        # Logits are kept for the observer only when the step needs them (``Engine.wants_logits``); otherwise
         # every read of the output is queued below, before the next replay: it is read in place, not copied.
-        wants = e.logits_observer is not None and (e.logits_needed is None or e.logits_needed(step))
+        wants = e.wants_logits(step)
         logits = e.runner.forward(step.batch, fresh=wants)
         kept = None
         if is_ids(logits):  # its -1 flags non-finite logits: the guard rides on the same read
