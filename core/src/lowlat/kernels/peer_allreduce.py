@@ -194,7 +194,8 @@ def _check_input(x: torch.Tensor, bufs: PeerBuffers, what: str) -> None:
 
 
 def _launch(bufs: PeerBuffers, x: torch.Tensor | None, out: torch.Tensor | None, tag: int, site: int,
-            publish: bool, push: bool, reduce: bool) -> None:
+            publish: bool, push: bool, reduce: bool, check: bool = False) -> None:
+    """Launch the kernel in one mode; ``check`` then reads the error record (``PeerBuffers.check``, a host sync)."""
     _check_tag(tag)
     if not 0 <= site < 2**31:
         raise ValueError(f"site must be in [0, 2**31), got {site}")
@@ -214,6 +215,8 @@ def _launch(bufs: PeerBuffers, x: torch.Tensor | None, out: torch.Tensor | None,
         WORLD=bufs.world, WPAD=triton.next_power_of_2(bufs.world), BLOCK=bufs.block,
         PUSH=push, REDUCE=reduce, TIMER=bufs.timer, num_warps=4,
     )
+    if check:
+        bufs.check()
 
 
 def peer_push(x: torch.Tensor, bufs: PeerBuffers, tag: int, *, publish: bool = True) -> None:
@@ -253,9 +256,7 @@ def peer_reduce(bufs: PeerBuffers, tag: int, n: int, *, out: torch.Tensor | None
     elif out.numel() != n:
         raise ValueError(f"out has {out.numel()} elements, expected n = {n}")
     _check_input(out, bufs, "out")
-    _launch(bufs, None, out, tag, site, True, False, True)
-    if check:
-        bufs.check()
+    _launch(bufs, None, out, tag, site, True, False, True, check)
     return out
 
 
@@ -280,7 +281,5 @@ def peer_all_reduce(x: torch.Tensor, bufs: PeerBuffers, tag: int, *, out: torch.
     elif out.shape != x.shape:
         raise ValueError(f"out must be shaped like x {tuple(x.shape)}, got {tuple(out.shape)}")
     _check_input(out, bufs, "out")
-    _launch(bufs, x, out, tag, site, publish, True, True)
-    if check:
-        bufs.check()
+    _launch(bufs, x, out, tag, site, publish, True, True, check)
     return out
