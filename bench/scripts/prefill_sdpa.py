@@ -6,8 +6,9 @@ The general path's prefill excludes cuDNN because one cuDNN SDPA call slows ever
 general path (bench/results/2026-12-01-h200-cudnn-drift). This prints what that costs the prefill (TTFT): one
 request of each length (no cached prefix), the PREFILL through ``ModelRunner.forward``, median of 5 after 2
 warm-ups (ms), every length without cuDNN first (the default), then every length with cuDNN as the only SDPA
-backend (``attention.EXCLUDE_CUDNN = False`` under ``sdpa_kernel([CUDNN_ATTENTION])``: an error if cuDNN cannot
-run the shape, never a silent other backend). Diagnostic only; CUDA.
+backend (``sdpa_kernel([CUDNN_ATTENTION])``, which ``lowlat.layers.attention.sdpa`` leaves standing when cuDNN is
+the only backend enabled: an error if cuDNN cannot run the shape, never a silent other backend). Diagnostic only;
+CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import statistics
 import torch
 from lowlat import Engine, EngineConfig
 from lowlat.forward_batch import ForwardMode
-from lowlat.layers import attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
@@ -52,12 +52,8 @@ def main() -> int:
     with Engine(cfg) as e:
         print("| model | tokens | prefill ms, no cuDNN | prefill ms, cuDNN | no cuDNN / cuDNN |\n|---|---|---|---|---|")
         without = [prefill_ms(e, n) for n in lengths]
-        attention.EXCLUDE_CUDNN = False
-        try:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                with_cudnn = [prefill_ms(e, n) for n in lengths]
-        finally:
-            attention.EXCLUDE_CUDNN = True
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            with_cudnn = [prefill_ms(e, n) for n in lengths]
         for n, a, b in zip(lengths, without, with_cudnn):
             print(f"| {args.model} | {n} | {a:.2f} | {b:.2f} | {a / b:.3f} |", flush=True)
     return 0

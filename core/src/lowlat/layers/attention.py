@@ -24,7 +24,7 @@ from lowlat.forward_batch import ForwardBatch, ForwardMode
 from lowlat.kv_cache import KVPool
 
 BACKENDS = ("torch", "triton")
-EXCLUDE_CUDNN = True  # False: SDPA as torch chooses (bench/scripts/prefill_sdpa.py measures both)
+EXCLUDE_CUDNN = True  # False: SDPA as torch chooses (cuDNN's faster long prefill, with its replay slowdown)
 _NON_CUDNN = ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled),
               (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled),
               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled))
