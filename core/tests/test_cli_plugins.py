@@ -42,6 +42,11 @@ def test_plugins_table_and_explain(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "nvidia_mega" in out.stdout and "Qwen3MoeForCausalLM" in out.stdout and "guard here: fail" in out.stdout
     assert "loaded, guards pass here for 0 of 3 architectures" in out.stdout  # no bare "ok" beside failing guards
+    out = lowlat(site, "plugins", "--device", "cpu",
+                 env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr
+    # a pass whose dtype requirement was skipped says so (lowlat run may still refuse the plugin on dtype)
+    assert "guard here: pass (not checked without --dtype / --model:" in " ".join(out.stdout.split())
     out = lowlat(site, "plugins", "--device", "cpu", "--explain", "Qwen3ForCausalLM", "--dtype", "bfloat16",
                  env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr

@@ -135,6 +135,10 @@ def _print_table(report: dict[str, Any]) -> None:
                 shown = s["requirements"]
                 console.print(f"  requirements: {_describe_requirements(shown)}")
             guard = "[green]pass[/]" if s["guard"] == "pass" else f"[yellow]fail[/] ({s['reason']})"
+            skipped = {r["requirement"] for r in s["trace"] if r["status"] == "skip"}
+            if s["guard"] == "pass" and skipped:  # e.g. dtype without --dtype: `lowlat run` may still refuse
+                flags = sorted({"--dtype" if r == "dtype" else "--model" for r in skipped})
+                guard += f" (not checked without {' / '.join(flags)}: {', '.join(sorted(skipped))})"
             console.print(f"  {s['architecture']:<22} {s['coverage']:<40} guard here: {guard}")
 
 
