@@ -108,9 +108,12 @@ def mega_tune(o: Options) -> list[Step]:
 
 
 def amd_layers(o: Options) -> list[Step]:
-    """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants."""
+    """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants,
+    ``AMD_SYNC_FLOOR=1`` times each with every stage's compute skipped too."""
     variants = os.environ.get("AMD_VARIANTS", "")
     extra = ["--variants", variants] if variants else []
+    if os.environ.get("AMD_SYNC_FLOOR") == "1":
+        extra.append("--sync-floor")
     return [Step(f"amd layers {m}", 200, [PY, "vendors/amd_mono/bench_layers.py", "--models", m, "--rows", "1,8",
                                           "--no-skips", *extra], f"amd_layers_{m}.txt", r"\|") for m in o.models]
 
@@ -289,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
             "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
             "SPEC_ADAPTIVE", "MUTANTS",
-            "AMD_VARIANTS", "ROWS")}, "steps": records}, indent=1))
+            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
           f"{len(records)} steps ok")

@@ -5,6 +5,7 @@ Usage (on the H200; about a minute with a warm Triton cache, under two minutes c
     ... --models llama-3.2-1b --rows 1 --overlaps     # also PDL off and L2 prefetch off (extra compiles)
     ... --staged                                      # also the stage-per-launch mode (extra compiles)
     ... --variants "pdl=0;pdl=0,programs_per_sm=2"   # also these MonoOptions (";" between variants)
+    ... --sync-floor                                  # also each variant with every stage's compute skipped
 
 Method: a model cut to ``--layers`` distinct decoder layers (so weights do not stay in L2 between replays) with
 seeded random weights made on the GPU; each request has ``--ctx`` cached tokens. A CUDA graph holds the
@@ -30,7 +31,6 @@ from lowlat.loader.synthetic import iter_synthetic_weights
 from lowlat.models import build_model
 from lowlat_amd_mono.forward import MonoForward
 from lowlat_amd_mono.kernels import plan as P
-from lowlat_amd_mono.kernels.embed_head import embed_kernel
 from lowlat_amd_mono.kernels.launch import MonoOptions
 
 DEV = torch.device("cuda")
@@ -115,8 +115,7 @@ class LayerBench:
         shape = fwd.plan.step_shape(self.rows, 1)
 
         def embed() -> None:
-            embed_kernel[(self.rows,)](b.input_ids, fwd.w["embed"], fwd.x, fwd.step, H=self.cfg.hidden_size,
-                                       BH=min(1024, P.next_pow2(self.cfg.hidden_size)))
+            fwd.embed(b.input_ids)
 
         def layers() -> None:
             embed()
@@ -127,6 +126,15 @@ class LayerBench:
         full = graph_median_us(layers)
         fwd.check_errors()
         return (full - graph_median_us(embed)) / self.cfg.num_hidden_layers
+
+    def floor_us(self, fwd: MonoForward, stages: tuple[int, ...]) -> float:
+        """Per-layer time with every stage's compute skipped: launches, waits and publishes alone."""
+        for i in range(self.cfg.num_hidden_layers):
+            fwd.set_debug(i, skip=stages)
+        us = self.mono_layer_us(fwd)
+        for i in range(self.cfg.num_hidden_layers):
+            fwd.set_debug(i)
+        return us
 
     def general_layer_us(self) -> float:
         m, b = self.model, self.batch
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staged", action="store_true", help="also time the stage-per-launch mode")
     ap.add_argument("--variants", default="", help="MonoOptions variants to time: 'field=value,...' separated by ';'")
     ap.add_argument("--no-skips", action="store_true", help="leave out the skip-one-stage variants")
+    ap.add_argument("--sync-floor", action="store_true",
+                    help="also time each variant with every stage's compute skipped (launches, waits, publishes)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_layers.py needs a GPU", file=sys.stderr)
@@ -183,8 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             full = lb.mono_layer_us(fwd)
             row(f"amd_mono persistent (pdl={fwd.options.pdl})", full)
             if not args.no_skips:
-                stages = P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES)
-                for st in stages:
+                for st in P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES):
                     for i in range(lb.cfg.num_hidden_layers):
                         fwd.set_debug(i, skip=(st,))
                     us = lb.mono_layer_us(fwd)
@@ -196,10 +205,19 @@ def main(argv: list[str] | None = None) -> int:
                 row("  L2 prefetch off", lb.mono_layer_us(lb.mono(amd_mono_l2_prefetch_bytes=0)))
             if args.staged:
                 row("  stage per launch", lb.mono_layer_us(lb.mono(amd_mono_staged=True)))
+            stages = P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES)
+
+            def sync_floor(f: MonoForward, label: str, lb: LayerBench = lb, stages: tuple = stages) -> None:
+                if args.sync_floor:
+                    row(f"  {label}, every stage skipped", lb.floor_us(f, stages))
+
+            sync_floor(fwd, "defaults")
             for spec in filter(None, (v.strip() for v in args.variants.split(";"))):
                 extra = {f"amd_mono_{k.strip()}": v.strip() for k, v in (kv.split("=") for kv in spec.split(","))}
                 try:
-                    row(f"  {spec}", lb.mono_layer_us(lb.mono(**extra)))
+                    vf = lb.mono(**extra)
+                    row(f"  {spec}", lb.mono_layer_us(vf))
+                    sync_floor(vf, spec)
                 except Exception as e:  # e.g. a grid the residency check refuses; keep timing the others
                     print(f"{preset:16s} {rows:4d}   {spec}: not timed: {type(e).__name__}: {str(e)[:160]}", flush=True)
             del lb, fwd

@@ -87,10 +87,20 @@ def test_persistent_matches_staged_and_general_path(preset: str, rows: int, tpr:
                                    rtol=0.05)
 
 
-@pytest.mark.parametrize("layer,stage", [(1, P.S_COMB), (0, P.S_QKV)])
-def test_stage_that_never_publishes_raises_within_the_deadline(layer: int, stage: int) -> None:
-    s = make_setup("tiny-llama", torch.bfloat16, DEV)
-    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_deadline_ms": 50}))
+FAULTS = [("tiny-llama", 1, P.S_COMB, False), ("tiny-llama", 0, P.S_QKV, False), ("tiny-llama", 1, P.S_COMB, True),
+          ("tiny-llama", 0, P.S_MLP1, True), ("tiny-qwen3-moe", 1, P.S_MLP2, True),
+          ("tiny-qwen3-moe", 0, P.S_MLP1, False)]
+
+
+@pytest.mark.parametrize("preset,layer,stage,counters", FAULTS,
+                         ids=[f"{p}-layer{la}-stage{st}-{'counters' if c else 'flags'}" for p, la, st, c in FAULTS])
+def test_stage_that_never_publishes_raises_within_the_deadline(preset: str, layer: int, stage: int,
+                                                               counters: bool) -> None:
+    """A silent stage stops the step with MonoStageTimeout within the deadline, with flag waits and with stage
+    counters (``stage_counters``: the waits for a whole stage), and the next step is correct again."""
+    s = make_setup(preset, torch.bfloat16, DEV)
+    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_deadline_ms": 50,
+                                                     "amd_mono_stage_counters": counters}))
     pool = make_pool(s)
     req = new_requests(pool, [12, 40])
     fwd.attach_kv_pool(pool)
@@ -99,7 +109,9 @@ def test_stage_that_never_publishes_raises_within_the_deadline(layer: int, stage
     batch = step_batch(pool, req, 1, torch.tensor([7, 8], device=DEV))
     t0 = time.monotonic()
     # whichever downstream stage times out first reports; the layer is the silent stage's (or the next one's)
-    with pytest.raises(MonoStageTimeout, match=rf"layer {layer}, stage k[12]\.\w+ waited more than 50 ms for k[12]\."):
+    progress = r"\d+ items published" if counters and stage != P.S_QKV else r"item \d+ unpublished"
+    with pytest.raises(MonoStageTimeout, match=rf"layer {layer}, stage k[12]\.\w+ waited more than 50 ms for "
+                                               rf"k[12]\.\w+ \({progress}\)"):
         fwd.forward(batch)
     assert time.monotonic() - t0 < 10.0  # the server does not hang; generous bound for a loaded machine
     fwd.set_debug(layer)  # the next step runs with a new tag: stale flags and the old abort do not matter

@@ -18,11 +18,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from lowlat_amd_mono.build import build  # noqa: E402
-from lowlat_amd_mono.forward import MonoStageTimeout  # noqa: E402
+from lowlat_amd_mono.forward import MonoForward, MonoStageTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
 from lowlat_amd_mono.kernels.residency import Occupancy, ResidencyError, _metadata_occupancy, check_grid  # noqa: E402
-from lowlat_amd_mono.kernels.sync import CTL_SIZE, publish, wait_flags  # noqa: E402
+from lowlat_amd_mono.kernels.sync import CTL_SIZE, publish, wait_count, wait_flags  # noqa: E402
 from mono_testutil import (  # noqa: E402
     bf16_logits_problem,
     clone_pool,
@@ -149,18 +149,56 @@ def test_verify_row_sees_only_earlier_new_tokens() -> None:
     assert torch.all(fwd.flags[:, P.S_QKV, :n] == 2) and torch.all(fwd.flags[:, P.S_QKV, n:] == 0)
 
 
+def test_stage_counters_count_one_step_and_are_zeroed_by_the_next() -> None:
+    """With ``stage_counters``, each counted stage's counter holds exactly this step's published items (the
+    embedding launch zeroes them; a second step does not add to the first), and the logits do not change."""
+    s = make_setup("tiny-qwen3-moe", torch.float32, "cpu", layers=2)
+    plain = build(s.binding)
+    counted = MonoForward(model_config=s.cfg, params=s.binding.params, dtype=s.dtype, device=s.device,
+                          alloc_workspace=s.binding.alloc_workspace, max_context_len=plain.max_context_len,
+                          options=MonoOptions.resolve(s.device, {"amd_mono_stage_counters": True}, interpret=True))
+    assert counted.options.stage_counters and not plain.options.stage_counters
+    outs = []
+    for fwd in (plain, counted):
+        pool = make_pool(s)
+        rows = new_requests(pool, [9, 30])
+        fwd.attach_kv_pool(pool)
+        for ids in ([4, 5], [6, 7]):
+            out = fwd.forward(step_batch(pool, rows, 1, torch.tensor(ids)))
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    assert torch.all(plain.counters == 0)
+    c = counted.counters[:, 0].view(-1)
+    dm, pl = counted.dims, counted.plan
+    for layer in range(dm.layers):
+        at = layer * P.NUM_STAGES
+        assert c[at + P.S_COMB].item() == 2 * dm.kv_heads  # (request, kv head) combine items
+        assert c[at + P.S_OPROJ].item() == pl.o.n_tiles
+        assert c[at + P.S_MLP1].item() == pl.router.n_tiles
+        assert 1 <= c[at + P.S_MLP2].item() / pl.eup.n_tiles <= 2 * dm.topk  # published = distinct experts x tiles
+        assert c[at + P.S_ATTN].item() == 0 and c[at + P.S_QKV].item() == 0  # waited per item: not counted
+
+
 # ----- the tag protocol, on CPU ----------------------------------------------------------------------------------
 @triton.jit
-def _probe(flags_ptr, ctl_ptr, out_ptr, lo, hi, tag, deadline, layer, debug_mask, pub_ptr):
-    ok = wait_flags(flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer, 4, 3, 8, 0)
+def _probe(flags_ptr, ctl_ptr, out_ptr, lo, hi, tag, deadline, layer, debug_mask, pub_ptr, cnt_ptr,
+           COUNT: tl.constexpr):
+    if COUNT:  # wait for the counter at flags_ptr to reach hi
+        ok = wait_count(flags_ptr, hi, tag, ctl_ptr, deadline, layer, 4, 3, 0)
+    else:
+        ok = wait_flags(flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer, 4, 3, 8, 0)
     tl.store(out_ptr, ok)
-    publish(pub_ptr, tag, debug_mask, 5)
+    publish(pub_ptr, cnt_ptr, tag, debug_mask, 5, COUNT)
 
 
-def _probe_run(flags: torch.Tensor, ctl: torch.Tensor, lo: int, hi: int, tag: int, debug_mask: int = 0):
+def _probe_run(flags: torch.Tensor, ctl: torch.Tensor, lo: int, hi: int, tag: int, debug_mask: int = 0,
+               count: bool = False, cnt: torch.Tensor | None = None):
+    """Run one wait (flags ``[lo, hi)``, or with ``count`` the counter ``flags[0]`` up to ``hi``), then one publish
+    (flag ``pub``, and with ``count`` counter ``cnt``); returns (wait result, published flag)."""
     out = torch.full((1,), -1, dtype=torch.int32)
     pub = torch.zeros(1, dtype=torch.int32)
-    _probe[(1,)](flags, ctl, out, lo, hi, tag, 50, 7, debug_mask, pub)
+    cnt = torch.zeros(1, dtype=torch.int32) if cnt is None else cnt
+    _probe[(1,)](flags, ctl, out, lo, hi, tag, 50, 7, debug_mask, pub, cnt, COUNT=count)
     return int(out.item()), int(pub.item())
 
 
@@ -192,16 +230,46 @@ def test_fault_injection_bit_suppresses_publish() -> None:
     assert _probe_run(flags, ctl, 0, 4, tag=9, debug_mask=1 << (8 + 4)) == (1, 9)
 
 
+def test_counter_wait_returns_at_the_count_and_publish_counts() -> None:
+    ctl = torch.zeros(CTL_SIZE, dtype=torch.int32)
+    counter, cnt = torch.tensor([12], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    assert _probe_run(counter, ctl, 0, 12, tag=6, count=True, cnt=cnt) == (1, 6)
+    assert cnt.item() == 4 and ctl.tolist() == [0] * CTL_SIZE  # the publish added one item to its stage counter
+    assert _probe_run(torch.tensor([13], dtype=torch.int32), ctl, 0, 12, tag=6, count=True)[0] == 1
+
+
+def test_counter_short_of_the_count_times_out_and_records_the_count() -> None:
+    ctl = torch.zeros(CTL_SIZE, dtype=torch.int32)
+    counter = torch.tensor([11], dtype=torch.int32)
+    assert _probe_run(counter, ctl, 0, 12, tag=6, count=True)[0] == 0
+    assert ctl.tolist() == [6, 1, 6, 7, 4, 3, 11, 2]  # ... item field = count seen, kind 2 (counter wait)
+    assert _probe_run(counter, ctl, 0, 12, tag=6, count=True)[0] == 0  # the abort word: no second record
+    assert ctl[1].item() == 1
+    counter[0] = 12
+    assert _probe_run(counter, ctl, 0, 12, tag=7, count=True)[0] == 1  # the next step is not aborted
+
+
+def test_fault_injection_bit_suppresses_the_counter_too() -> None:
+    ctl, cnt = torch.zeros(CTL_SIZE, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    assert _probe_run(torch.tensor([1]).int(), ctl, 0, 1, tag=9, debug_mask=1 << (8 + 5), count=True, cnt=cnt) == (1, 0)
+    assert cnt.item() == 0
+    assert _probe_run(torch.tensor([1]).int(), ctl, 0, 1, tag=9, debug_mask=1 << (8 + 4), count=True, cnt=cnt) == (1, 9)
+    assert cnt.item() == 1
+
+
 def test_error_record_raises_naming_layer_and_stage() -> None:
     s = make_setup("tiny-qwen3-moe", torch.bfloat16, "cpu", layers=2)
     fwd = build(s.binding)
     fwd.check_errors()  # nothing recorded
     fwd.ctl.copy_(torch.tensor([4, 1, 4, 1, P.S_MLP3, P.S_MLP2, 17, 1], dtype=torch.int32))
     with pytest.raises(MonoStageTimeout, match=r"layer 1, stage k2.expert_down_combine_residual .* "
-                                                r"k2.expert_gate_up \(item 17\)") as e:
+                                                r"k2.expert_gate_up \(item 17 unpublished\)") as e:
         fwd.check_errors()
     assert (e.value.layer, e.value.awaited) == (1, "k2.expert_gate_up")
     fwd.check_errors()  # reported once
+    fwd.ctl.copy_(torch.tensor([5, 2, 5, 0, P.S_MLP2, P.S_MLP1, 3, 2], dtype=torch.int32))  # a counter wait
+    with pytest.raises(MonoStageTimeout, match=r"layer 0, stage k2.expert_gate_up .* k2.router \(3 items published\)"):
+        fwd.check_errors()
 
 
 # ----- residency, plan, options, dispatch ------------------------------------------------------------------------

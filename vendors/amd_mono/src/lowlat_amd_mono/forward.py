@@ -23,7 +23,7 @@ from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
 from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 from lowlat_amd_mono.kernels.k2_attn_out_mlp import k2_dense_kernel, k2_moe_kernel
 from lowlat_amd_mono.kernels.launch import MonoOptions, StageRunner, is_interpreted
-from lowlat_amd_mono.kernels.sync import CTL_SIZE
+from lowlat_amd_mono.kernels.sync import CTL_SIZE, KIND_COUNT
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 AllocFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -31,13 +31,15 @@ AllocFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 class MonoStageTimeout(RuntimeError):
     """A cross-workgroup wait missed its deadline; every workgroup left the launch and the step's output is
-    invalid. Attributes: ``layer``, ``stage`` (the waiting stage's name), ``awaited`` (the stage it waited on)."""
+    invalid. Attributes: ``layer``, ``stage`` (the waiting stage's name), ``awaited`` (the stage it waited on).
+    ``progress`` names what was missing: the first unpublished item (a flag wait) or the items counted so far
+    (a stage-counter wait)."""
 
-    def __init__(self, layer: int, stage: str, awaited: str, item: int, deadline_ms: float) -> None:
+    def __init__(self, layer: int, stage: str, awaited: str, progress: str, deadline_ms: float) -> None:
         self.layer, self.stage, self.awaited = layer, stage, awaited
         super().__init__(
             f"amd_mono: layer {layer}, stage {stage} waited more than {deadline_ms:g} ms for {awaited} "
-            f"(item {item}) and aborted the step; every workgroup left the launch. Rerun with "
+            f"({progress}) and aborted the step; every workgroup left the launch. Rerun with "
             "LOWLAT_MONO_STAGED=1 to run the stages as separate launches, or raise LOWLAT_MONO_DEADLINE_MS")
 
 
@@ -101,9 +103,12 @@ class MonoForward:
         self.slot_e = alloc("amd_mono.slot_e", (P.MAX_ROWS * max(dm.topk, 1),), torch.int32)
         self.slot_w = alloc("amd_mono.slot_w", (P.MAX_ROWS * max(dm.topk, 1), 16), torch.float32)
         self.flags = alloc("amd_mono.flags", (dm.layers, P.NUM_STAGES, mi), torch.int32)
+        # Stage counters (sync.wait_count): one int32 per (layer, stage), each on its own 128-byte line.
+        self.n_counters = P.next_pow2(dm.layers * P.NUM_STAGES)
+        self.counters = alloc("amd_mono.counters", (self.n_counters, P.CNT_STRIDE), torch.int32)
         self.ctl = alloc("amd_mono.ctl", (CTL_SIZE,), torch.int32)
         self.step = alloc("amd_mono.step", (1,), torch.int32)
-        for t in (self.flags, self.ctl, self.step):
+        for t in (self.flags, self.counters, self.ctl, self.step):
             t.zero_()
         self.cos, self.sin = rope_tables(model_config, max_context_len, self.device)
         self._ctl_host = torch.zeros(CTL_SIZE, dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -147,8 +152,7 @@ class MonoForward:
                              f"{batch.forward_mode.name} with {batch.num_tokens} tokens")
         shape = self.plan.step_shape(batch.num_tokens, _tokens_per_req(batch))
         dm = self.dims
-        embed_kernel[(shape.rows,)](batch.input_ids, self.w["embed"], self.x, self.step, H=dm.hidden,
-                                    BH=min(1024, P.next_pow2(dm.hidden)))
+        self.embed(batch.input_ids)
         for layer in range(dm.layers):
             self._k1(layer, batch, shape)
             self._k2(layer, batch, shape)
@@ -174,6 +178,12 @@ class MonoForward:
         check (the record names the layer, the waiting stage and the stage it waited for)."""
         self._raise_if_new(self.ctl.tolist())
 
+    def embed(self, input_ids: torch.Tensor) -> None:
+        """The step's first launch: ``x[:T] = embed[input_ids]`` (int64 ``[T]``), a new step tag, zeroed counters."""
+        embed_kernel[(input_ids.shape[0],)](input_ids, self.w["embed"], self.x, self.step, self.counters,
+                                            H=self.dims.hidden, BH=min(1024, P.next_pow2(self.dims.hidden)),
+                                            N_CNT=self.n_counters, CNT_STRIDE=P.CNT_STRIDE)
+
     # ----- test and benchmark hooks ---------------------------------------------------------------------------
     def set_debug(self, layer: int, *, skip: tuple[int, ...] = (), never_publish: tuple[int, ...] = ()) -> None:
         """Alter stages of ``layer`` (stage ids from ``kernels.plan``): skip their compute (they still publish),
@@ -193,8 +203,9 @@ class MonoForward:
         if rec[1] <= self._errors_seen:
             return
         self._errors_seen = rec[1]
-        layer, stage, awaited, item = rec[3], rec[4], rec[5], rec[6]
-        raise MonoStageTimeout(layer, self.stage_name(layer, stage), self.stage_name(layer, awaited), item,
+        layer, stage, awaited, item, kind = rec[3], rec[4], rec[5], rec[6], rec[7]
+        progress = f"{item} items published" if kind == int(KIND_COUNT) else f"item {item} unpublished"
+        raise MonoStageTimeout(layer, self.stage_name(layer, stage), self.stage_name(layer, awaited), progress,
                                self.options.deadline_ms)
 
     def _meta(self) -> dict[str, Any]:
@@ -221,12 +232,13 @@ class MonoForward:
         r2t = self.kv_pool.req_to_token
         head = (self.x, self.x_mid, self.q, self.attn_out, self.att_op, self.att_ml)
         kv = (self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer], b.seq_lens, b.req_pool_indices, r2t)
-        sync = (self.flags[layer], self.ctl, self.step)
+        sync = (self.flags[layer], self.counters[layer * P.NUM_STAGES], self.ctl, self.step)
         scalars = (shape.rows, shape.batch, shape.nsplit, r2t.stride(0), layer, self.runner.deadline,
                    self.debug_masks[layer], dm.eps, dm.head_dim ** -0.5 * math.log2(math.e))
         meta = dict(H=dm.hidden, HQ=dm.heads, HKV=dm.kv_heads, D=dm.head_dim, TPR=shape.tpr, M_ATT=shape.m_att,
                     BLOCK_S=pl.block_s, NSPLIT_MAX=pl.nsplit_max, BN_O=pl.o.bn, BK_O=pl.o.bk,
-                    MAX_ITEMS=pl.max_items, PF_BYTES=self._pf_bytes(), **self._meta())
+                    MAX_ITEMS=pl.max_items, PF_BYTES=self._pf_bytes(), COUNT=self.options.stage_counters,
+                    **self._meta())
         if moe:
             assert pl.router and pl.eup and pl.edown
             args = (*head, self.router_logits, self.act_moe, self.slot_e, self.slot_w, *kv, w["o"], w["ln2"],

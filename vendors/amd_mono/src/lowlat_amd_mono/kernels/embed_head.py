@@ -2,8 +2,9 @@
 
 ``embed_kernel``: program ``t`` copies ``embed[input_ids[t]]`` into ``x[t]``; program 0 also advances the
 device step tag (1 .. 2**30 - 1, wrapping to 1), so a captured CUDA graph gets a fresh tag on every replay
-with no host value baked in. ``head_kernel``: ``logits[t, n] = (rmsnorm(x[t]) * w_norm) @ lm_head[n]``, rounded
-to the model dtype as HF's ``lm_head`` output is, stored float32; one program per ``BN`` vocabulary rows.
+with no host value baked in, and zeroes the stage counters that ``sync.wait_count`` polls. ``head_kernel``:
+``logits[t, n] = (rmsnorm(x[t]) * w_norm) @ lm_head[n]``, rounded to the model dtype as HF's ``lm_head`` output
+is, stored float32; one program per ``BN`` vocabulary rows.
 """
 
 from __future__ import annotations
@@ -23,12 +24,16 @@ _TAG_WRAP = tl.constexpr(TAG_WRAP)
 
 
 @triton.jit
-def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, H: tl.constexpr, BH: tl.constexpr):
-    """``x[t, :] = emb[ids[t], :]`` for program ``t``; program 0 bumps ``step``."""
+def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, cnt_ptr, H: tl.constexpr, BH: tl.constexpr,
+                 N_CNT: tl.constexpr, CNT_STRIDE: tl.constexpr):
+    """``x[t, :] = emb[ids[t], :]`` for program ``t``; program 0 bumps ``step`` and zeroes the ``N_CNT`` stage
+    counters (``cnt[j * CNT_STRIDE]``), so that this step's waits count only this step's items."""
     t = tl.program_id(0)
     if t == 0:
         s = tl.load(step_ptr) + 1
         tl.store(step_ptr, tl.where(s >= _TAG_WRAP, 1, s))
+        j = tl.arange(0, N_CNT)
+        tl.store(cnt_ptr + j * CNT_STRIDE, tl.zeros([N_CNT], tl.int32))
     tok = tl.load(ids_ptr + t).to(tl.int64)
     for h in range(0, H, BH):
         cols = h + tl.arange(0, BH)

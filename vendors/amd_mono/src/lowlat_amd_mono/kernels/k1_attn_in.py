@@ -126,7 +126,7 @@ def k1_attn_in_kernel(
                 n = nt * BN + tl.arange(0, BN)
                 dst = part_ptr + (i % KS) * 8 * NQKV + r[:, None] * NQKV + n[None, :]
                 tl.store(dst, acc, mask=(r[:, None] < T) & (n[None, :] < NQKV))
-            publish(flags_ptr + _S_QKV * MAX_ITEMS + i, tag, debug_mask, 0)
+            publish(flags_ptr + _S_QKV * MAX_ITEMS + i, flags_ptr, tag, debug_mask, 0, False)  # waited per item
     if PERSISTENT or STAGE == 1:
         if USE_PDL:
             if not PDL_EARLY:

@@ -19,7 +19,7 @@ import triton.language as tl
 from lowlat_amd_mono.kernels.attention import attention_item, combine_item
 from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv2_loop, gemv_loop, l2_prefetch, load_w, rnd, row_rstd
 from lowlat_amd_mono.kernels.moe import expert_down_stage, expert_up_stage, router_stage
-from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_if
+from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_all_if, wait_if
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -33,23 +33,25 @@ _S_MLP1 = tl.constexpr(5)
 _S_MLP2 = tl.constexpr(6)
 _S_MLP3 = tl.constexpr(7)
 # Step-varying ints are not specialized (Triton would otherwise compile a variant for the value 1).
+_CNT = tl.constexpr(32)  # int32s between two stages' counters (one 128-byte line each)
 _RUNTIME_INTS = ["T", "B", "NSPLIT", "layer", "deadline", "debug_mask"]
 
 
 @triton.jit
 def _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2,
                       q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
-                      flags_ptr, ctl_ptr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, TPR: tl.constexpr,
-                      M_ATT: tl.constexpr, BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr,
+                      flags_ptr, cnt_ptr, ctl_ptr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                      TPR: tl.constexpr, M_ATT: tl.constexpr, BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr,
                       MAX_ITEMS: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-                      TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+                      TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr,
+                      COUNT: tl.constexpr):
     PERSISTENT: tl.constexpr = STAGE < 0
     if PERSISTENT or STAGE == 2:
         for i in range(pid, B * HKV * NSPLIT, nprog):
             if stage_runs(debug_mask, 2):
                 attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr,
                                NSPLIT, scale_log2, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, DT, INTERP, PREC)
-            publish(flags_ptr + _S_ATTN * MAX_ITEMS + i, tag, debug_mask, 2)
+            publish(flags_ptr + _S_ATTN * MAX_ITEMS + i, cnt_ptr, tag, debug_mask, 2, False)  # waited per item
     if PERSISTENT or STAGE == 3:
         for i in range(pid, B * HKV, nprog):
             alive = wait_if(alive, flags_ptr + _S_ATTN * MAX_ITEMS, i * NSPLIT, (i + 1) * NSPLIT, tag, ctl_ptr,
@@ -58,16 +60,16 @@ def _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_
                 if stage_runs(debug_mask, 3):
                     combine_item(i, op_ptr, ml_ptr, ao_ptr, NSPLIT, HQ, HKV, D, TPR, M_ATT, NSPLIT_MAX, DT, INTERP,
                                  XC)
-                publish(flags_ptr + _S_COMB * MAX_ITEMS + i, tag, debug_mask, 3)
+                publish(flags_ptr + _S_COMB * MAX_ITEMS + i, cnt_ptr + _S_COMB * _CNT, tag, debug_mask, 3, COUNT)
     return alive
 
 
 @triton.jit
 def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr, wo_ptr,
-                 flags_ptr, ctl_ptr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                 flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
                  PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-                 PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+                 PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
     """``x_mid[:, tile] = x + round(attn_out @ Wo[tile]^T)``; Wo's tile is requested before attention is done."""
     BM: tl.constexpr = 16
     KO: tl.constexpr = HQ * D
@@ -75,8 +77,8 @@ def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_pt
         w0 = load_w(wo_ptr, i * BN, H, KO, 0, KO, BN, BK, DT, INTERP)
         l2_prefetch(wo_ptr, i * BN, H, KO, BK, KO, PF_BYTES, BN, PF_L2)
         if i == pid:  # later items of this program need the same flags
-            alive = wait_if(alive, flags_ptr + _S_COMB * MAX_ITEMS, 0, B * HKV, tag, ctl_ptr, deadline, layer,
-                            4, 3, MAXW, TIMER, PERSISTENT)
+            alive = wait_all_if(alive, flags_ptr + _S_COMB * MAX_ITEMS, cnt_ptr + _S_COMB * _CNT, B * HKV, tag,
+                                ctl_ptr, deadline, layer, 4, 3, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
             if stage_runs(debug_mask, 4):
                 no_rstd = tl.zeros([BM], tl.float32)
@@ -90,17 +92,17 @@ def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_pt
                 x = tl.load(x_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0).to(tl.float32)
                 xm = rnd(x + rnd(acc, DT, INTERP), DT, INTERP)
                 tl.store(xmid_ptr + r[:, None] * H + n[None, :], xm.to(DT), mask=m)
-            publish(flags_ptr + _S_OPROJ * MAX_ITEMS + i, tag, debug_mask, 4)
+            publish(flags_ptr + _S_OPROJ * MAX_ITEMS + i, cnt_ptr + _S_OPROJ * _CNT, tag, debug_mask, 4, COUNT)
     return alive
 
 
 @triton.jit
 def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
-                      ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, ctl_ptr, H: tl.constexpr, INTER: tl.constexpr,
+                      ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, INTER: tl.constexpr,
                       N_OPROJ: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr,
                       BK_D: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr,
                       DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr,
-                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
     PERSISTENT: tl.constexpr = STAGE < 0
     BM: tl.constexpr = 16
     NT_GU: tl.constexpr = (INTER + BN_GU - 1) // BN_GU
@@ -112,8 +114,8 @@ def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, ep
             l2_prefetch(wgu_ptr, i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
             l2_prefetch(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
             if i == pid:
-                alive = wait_if(alive, flags_ptr + _S_OPROJ * MAX_ITEMS, 0, N_OPROJ, tag, ctl_ptr, deadline, layer,
-                                5, 4, MAXW, TIMER, PERSISTENT)
+                alive = wait_all_if(alive, flags_ptr + _S_OPROJ * MAX_ITEMS, cnt_ptr + _S_OPROJ * _CNT, N_OPROJ, tag,
+                                    ctl_ptr, deadline, layer, 5, 4, MAXW, TIMER, PERSISTENT, COUNT)
                 rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK_GU, XC)
             if alive != 0:
                 if stage_runs(debug_mask, 5):
@@ -131,14 +133,14 @@ def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, ep
                     n = i * BN_GU + tl.arange(0, BN_GU)
                     tl.store(act_ptr + r[:, None] * INTER + n[None, :], act.to(DT),
                              mask=(r[:, None] < T) & (n[None, :] < INTER))
-                publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, tag, debug_mask, 5)
+                publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, cnt_ptr + _S_MLP1 * _CNT, tag, debug_mask, 5, COUNT)
     if PERSISTENT or STAGE == 6:
         for i in range(pid, (H + BN_D - 1) // BN_D, nprog):
             w0 = load_w(wdn_ptr, i * BN_D, H, INTER, 0, INTER, BN_D, BK_D, DT, INTERP)
             l2_prefetch(wdn_ptr, i * BN_D, H, INTER, BK_D, INTER, PF_BYTES, BN_D, PF_L2)
             if i == pid:
-                alive = wait_if(alive, flags_ptr + _S_MLP1 * MAX_ITEMS, 0, NT_GU, tag, ctl_ptr, deadline, layer,
-                                6, 5, MAXW, TIMER, PERSISTENT)
+                alive = wait_all_if(alive, flags_ptr + _S_MLP1 * MAX_ITEMS, cnt_ptr + _S_MLP1 * _CNT, NT_GU, tag,
+                                    ctl_ptr, deadline, layer, 6, 5, MAXW, TIMER, PERSISTENT, COUNT)
             if alive != 0:
                 if stage_runs(debug_mask, 6):
                     no_rstd = tl.zeros([BM], tl.float32)
@@ -173,14 +175,14 @@ def _k2_prologue(wo_ptr, H: tl.constexpr, KO: tl.constexpr, BN_O: tl.constexpr, 
 def k2_dense_kernel(
         x_ptr, xmid_ptr, q_ptr, ao_ptr, op_ptr, ml_ptr, act_ptr, kc_ptr, vc_ptr,
         seq_ptr, req_ptr, r2t_ptr, wo_ptr, ln2_ptr, wgu_ptr, wdn_ptr,
-        flags_ptr, ctl_ptr, step_ptr,
+        flags_ptr, cnt_ptr, ctl_ptr, step_ptr,
         T, B, NSPLIT, r2t_stride, layer, deadline, debug_mask, eps, scale_log2,
         H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr, TPR: tl.constexpr,
         M_ATT: tl.constexpr, BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
         BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, MAX_ITEMS: tl.constexpr,
         PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
         USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr,
-        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
     """K2 of a dense layer. ``STAGE`` = -1: one persistent launch; 2..6: only that stage (no waits).
     ``x [8, H]`` is read as the residual and overwritten with the layer output; ``x_mid``, ``attn_out``, ``act``
     are workspaces; ``q`` comes from K1; ``kc``/``vc`` are this layer's KV buffers."""
@@ -191,24 +193,25 @@ def k2_dense_kernel(
     alive = tl.full([], 1, tl.int32)
     alive = _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
                               kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
-                              flags_ptr, ctl_ptr, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, MAX_ITEMS, STAGE, DT,
-                              INTERP, TIMER, PREC, XC, MAXW)
+                              flags_ptr, cnt_ptr, ctl_ptr, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, MAX_ITEMS,
+                              STAGE, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
     if PERSISTENT or STAGE == 4:
         alive = _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
-                             wo_ptr, flags_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES, PERSISTENT,
-                             DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW)
+                             wo_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES,
+                             PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
     if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the MLP
         gdc_launch_dependents()
     alive = _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
-                              ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, ctl_ptr, H, INTER, (H + BN_O - 1) // BN_O, BN_GU,
-                              BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW)
+                              ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, INTER, (H + BN_O - 1) // BN_O,
+                              BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC,
+                              MAXW, COUNT)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
 def k2_moe_kernel(
         x_ptr, xmid_ptr, q_ptr, ao_ptr, op_ptr, ml_ptr, rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, kc_ptr, vc_ptr,
         seq_ptr, req_ptr, r2t_ptr, wo_ptr, ln2_ptr, wg_ptr, w13_ptr, w2_ptr,
-        flags_ptr, ctl_ptr, step_ptr,
+        flags_ptr, cnt_ptr, ctl_ptr, step_ptr,
         T, B, NSPLIT, r2t_stride, layer, deadline, debug_mask, eps, scale_log2,
         H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr,
         TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, IM: tl.constexpr, TPR: tl.constexpr, M_ATT: tl.constexpr,
@@ -216,8 +219,7 @@ def k2_moe_kernel(
         BK_R: tl.constexpr, BN_EU: tl.constexpr, BK_EU: tl.constexpr, BN_ED: tl.constexpr, BK_ED: tl.constexpr,
         MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
         TIMER: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr,
-        PREC: tl.constexpr, XC: tl.constexpr,
-        MAXW: tl.constexpr):
+        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
     """K2 of a sparse-MoE layer (Qwen3-MoE). ``STAGE`` = -1: one persistent launch; 2..7: only that stage.
     ``rl [8, E]`` float32 router logits, ``actm [8 * TOPK, 8, IM]`` expert activations, and the slot table
     ``slot_e [8 * TOPK]`` int32 / ``slot_w [8 * TOPK, 16]`` float32 are workspaces."""
@@ -229,25 +231,25 @@ def k2_moe_kernel(
     alive = tl.full([], 1, tl.int32)
     alive = _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
                               kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
-                              flags_ptr, ctl_ptr, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, MAX_ITEMS, STAGE, DT,
-                              INTERP, TIMER, PREC, XC, MAXW)
+                              flags_ptr, cnt_ptr, ctl_ptr, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, MAX_ITEMS,
+                              STAGE, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
     if PERSISTENT or STAGE == 4:
         alive = _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
-                             wo_ptr, flags_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES, PERSISTENT,
-                             DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW)
+                             wo_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES,
+                             PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
     if PERSISTENT or STAGE == 5:
         alive = router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, wg_ptr,
-                             rl_ptr, flags_ptr, ctl_ptr, H, E, (H + BN_O - 1) // BN_O, BN_R, BK_R, MAX_ITEMS,
-                             _S_OPROJ, _S_MLP1, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW)
+                             rl_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, E, (H + BN_O - 1) // BN_O, BN_R, BK_R,
+                             MAX_ITEMS, _S_OPROJ, _S_MLP1, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
     if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the experts
         gdc_launch_dependents()
     if PERSISTENT or STAGE == 6:
         alive = expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr,
-                                w13_ptr, rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H, E, E_P2,
-                                TOPK, NORM_TOPK, IM, N_ROUTER, BN_EU, BK_EU, MAX_ITEMS, _S_MLP1, _S_MLP2, PERSISTENT,
-                                DT, INTERP, TIMER, PREC, XC, MAXW)
+                                w13_ptr, rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, E,
+                                E_P2, TOPK, NORM_TOPK, IM, N_ROUTER, BN_EU, BK_EU, MAX_ITEMS, _S_MLP1, _S_MLP2,
+                                PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
     if PERSISTENT or STAGE == 7:
         alive = expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_ptr, xmid_ptr, w2_ptr,
-                                  rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H, E, E_P2, TOPK,
-                                  NORM_TOPK, IM, N_ROUTER, (IM + BN_EU - 1) // BN_EU, BN_ED, BK_ED, MAX_ITEMS, _S_MLP1,
-                                  _S_MLP2, _S_MLP3, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW)
+                                  rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, E, E_P2,
+                                  TOPK, NORM_TOPK, IM, N_ROUTER, (IM + BN_EU - 1) // BN_EU, BN_ED, BK_ED, MAX_ITEMS,
+                                  _S_MLP1, _S_MLP2, _S_MLP3, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)

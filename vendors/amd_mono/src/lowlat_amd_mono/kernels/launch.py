@@ -48,6 +48,8 @@ class MonoOptions:
         l2_prefetch_bytes: bytes of its next weight tile a workgroup asks L2 to fetch before it waits for a tag
             (CUDA sm90+; 0, the default, disables: on the H200 64 KB cost 7 µs per layer). Keep
             ``programs x bytes`` well under the L2 size.
+        stage_counters: a wait for every item of a stage polls one per-stage counter (``sync.wait_count``)
+            instead of every item's flag (``sync.wait_flags``).
         gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
             stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
         num_warps, num_stages: Triton launch options of the layer kernels.
@@ -62,6 +64,7 @@ class MonoOptions:
     pdl_early: bool = True
     cooperative: bool = False
     l2_prefetch_bytes: int = 0
+    stage_counters: bool = False
     gemv_bk_max: int = 256
     gemv_tile_elems: int = 16384
     num_warps: int = 4
@@ -118,6 +121,7 @@ class MonoOptions:
         return cls(staged=staged, deadline_ms=opts.deadline_ms, programs_per_sm=opts.programs_per_sm, pdl=pdl,
                    cooperative=cooperative, pdl_early=opts.pdl_early,
                    l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
+                   stage_counters=opts.stage_counters,
                    gemv_bk_max=opts.gemv_bk_max, gemv_tile_elems=opts.gemv_tile_elems,
                    num_warps=opts.num_warps, num_stages=opts.num_stages)
 

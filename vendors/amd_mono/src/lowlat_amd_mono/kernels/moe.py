@@ -18,7 +18,9 @@ import triton
 import triton.language as tl
 
 from lowlat_amd_mono.kernels.gemv import as_operand, gemv2_loop, gemv_loop, load_a, load_w, rnd, row_rstd
-from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_if
+from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_all_if
+
+_CNT = tl.constexpr(32)  # int32s between two stages' counters (as in k2_attn_out_mlp)
 
 
 @triton.jit
@@ -64,17 +66,17 @@ def slot_expert(u, w, sel, rank, E_P2: tl.constexpr):
 
 @triton.jit
 def router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, wg_ptr, rl_ptr,
-                 flags_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr, N_WAIT: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, MAX_ITEMS: tl.constexpr, S_WAIT: tl.constexpr, S_ME: tl.constexpr,
+                 flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr, N_WAIT: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr, S_WAIT: tl.constexpr, S_ME: tl.constexpr,
                  PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-                 PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+                 PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
     """Router logits ``rl[t, e] = (rmsnorm(x_mid) @ Wg^T)`` rounded to the model dtype, stored float32."""
     BM: tl.constexpr = 16
     rstd = tl.zeros([BM], tl.float32)
     for i in range(pid, (E + BN - 1) // BN, nprog):
         if i == pid:
-            alive = wait_if(alive, flags_ptr + S_WAIT * MAX_ITEMS, 0, N_WAIT, tag, ctl_ptr, deadline, layer,
-                            S_ME, S_WAIT, MAXW, TIMER, PERSISTENT)
+            alive = wait_all_if(alive, flags_ptr + S_WAIT * MAX_ITEMS, cnt_ptr + S_WAIT * _CNT, N_WAIT, tag, ctl_ptr,
+                                deadline, layer, S_ME, S_WAIT, MAXW, TIMER, PERSISTENT, COUNT)
             rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
         if alive != 0:
             if stage_runs(debug_mask, S_ME):
@@ -84,18 +86,19 @@ def router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xm
                 n = i * BN + tl.arange(0, BN)
                 tl.store(rl_ptr + r[:, None] * E + n[None, :], rnd(acc, DT, INTERP),
                          mask=(r[:, None] < T) & (n[None, :] < E))
-            publish(flags_ptr + S_ME * MAX_ITEMS + i, tag, debug_mask, S_ME)
+            publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * _CNT, tag, debug_mask, S_ME, COUNT)
     return alive
 
 
 @triton.jit
 def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, w13_ptr,
-                    rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr,
+                    rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr,
+                    E: tl.constexpr,
                     E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, IM: tl.constexpr,
                     N_ROUTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr,
                     S_ROUTER: tl.constexpr, S_ME: tl.constexpr, PERSISTENT: tl.constexpr, DT: tl.constexpr,
                     INTERP: tl.constexpr, TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr,
-                    MAXW: tl.constexpr):
+                    MAXW: tl.constexpr, COUNT: tl.constexpr):
     """``act[u, t, :] = silu(h @ Wgate[e_u]^T) * (h @ Wup[e_u]^T)`` for each chosen expert slot ``u``; the items of
     tile 0 also record the slot's expert id (``slot_e[u]``) and rows' routing weights (``slot_w[u, 0:16]``)."""
     BM: tl.constexpr = 16
@@ -109,8 +112,8 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
         u = i // NT
         nt = i % NT
         if i == pid:  # routing and the rows' norm, once per program
-            alive = wait_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, 0, N_ROUTER, tag, ctl_ptr, deadline, layer,
-                            S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT)
+            alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * _CNT, N_ROUTER, tag,
+                                ctl_ptr, deadline, layer, S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT, COUNT)
             w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
             rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
         if alive != 0:
@@ -130,18 +133,19 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
                     n = nt * BN + tl.arange(0, BN)
                     dst = actm_ptr + u * (8 * IM) + r[:, None] * IM + n[None, :]
                     tl.store(dst, act.to(DT), mask=(r[:, None] < T) & (n[None, :] < IM))
-                publish(flags_ptr + S_ME * MAX_ITEMS + i, tag, debug_mask, S_ME)
+                publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * _CNT, tag, debug_mask, S_ME, COUNT)
     return alive
 
 
 @triton.jit
 def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_ptr, xmid_ptr, w2_ptr, rl_ptr,
-                      actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr,
+                      actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr,
+                      E: tl.constexpr,
                       E_P2: tl.constexpr, TOPK: tl.constexpr, NORM_TOPK: tl.constexpr, IM: tl.constexpr,
                       N_ROUTER: tl.constexpr, NT_UP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       MAX_ITEMS: tl.constexpr, S_ROUTER: tl.constexpr, S_UP: tl.constexpr, S_ME: tl.constexpr,
                       PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
     """``x[t, n] = x_mid[t, n] + sum_u (w[t, e_u] * act[u, t]) @ W2[e_u][n]^T`` for hidden tile ``n``.
 
     One loop runs over (expert slot, K chunk) pairs, so Triton pipelines the weight loads across experts; the
@@ -154,11 +158,11 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
     r = tl.arange(0, BM)
     for i in range(pid, (H + BN - 1) // BN, nprog):
         if i == pid:
-            alive = wait_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, 0, N_ROUTER, tag, ctl_ptr, deadline, layer,
-                            S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT)
+            alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * _CNT, N_ROUTER, tag,
+                                ctl_ptr, deadline, layer, S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT, COUNT)
             w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
-            alive = wait_if(alive, flags_ptr + S_UP * MAX_ITEMS, 0, n_unique * NT_UP, tag, ctl_ptr, deadline, layer,
-                            S_ME, S_UP, MAXW, TIMER, PERSISTENT)
+            alive = wait_all_if(alive, flags_ptr + S_UP * MAX_ITEMS, cnt_ptr + S_UP * _CNT, n_unique * NT_UP, tag,
+                                ctl_ptr, deadline, layer, S_ME, S_UP, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
             out = tl.zeros([BM, BN], tl.float32)
             if stage_runs(debug_mask, S_ME):

@@ -38,7 +38,8 @@ CTL_ITEM = tl.constexpr(6)
 CTL_KIND = tl.constexpr(7)
 CTL_SIZE = 8
 
-KIND_DEADLINE = 1
+KIND_DEADLINE = tl.constexpr(1)  # a per-item flag wait timed out; the record's item is the first missing item
+KIND_COUNT = tl.constexpr(2)  # a stage-counter wait timed out; the record's item is the count of items seen
 
 TIMER_SPIN = 0  # deadline counted in polls
 TIMER_CUDA = 1  # %globaltimer, nanoseconds
@@ -67,15 +68,34 @@ def stage_runs(debug_mask, STAGE_ID: tl.constexpr):
 
 
 @triton.jit
-def publish(flag_ptr, tag, debug_mask, STAGE_ID: tl.constexpr):
-    """Release this item's stores and mark it ready for step ``tag``.
+def publish(flag_ptr, cnt_ptr, tag, debug_mask, STAGE_ID: tl.constexpr, COUNT: tl.constexpr):
+    """Release this item's stores and mark it ready for step ``tag``; with ``COUNT``, also add 1 to the stage's
+    counter ``cnt_ptr`` (release), which ``wait_count`` polls.
 
-    The barrier orders every thread's stores before the single release exchange (release is cumulative in
-    the PTX and HSA models). Fault injection (bit ``8 + STAGE_ID`` of ``debug_mask``) suppresses the write.
+    The barrier orders every thread's stores before the release atomics (release is cumulative in the PTX and
+    HSA models). Fault injection (bit ``8 + STAGE_ID`` of ``debug_mask``) suppresses both writes.
     """
     keep = ((debug_mask >> (8 + STAGE_ID)) & 1) == 0
     tl.debug_barrier()
     tl.atomic_xchg(flag_ptr, tag, mask=keep, sem="release", scope="gpu")
+    if COUNT:
+        tl.atomic_add(cnt_ptr, 1, mask=keep, sem="release", scope="gpu")
+
+
+@triton.jit
+def _record_timeout(timed_out, tag, layer, item, ctl_ptr, STAGE_ID: tl.constexpr, AWAITED: tl.constexpr,
+                    KIND: tl.constexpr):
+    """Raise the abort for step ``tag`` and, if this workgroup is the first to time out, fill the error record."""
+    prev = tl.atomic_xchg(ctl_ptr + CTL_ABORT, tag, mask=timed_out, sem="acq_rel", scope="gpu")
+    first = timed_out & (prev != tag)
+    tl.store(ctl_ptr + CTL_TAG, tag, mask=first)
+    tl.store(ctl_ptr + CTL_LAYER, layer, mask=first)
+    tl.store(ctl_ptr + CTL_STAGE, STAGE_ID, mask=first)
+    tl.store(ctl_ptr + CTL_AWAITED, AWAITED, mask=first)
+    tl.store(ctl_ptr + CTL_ITEM, item, mask=first)
+    tl.store(ctl_ptr + CTL_KIND, KIND, mask=first)
+    tl.debug_barrier()
+    tl.atomic_add(ctl_ptr + CTL_COUNT, 1, mask=first, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -111,17 +131,39 @@ def wait_flags(flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer,
         # threads of the workgroup (a split decision would diverge around the barriers of the next poll).
         sig = tl.max(tl.where(lanes + abort_tag == tag, 2, tl.where((lanes + elapsed) > deadline, 1, 0)), axis=0)
         state = tl.where(pos >= hi, 1, tl.where(blocked & (sig == 2), 2, tl.where(blocked & (sig == 1), 3, 0)))
-    timed_out = state == 3
-    prev = tl.atomic_xchg(ctl_ptr + CTL_ABORT, tag, mask=timed_out, sem="acq_rel", scope="gpu")
-    first = timed_out & (prev != tag)
-    tl.store(ctl_ptr + CTL_TAG, tag, mask=first)
-    tl.store(ctl_ptr + CTL_LAYER, layer, mask=first)
-    tl.store(ctl_ptr + CTL_STAGE, STAGE_ID, mask=first)
-    tl.store(ctl_ptr + CTL_AWAITED, AWAITED, mask=first)
-    tl.store(ctl_ptr + CTL_ITEM, pos, mask=first)
-    tl.store(ctl_ptr + CTL_KIND, 1, mask=first)
-    tl.debug_barrier()
-    tl.atomic_add(ctl_ptr + CTL_COUNT, 1, mask=first, sem="release", scope="gpu")
+    _record_timeout(state == 3, tag, layer, pos, ctl_ptr, STAGE_ID, AWAITED, KIND_DEADLINE)
+    return (state == 1).to(tl.int32)
+
+
+@triton.jit
+def wait_count(cnt_ptr, need, tag, ctl_ptr, deadline, layer, STAGE_ID: tl.constexpr, AWAITED: tl.constexpr,
+               TIMER: tl.constexpr):
+    """Wait until the stage counter ``cnt_ptr`` reaches ``need``; return 1 when it does, 0 when the launch aborts.
+
+    One acquire atomic per poll on one address, instead of one per awaited flag (``wait_flags``): with 132
+    workgroups polling 128 flags, the atomics on the flags' few cache lines serialize in L2. The counter is
+    zeroed once per step by the embedding launch, so it counts only this step's items. Deadline and abort as in
+    ``wait_flags``; the error record's item field holds the count seen.
+    """
+    state = tl.full([], 0, tl.int32)  # 0 waiting, 1 ready, 2 abort seen, 3 timed out
+    t0 = read_timer(TIMER)
+    spins = tl.full([], 0, tl.int64)
+    seen = tl.full([], 0, tl.int32)
+    lanes = tl.zeros([16], tl.int32)
+    while state == 0:
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        abort_tag = tl.load(ctl_ptr + CTL_ABORT, volatile=True)
+        if TIMER == 0:
+            elapsed = spins
+        else:
+            elapsed = read_timer(TIMER) - t0
+        spins += 1
+        # One decision for the whole workgroup (see wait_flags).
+        sig = tl.max(tl.where(lanes + seen >= need, 3, tl.where(lanes + abort_tag == tag, 2,
+                                                                   tl.where((lanes + elapsed) > deadline, 1, 0))),
+                     axis=0)
+        state = tl.where(sig == 3, 1, tl.where(sig == 2, 2, tl.where(sig == 1, 3, 0)))
+    _record_timeout(state == 3, tag, layer, seen, ctl_ptr, STAGE_ID, AWAITED, KIND_COUNT)
     return (state == 1).to(tl.int32)
 
 
@@ -134,4 +176,19 @@ def wait_if(alive, flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer,
     if PERSISTENT:
         if alive != 0:
             alive = wait_flags(flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer, STAGE_ID, AWAITED, MAXW, TIMER)
+    return alive
+
+
+@triton.jit
+def wait_all_if(alive, flags_ptr, cnt_ptr, n, tag, ctl_ptr, deadline, layer, STAGE_ID: tl.constexpr,
+                AWAITED: tl.constexpr, MAXW: tl.constexpr, TIMER: tl.constexpr, PERSISTENT: tl.constexpr,
+                COUNT: tl.constexpr):
+    """Wait for the first ``n`` items of a stage: its counter with ``COUNT``, else its flags ``[0, n)``; a no-op in
+    the stage-per-launch mode (see ``wait_if``)."""
+    if PERSISTENT:
+        if alive != 0:
+            if COUNT:
+                alive = wait_count(cnt_ptr, n, tag, ctl_ptr, deadline, layer, STAGE_ID, AWAITED, TIMER)
+            else:
+                alive = wait_flags(flags_ptr, 0, n, tag, ctl_ptr, deadline, layer, STAGE_ID, AWAITED, MAXW, TIMER)
     return alive
