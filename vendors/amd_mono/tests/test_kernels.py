@@ -192,13 +192,13 @@ def _probe(flags_ptr, ctl_ptr, out_ptr, lo, hi, tag, deadline, layer, debug_mask
 
 
 def _probe_run(flags: torch.Tensor, ctl: torch.Tensor, lo: int, hi: int, tag: int, debug_mask: int = 0,
-               count: bool = False, cnt: torch.Tensor | None = None):
+               count: bool = False, cnt: torch.Tensor | None = None, deadline: int = 50):
     """Run one wait (flags ``[lo, hi)``, or with ``count`` the counter ``flags[0]`` up to ``hi``), then one publish
     (flag ``pub``, and with ``count`` counter ``cnt``); returns (wait result, published flag)."""
     out = torch.full((1,), -1, dtype=torch.int32)
     pub = torch.zeros(1, dtype=torch.int32)
     cnt = torch.zeros(1, dtype=torch.int32) if cnt is None else cnt
-    _probe[(1,)](flags, ctl, out, lo, hi, tag, 50, 7, debug_mask, pub, cnt, COUNT=count)
+    _probe[(1,)](flags, ctl, out, lo, hi, tag, deadline, 7, debug_mask, pub, cnt, COUNT=count)
     return int(out.item()), int(pub.item())
 
 
@@ -247,6 +247,17 @@ def test_counter_short_of_the_count_times_out_and_records_the_count() -> None:
     assert ctl[1].item() == 1
     counter[0] = 12
     assert _probe_run(counter, ctl, 0, 12, tag=7, count=True)[0] == 1  # the next step is not aborted
+
+
+@pytest.mark.parametrize("count", [False, True], ids=["flags", "counter"])
+def test_a_raised_abort_word_ends_a_wait_before_its_deadline(count: bool) -> None:
+    """Another workgroup timed out in this step: a blocked wait leaves at once (it does not spin to its own
+    deadline, here 2**40 polls: a wait that ignored the abort word would hang) and records nothing."""
+    ctl = torch.zeros(CTL_SIZE, dtype=torch.int32)
+    ctl[0] = 6  # the abort word holds this step's tag
+    flags = torch.tensor([3], dtype=torch.int32) if count else torch.full((8,), 5, dtype=torch.int32)
+    assert _probe_run(flags, ctl, 0, 8, tag=6, count=count, deadline=1 << 40)[0] == 0
+    assert ctl.tolist() == [6] + [0] * (CTL_SIZE - 1)
 
 
 def test_fault_injection_bit_suppresses_the_counter_too() -> None:
