@@ -227,6 +227,12 @@ class MonoForward:
         self.runner.run("k1_attn_in", k1_attn_in_kernel, items, args, meta)
 
     def _k2(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> None:
+        self.runner.run(*self.k2_launch(layer, b, shape))
+
+    def k2_launch(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> tuple[str, Any, dict[int, int],
+                                                                               tuple[Any, ...], dict[str, Any]]:
+        """K2 of ``layer`` as ``(name, kernel, stage -> items, args, meta)`` for ``StageRunner.run`` (benchmarks
+        launch single stages of it with other tiles: bench_gemv.py)."""
         dm, pl, w = self.dims, self.plan, self.w["layers"][layer]
         moe = dm.moe_layers[layer]
         r2t = self.kv_pool.req_to_token
@@ -252,8 +258,7 @@ class MonoForward:
             args = (*head, self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"], *sync, *scalars)
             meta |= dict(INTER=dm.inter, BN_GU=pl.gu.bn, BK_GU=pl.gu.bk, BN_D=pl.down.bn, BK_D=pl.down.bk)
             kernel, stages, name = k2_dense_kernel, P.K2_DENSE_STAGES, "k2_attn_out_mlp"
-        items = {s: pl.items(s, shape, moe) for s in stages}
-        self.runner.run(name, kernel, items, args, meta)
+        return name, kernel, {s: pl.items(s, shape, moe) for s in stages}, args, meta
 
 
 def _tokens_per_req(batch: ForwardBatch) -> int | None:

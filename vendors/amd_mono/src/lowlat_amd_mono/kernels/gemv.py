@@ -14,8 +14,16 @@ tiles stay in the model dtype so ``tl.dot`` runs on tensor cores.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# Register prefetch of the activation chunk (and the norm weights) one K chunk ahead in the GEMV loops, so their
+# L2 round trip overlaps the current chunk's dot instead of stalling each iteration (Triton pipelines the weight
+# loads through shared memory, not these). A process-wide switch, read once here: LOWLAT_MONO_GEMV_PREFETCH
+# (MonoOptions.gemv_prefetch documents it; EngineConfig.extra cannot change it after import).
+PREFETCH_ACT = tl.constexpr(os.environ.get("LOWLAT_MONO_GEMV_PREFETCH", "0").lower() in ("1", "true", "yes", "on"))
 
 
 @triton.jit
@@ -92,13 +100,43 @@ def dot_chunk(acc, w, a_ptr, a_stride, T, k0, K, rstd, lnw_ptr, NORM: tl.constex
 
 
 @triton.jit
+def norm_w(lnw_ptr, k0, K, BK: tl.constexpr, NORM: tl.constexpr):
+    """The RMSNorm weight chunk ``lnw[k0:k0+BK]`` as float32 (zeros past ``K``; not loaded unless ``NORM``)."""
+    ks = k0 + tl.arange(0, BK)
+    if NORM:
+        w = tl.load(lnw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+    else:
+        w = tl.zeros([BK], tl.float32)
+    return w
+
+
+@triton.jit
+def apply_norm(a, rstd, w, NORM: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+    """``normed`` with the weight chunk already loaded (identity unless ``NORM``)."""
+    if NORM:
+        a = rnd(rnd(a * rstd[:, None], DT, INTERP) * w[None, :], DT, INTERP)
+    return a
+
+
+@triton.jit
 def gemv_loop(acc, a_ptr, a_stride, T, w_ptr, w_stride, row0, N, k_start, k_end, K, rstd, lnw_ptr,
               NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
               INTERP: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr):
     """``acc[BM, BN] += A[:, k_start:k_end] @ W[row0:row0+BN, k_start:k_end]^T`` in BK chunks."""
-    for k in range(k_start, k_end, BK):
-        w = load_w(w_ptr, row0, N, w_stride, k, K, BN, BK, DT, INTERP)
-        acc = dot_chunk(acc, w, a_ptr, a_stride, T, k, K, rstd, lnw_ptr, NORM, BM, BK, DT, INTERP, PREC, XC)
+    if PREFETCH_ACT:
+        a_nx = load_a(a_ptr, a_stride, T, k_start, K, BM, BK, XC)
+        w_nx = norm_w(lnw_ptr, k_start, K, BK, NORM)
+        for k in range(k_start, k_end, BK):
+            w = load_w(w_ptr, row0, N, w_stride, k, K, BN, BK, DT, INTERP)
+            a, lw = a_nx, w_nx
+            a_nx = load_a(a_ptr, a_stride, T, k + BK, K, BM, BK, XC)  # the next chunk's, in flight during the dot
+            w_nx = norm_w(lnw_ptr, k + BK, K, BK, NORM)
+            a = as_operand(apply_norm(a, rstd, lw, NORM, DT, INTERP), DT, INTERP)
+            acc = tl.dot(a, w, acc, input_precision=PREC)
+    else:
+        for k in range(k_start, k_end, BK):
+            w = load_w(w_ptr, row0, N, w_stride, k, K, BN, BK, DT, INTERP)
+            acc = dot_chunk(acc, w, a_ptr, a_stride, T, k, K, rstd, lnw_ptr, NORM, BM, BK, DT, INTERP, PREC, XC)
     return acc
 
 
@@ -107,15 +145,28 @@ def gemv2_loop(acc_g, acc_u, a_ptr, a_stride, T, w_ptr, w_stride, g0, u0, N, k_s
                NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                INTERP: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr):
     """Two tiles of one weight sharing the activation chunk: gate rows from ``g0`` and up rows from ``u0``."""
-    for k in range(k_start, k_end, BK):
-        wg = load_w(w_ptr, g0, N, w_stride, k, K, BN, BK, DT, INTERP)
-        wu = load_w(w_ptr, u0, N, w_stride, k, K, BN, BK, DT, INTERP)
-        a = load_a(a_ptr, a_stride, T, k, K, BM, BK, XC)
-        if NORM:
-            a = normed(a, rstd, lnw_ptr, k, K, BK, DT, INTERP)
-        a = as_operand(a, DT, INTERP)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+    if PREFETCH_ACT:
+        a_nx = load_a(a_ptr, a_stride, T, k_start, K, BM, BK, XC)
+        w_nx = norm_w(lnw_ptr, k_start, K, BK, NORM)
+        for k in range(k_start, k_end, BK):
+            wg = load_w(w_ptr, g0, N, w_stride, k, K, BN, BK, DT, INTERP)
+            wu = load_w(w_ptr, u0, N, w_stride, k, K, BN, BK, DT, INTERP)
+            a, lw = a_nx, w_nx
+            a_nx = load_a(a_ptr, a_stride, T, k + BK, K, BM, BK, XC)  # the next chunk's, in flight during the dots
+            w_nx = norm_w(lnw_ptr, k + BK, K, BK, NORM)
+            a = as_operand(apply_norm(a, rstd, lw, NORM, DT, INTERP), DT, INTERP)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
+    else:
+        for k in range(k_start, k_end, BK):
+            wg = load_w(w_ptr, g0, N, w_stride, k, K, BN, BK, DT, INTERP)
+            wu = load_w(w_ptr, u0, N, w_stride, k, K, BN, BK, DT, INTERP)
+            a = load_a(a_ptr, a_stride, T, k, K, BM, BK, XC)
+            if NORM:
+                a = normed(a, rstd, lnw_ptr, k, K, BK, DT, INTERP)
+            a = as_operand(a, DT, INTERP)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
     return acc_g, acc_u
 
 

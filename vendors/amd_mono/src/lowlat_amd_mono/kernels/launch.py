@@ -50,6 +50,9 @@ class MonoOptions:
             ``programs x bytes`` well under the L2 size.
         stage_counters: a wait for every item of a stage polls one per-stage counter (``sync.wait_count``)
             instead of every item's flag (``sync.wait_flags``).
+        gemv_prefetch: load each GEMV loop's next activation chunk (and norm weights) one chunk ahead into
+            registers (``kernels.gemv.PREFETCH_ACT``). Process-wide: only ``LOWLAT_MONO_GEMV_PREFETCH``, read when
+            the kernels are first imported, sets it; an ``EngineConfig.extra`` value that disagrees is an error.
         gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
             stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
         num_warps, num_stages: Triton launch options of the layer kernels.
@@ -65,6 +68,7 @@ class MonoOptions:
     cooperative: bool = False
     l2_prefetch_bytes: int = 0
     stage_counters: bool = False
+    gemv_prefetch: bool = False
     gemv_bk_max: int = 256
     gemv_tile_elems: int = 16384
     num_warps: int = 4
@@ -108,6 +112,12 @@ class MonoOptions:
             except (KeyError, ValueError):
                 raise ValueError(f"amd_mono option {f.name}={raw!r} does not parse as {f.type}") from None
         opts = cls(**vals)
+        from lowlat_amd_mono.kernels.gemv import PREFETCH_ACT
+
+        if opts.gemv_prefetch != bool(PREFETCH_ACT.value):
+            raise ValueError(f"amd_mono_gemv_prefetch={opts.gemv_prefetch} but the kernels were imported with "
+                             f"LOWLAT_MONO_GEMV_PREFETCH={int(bool(PREFETCH_ACT.value))}: the switch is process-wide; "
+                             "set the environment variable before lowlat_amd_mono is imported")
         if opts.gemv_bk_max < 16 or opts.gemv_tile_elems < 256:
             raise ValueError(f"amd_mono needs gemv_bk_max >= 16 and gemv_tile_elems >= 256, got {opts}")
         if opts.deadline_ms <= 0 or opts.programs_per_sm < 0:
@@ -121,7 +131,7 @@ class MonoOptions:
         return cls(staged=staged, deadline_ms=opts.deadline_ms, programs_per_sm=opts.programs_per_sm, pdl=pdl,
                    cooperative=cooperative, pdl_early=opts.pdl_early,
                    l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
-                   stage_counters=opts.stage_counters,
+                   stage_counters=opts.stage_counters, gemv_prefetch=opts.gemv_prefetch,
                    gemv_bk_max=opts.gemv_bk_max, gemv_tile_elems=opts.gemv_tile_elems,
                    num_warps=opts.num_warps, num_stages=opts.num_stages)
 

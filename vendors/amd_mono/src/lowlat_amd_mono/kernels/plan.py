@@ -89,6 +89,19 @@ def _pick_bk(kchunk: int, cap: int, exact: bool) -> int | None:
     return None if exact else min(cap, max(16, next_pow2(kchunk)))
 
 
+def _pick_gate_up(inter: int, hidden: int, nprog: int, interpret: bool, kw: dict) -> Tile:
+    """The dense gate/up tile: 64 columns of each of W_gate and W_up per item whenever that still gives every
+    second program an item, else ``pick_tile``'s choice.
+
+    Measured on the H200 (bench/results/2026-12-01-h200-amd-gemv, ``bench_gemv.py``, 132 programs, 1 row): the
+    stage streams faster with wider tiles even at more rounds per program, which ``pick_tile``'s cost model does
+    not see: qwen3-8b 121.4 us with its pick (32 x 256) against 98.5 us at 64 x 128 (2 rounds for some programs);
+    llama-3.2-1b 44.7 us at 32 x 128 against 32.1 us at 64 x 128 (its pick already)."""
+    if not interpret and cdiv(inter, 64) * 2 >= nprog:
+        return pick_tile(inter, hidden, nprog, rows_per_item=2, **{**kw, "bn_choices": (64,), "bk_max": 128})
+    return pick_tile(inter, hidden, nprog, rows_per_item=2, **kw)
+
+
 @dataclass(frozen=True)
 class Dims:
     """Model shapes the kernels are specialized on (one TP rank; lowlat-amd-mono runs tp_size 1)."""
@@ -177,7 +190,7 @@ class MonoPlan:
             dims=dims, nprog=nprog,
             qkv=pick_tile(dims.qkv_rows, h, nprog, allow_split=True, **kw),
             o=pick_tile(h, dims.heads * d, nprog, **kw),
-            gu=pick_tile(dims.inter, h, nprog, rows_per_item=2, **kw) if dense else None,
+            gu=_pick_gate_up(dims.inter, h, nprog, interpret, kw) if dense else None,
             down=pick_tile(h, dims.inter, nprog, **kw) if dense else None,
             router=pick_tile(dims.experts, h, nprog, **kw) if moe else None,
             eup=pick_tile(dims.moe_inter, h, nprog, rows_per_item=2, slots=dims.topk, **kw) if moe else None,

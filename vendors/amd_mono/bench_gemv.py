@@ -1,0 +1,69 @@
+"""Time amd_mono's dense MLP GEMV stages alone (gate/up + SiLU, down + residual) over tile and launch options.
+
+Usage (on the H200): PYTHONPATH=core/src:vendors/amd_mono/src python vendors/amd_mono/bench_gemv.py
+    --model llama-3.2-1b --rows 1 --grid 132,264 --bn 16,32,64 --bk 128,256 --warps 4,8 --stages 3
+
+Each configuration launches K2 in the stage-per-launch mode for one stage (``STAGE`` 5 or 6: no waits), with the
+given tile (``BN_*`` x ``BK_*``), ``num_warps``, ``num_stages`` and a grid of ``--grid`` programs looping over the
+stage's items, over ``--layers`` distinct layers in a CUDA graph (more weight bytes than the L2), and prints the
+median per launch against the stage's byte floor (its weight bytes at the copy bandwidth measured in the run).
+It answers how fast the stage's inner loop streams weights, with no stage waits and no other stage in the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+from bench_layers import LayerBench, copy_bandwidth, graph_median_us  # same directory
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--grid", default="132,264", help="programs per launch (comma-separated)")
+    ap.add_argument("--bn", default="16,32,64")
+    ap.add_argument("--bk", default="128,256")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="3")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gemv.py needs a GPU", file=sys.stderr)
+        return 2
+    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
+    bw = copy_bandwidth()
+    lb = LayerBench(args.model, args.layers, args.rows, 512)
+    fwd = lb.mono(amd_mono_staged=True)
+    shape = fwd.plan.step_shape(args.rows, 1)
+    c = lb.cfg
+    launches = [fwd.k2_launch(i, lb.batch, shape) for i in range(c.num_hidden_layers)]
+    print(f"# {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s; {args.model}, {args.rows} rows; "
+          f"production tiles gate/up {fwd.plan.gu}, down {fwd.plan.down}")
+    print(f"{'stage':8s} {'grid':>5s} {'BN':>4s} {'BK':>4s} {'warps':>5s} {'stages':>6s} {'us':>8s} {'floor us':>8s} "
+          f"{'% floor':>7s}")
+    for stage, name, keys, nbytes in ((5, "gate_up", ("BN_GU", "BK_GU"), 2 * c.intermediate_size * c.hidden_size * 2),
+                                      (6, "down", ("BN_D", "BK_D"), c.intermediate_size * c.hidden_size * 2)):
+        floor = nbytes / bw * 1e6
+        for grid, bn, bk, warps, st in itertools.product(ints(args.grid), ints(args.bn), ints(args.bk),
+                                                         ints(args.warps), ints(args.stages)):
+            def run(grid=grid, bn=bn, bk=bk, warps=warps, st=st, stage=stage, keys=keys) -> None:
+                for _, kernel, _, a, meta in launches:
+                    kernel[(grid,)](*a, **{**meta, keys[0]: bn, keys[1]: bk, "STAGE": stage}, num_warps=warps,
+                                    num_stages=st)
+            try:
+                us = graph_median_us(run) / len(launches)
+            except Exception as e:  # e.g. out of shared memory for a large tile; keep timing the others
+                print(f"{name:8s} {grid:5d} {bn:4d} {bk:4d} {warps:5d} {st:6d} not timed: {type(e).__name__}: "
+                      f"{str(e)[:100]}", flush=True)
+                continue
+            print(f"{name:8s} {grid:5d} {bn:4d} {bk:4d} {warps:5d} {st:6d} {us:8.1f} {floor:8.1f} "
+                  f"{100 * floor / us:6.0f}%", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
