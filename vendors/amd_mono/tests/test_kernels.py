@@ -314,6 +314,15 @@ def test_plan_tiles_cover_and_flags_suffice() -> None:
             assert max(pl.items(st, sh, dm.any_moe) for st in stages) <= pl.max_items
 
 
+def test_gemv_prefetch_is_process_wide_and_a_disagreeing_extra_is_refused() -> None:
+    from lowlat_amd_mono.kernels.gemv import PREFETCH_ACT
+
+    on = bool(PREFETCH_ACT.value)
+    assert MonoOptions.resolve(torch.device("cpu"), interpret=True).gemv_prefetch is on
+    with pytest.raises(ValueError, match="LOWLAT_MONO_GEMV_PREFETCH"):
+        MonoOptions.resolve(torch.device("cpu"), {"amd_mono_gemv_prefetch": not on}, interpret=True)
+
+
 def test_options_force_staged_under_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MONO_DEADLINE_MS", "25")
     o = MonoOptions.resolve(torch.device("cpu"), {"amd_mono_programs_per_sm": "2"}, interpret=True)

@@ -19,11 +19,13 @@ import os
 import triton
 import triton.language as tl
 
-# Register prefetch of the activation chunk (and the norm weights) one K chunk ahead in the GEMV loops, so their
-# L2 round trip overlaps the current chunk's dot instead of stalling each iteration (Triton pipelines the weight
-# loads through shared memory, not these). A process-wide switch, read once here: LOWLAT_MONO_GEMV_PREFETCH
-# (MonoOptions.gemv_prefetch documents it; EngineConfig.extra cannot change it after import).
-PREFETCH_ACT = tl.constexpr(os.environ.get("LOWLAT_MONO_GEMV_PREFETCH", "0").lower() in ("1", "true", "yes", "on"))
+# In the GEMV loops that RMS-normalize their input (NORM: QKV, gate/up, router, experts' gate/up, LM head), load
+# the next activation chunk and norm weights one K chunk ahead into registers, so their round trip and the norm's
+# arithmetic overlap the current chunk's dot. Measured on the H200 (bench/results/2026-12-01-h200-amd-gemv,
+# bench_gemv.py, 1 row): gate/up 32.7 -> 26.3 us (llama-3.2-1b), 99.1 -> 70.5 us (qwen3-8b); the loops without a
+# norm (o_proj, down) were slower with it (llama down 20.0 -> 26.2 us), so they keep Triton's own pipelining.
+# A process-wide switch, read once here: LOWLAT_MONO_GEMV_PREFETCH=0 turns it off (MonoOptions.gemv_prefetch).
+PREFETCH_ACT = tl.constexpr(os.environ.get("LOWLAT_MONO_GEMV_PREFETCH", "1").lower() in ("1", "true", "yes", "on"))
 
 
 @triton.jit
@@ -123,7 +125,7 @@ def gemv_loop(acc, a_ptr, a_stride, T, w_ptr, w_stride, row0, N, k_start, k_end,
               NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
               INTERP: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr):
     """``acc[BM, BN] += A[:, k_start:k_end] @ W[row0:row0+BN, k_start:k_end]^T`` in BK chunks."""
-    if PREFETCH_ACT:
+    if PREFETCH_ACT and NORM:
         a_nx = load_a(a_ptr, a_stride, T, k_start, K, BM, BK, XC)
         w_nx = norm_w(lnw_ptr, k_start, K, BK, NORM)
         for k in range(k_start, k_end, BK):
@@ -145,7 +147,7 @@ def gemv2_loop(acc_g, acc_u, a_ptr, a_stride, T, w_ptr, w_stride, g0, u0, N, k_s
                NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
                INTERP: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr):
     """Two tiles of one weight sharing the activation chunk: gate rows from ``g0`` and up rows from ``u0``."""
-    if PREFETCH_ACT:
+    if PREFETCH_ACT and NORM:
         a_nx = load_a(a_ptr, a_stride, T, k_start, K, BM, BK, XC)
         w_nx = norm_w(lnw_ptr, k_start, K, BK, NORM)
         for k in range(k_start, k_end, BK):

@@ -50,9 +50,10 @@ class MonoOptions:
             ``programs x bytes`` well under the L2 size.
         stage_counters: a wait for every item of a stage polls one per-stage counter (``sync.wait_count``)
             instead of every item's flag (``sync.wait_flags``).
-        gemv_prefetch: load each GEMV loop's next activation chunk (and norm weights) one chunk ahead into
-            registers (``kernels.gemv.PREFETCH_ACT``). Process-wide: only ``LOWLAT_MONO_GEMV_PREFETCH``, read when
-            the kernels are first imported, sets it; an ``EngineConfig.extra`` value that disagrees is an error.
+        gemv_prefetch: in GEMV loops with an RMSNorm prologue, load the next activation chunk (and norm
+            weights) one chunk ahead into registers (``kernels.gemv.PREFETCH_ACT``; on by default). Process-wide:
+            only ``LOWLAT_MONO_GEMV_PREFETCH``, read when the kernels are first imported, sets it; an
+            ``EngineConfig.extra`` value that disagrees is an error.
         gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
             stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
         num_warps, num_stages: Triton launch options of the layer kernels.
@@ -68,7 +69,7 @@ class MonoOptions:
     cooperative: bool = False
     l2_prefetch_bytes: int = 0
     stage_counters: bool = False
-    gemv_prefetch: bool = False
+    gemv_prefetch: bool = True
     gemv_bk_max: int = 256
     gemv_tile_elems: int = 16384
     num_warps: int = 4
