@@ -35,7 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                  "on a GPU, tiny-llama on a CPU)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default auto")
     p.add_argument("--dtype", type=dtype_name, choices=("auto", *DTYPES), default="auto",
-                   help="default auto (bf16 on a GPU); aliases bf16, fp16, half, fp32, float")
+                   help="default auto (the checkpoint's dtype on a GPU, float32 on a CPU); aliases bf16, fp16, "
+                        "half, fp32, float")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default 8192; CPU 32)")
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request (default 1024; CPU 16)")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,2,4,8; CPU 1,2)")
