@@ -138,9 +138,9 @@ def test_cpu_and_gpu_defaults():
     assert BenchConfig.with_defaults("cpu", layer_depth=3).depths(2) is None
 
 
-def test_cpu_run_is_quiet_and_truthful(tmp_path):
+def test_cpu_run_is_quiet_truthful_and_writes_into_the_current_directory(tmp_path):
     """A fresh process (torch's profiler reads KINETO_LOG_LEVEL once): no USDT lines from the launch count, no
-    CUDA-graph claim on a CPU."""
+    CUDA-graph claim on a CPU, and the default output directory is ./lowlat-bench-<UTC time>, not bench/results."""
     import os
     import subprocess
     import sys
@@ -148,10 +148,12 @@ def test_cpu_run_is_quiet_and_truthful(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     argv = ["bench", "--device", "cpu", "--model", "tiny-llama", "--paths", "general", "--batch-sizes", "1",
             "--modes", "decode", "--context", "8", "--input-sets", "1", "--warmup", "1", "--iters", "1",
-            "--copy-bytes", str(1 << 20), "--no-plot", "--out", "out"]
+            "--copy-bytes", str(1 << 20), "--no-plot"]
     p = subprocess.run([sys.executable, "-m", "lowlat.cli", *argv], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "USDT" not in p.stderr and "profiler_start" not in p.stderr, p.stderr
     assert "CUDA graphs" not in p.stderr and "(eager steps)" in p.stderr, p.stderr
-    assert (tmp_path / "out" / "results.json").is_file()
+    made = [d.name for d in tmp_path.iterdir()]
+    assert len(made) == 1 and made[0].startswith("lowlat-bench-"), made
+    assert (tmp_path / made[0] / "results.json").is_file()

@@ -57,8 +57,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft tokens per VERIFY step of the speculative servers (default: lowlat serve's)")
     p.add_argument("--speculative-only", action="store_true",
                    help="with --speculative: skip the plain servers (their figures come from another run)")
-    p.add_argument("--out", default=None, help="output directory (default bench/results/serve-<timestamp>)")
-    p.add_argument("--name", default=None, help="name of the default output directory")
+    p.add_argument("--out", default=None, help="output directory (default ./lowlat-bench-serve-<UTC timestamp>, "
+                                               "or ./<--name>, in the current directory)")
+    p.add_argument("--name", default=None, help="name of the default output directory (in the current directory)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.set_defaults(func=run)
     return p
@@ -98,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError("lowlat bench serve needs httpx: pip install 'lowlat[serve,bench]' (from a lowlat "
                            "checkout's root: pip install -e 'core[serve,bench]')") from None
     cfg = config_from_args(args)
-    stamp = args.name or "serve-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else Path("bench") / "results" / stamp
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or args.name or f"lowlat-bench-serve-{stamp}")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
