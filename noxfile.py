@@ -191,8 +191,8 @@ def bench(session: nox.Session) -> None:
         args = ["--model", "llama-3.2-1b,qwen3-30b-a3b", "--paths", "general,plugins,hf", "--device", "cuda"]
     else:
         args = ["--model", "tiny-llama,tiny-qwen3-moe", "--paths", "general,hf", "--device", "cpu"]
-    session.run("python", "-m", "lowlat.cli", "bench", *args, "--name", f"standard-{stamp}", *session.posargs,
-                external=True)
+    session.run("python", "-m", "lowlat.cli", "bench", *args, "--out", f"bench/results/standard-{stamp}",
+                *session.posargs, external=True)
 
 
 @nox.session(python=False)

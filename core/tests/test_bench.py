@@ -136,3 +136,24 @@ def test_cpu_and_gpu_defaults():
                                                "VERIFY b=1 k+1=6"]
     assert gpu.depths(16) == (16, 8) and gpu.depths(1) is None
     assert BenchConfig.with_defaults("cpu", layer_depth=3).depths(2) is None
+
+
+def test_cpu_run_is_quiet_truthful_and_writes_into_the_current_directory(tmp_path):
+    """A fresh process (torch's profiler reads KINETO_LOG_LEVEL once): no USDT lines from the launch count, no
+    CUDA-graph claim on a CPU, and the default output directory is ./lowlat-bench-<UTC time>, not bench/results."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    argv = ["bench", "--device", "cpu", "--model", "tiny-llama", "--paths", "general", "--batch-sizes", "1",
+            "--modes", "decode", "--context", "8", "--input-sets", "1", "--warmup", "1", "--iters", "1",
+            "--copy-bytes", str(1 << 20), "--no-plot"]
+    p = subprocess.run([sys.executable, "-m", "lowlat.cli", *argv], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "USDT" not in p.stderr and "profiler_start" not in p.stderr, p.stderr
+    assert "CUDA graphs" not in p.stderr and "(eager steps)" in p.stderr, p.stderr
+    made = [d.name for d in tmp_path.iterdir()]
+    assert len(made) == 1 and made[0].startswith("lowlat-bench-"), made
+    assert (tmp_path / made[0] / "results.json").is_file()

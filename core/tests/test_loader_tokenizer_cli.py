@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 from lowlat.cli import make_checkpoint
@@ -74,7 +75,9 @@ def test_cli_make_checkpoint(tmp_path, capsys) -> None:
                                  "--dtype", "float16", "--layers", "1"])
     assert args.func is make_checkpoint.run
     assert args.func(args) == 0
-    assert "wrote tiny-qwen3-moe (1 layers, float16, seed 7" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote tiny-qwen3-moe (1 layers, float16, seed 7" in printed
+    assert re.search(r", \d+\.\d KB\) to ", printed) and "0.000 GB" not in printed, printed  # a tiny preset's size
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["torch_dtype"] == "float16"
     CheckpointReader(out).check_matches(with_layers(get_preset("tiny-qwen3-moe"), 1))
@@ -85,3 +88,9 @@ def test_cli_make_checkpoint(tmp_path, capsys) -> None:
     bad = _parser().parse_args(["make-checkpoint", "--preset", "nope", "--out", str(tmp_path / "x")])
     assert bad.func(bad) == 2
     assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nbytes, text", [(512, "512 bytes"), (1500, "1.5 KB"), (428_900, "428.9 KB"),
+                                          (999_950, "1.0 MB"), (64_000_000, "64.0 MB"), (2_470_000_000, "2.47 GB")])
+def test_make_checkpoint_size_has_the_right_unit(nbytes, text) -> None:
+    assert make_checkpoint.human_size(nbytes) == text

@@ -37,6 +37,23 @@ def test_run_prints_completions_and_summary(capsys):
     assert "float32 (the checkpoint's bfloat16; --dtype bfloat16 keeps it)" in " ".join(out.split())
 
 
+def test_dtype_help_says_what_auto_resolves_to():
+    import dataclasses
+
+    import torch
+    from lowlat.config import EngineConfig
+    from lowlat.loader.presets import get_preset
+
+    parser = argparse.ArgumentParser(prog="lowlat")
+    run_cli.add_parser(parser.add_subparsers(dest="command"))
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["run"]
+    text = " ".join(sub.format_help().split())
+    assert "auto (the default: the checkpoint's dtype on a GPU, always float32 on a CPU)" in text
+    # what the help says: on a CPU auto is float32 whatever the checkpoint stores, float16 included
+    fp16 = dataclasses.replace(get_preset("tiny-llama"), torch_dtype="float16")
+    assert EngineConfig(device="cpu").resolved_dtype(fp16) == torch.float32
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--model", "no-such-preset"], "neither a directory"),
     (["--device", "cpu", "--max-context-len", "8", "--prompt", "far too long a prompt"], "max_context_len=8"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from _serve_util import running_server
 from lowlat.bench.serve_bench import percentiles, ratios, spec_ratios
@@ -149,3 +150,23 @@ def test_spec_counts_parse_any_method_label():
     assert got["method"] == 'draft:/ck pts/a,b"c' and got["k"] == "4" and got["simulated"] == "false"
     assert got["verify_steps"] == 7.0 and got["emitted_tokens"] == 20.0 and got["draft_seconds"] == 0.25
     assert got["on"] == 0.0 and got["accepted_tokens"] == 0.0
+
+
+def test_default_out_dir_is_in_the_current_directory(tmp_path, monkeypatch):
+    import lowlat.bench.serve_bench as serve_bench
+
+    seen = []
+
+    def fake(cfg, *, out_dir, **kw):
+        seen.append(out_dir)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(serve_bench, "run_serve_bench", fake)
+    monkeypatch.chdir(tmp_path)
+    args = _parse(TINY)
+    assert args.func(args) == 2
+    assert len(seen) == 1 and not seen[0].is_absolute() and seen[0].name.startswith("lowlat-bench-serve-")
+    assert len(seen[0].parts) == 1  # ./lowlat-bench-serve-<UTC time>, not bench/results/...
+    args = _parse([*TINY, "--name", "mine"])
+    assert args.func(args) == 2
+    assert seen[-1] == Path("mine")

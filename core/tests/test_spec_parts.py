@@ -104,9 +104,21 @@ def test_controller_turns_off_when_speculation_is_slower_and_probes():
     c = Controller(probe_every=10)
     d = drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)  # 1.3 tokens per step at twice the cost: off
     assert d[0] is False and not c.on and c.switches == 1 and "off" in c.reason
+    # the line names the threshold that would switch it back: the ratio 2.00 plus the 10% hysteresis band
+    assert "ratio 2.00 at batch 2 (plain DECODE is faster; back on above 2.20, the ratio plus the 10% hysteresis)" \
+        in c.reason, c.reason
     probes = [i for i, spec in enumerate(d) if spec][1:]  # VERIFY probes after switching off keep tau measured
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 2 and gaps == sorted(gaps) and gaps[-1] > gaps[0]  # backing off: 20, 40, ... steps
+
+
+def test_controller_on_state_says_its_threshold():
+    c = Controller(probe_every=10)
+    drive(c, 50, t_decode=1.0, t_verify=2.0, tau=3.5)  # 3.5 tokens per step at twice the cost: stays on
+    assert c.on and c.switches == 0
+    assert c.reason == ("on: recent acceptance length 3.50 (moving average of the last VERIFY steps) vs VERIFY/DECODE "
+                        "step-time ratio 2.00 at batch 2 (speculation pays while the length is above the ratio; off "
+                        "below 1.80, the ratio less the 10% hysteresis)"), c.reason
 
 
 def test_controller_stays_on_when_speculation_pays_and_turns_back_on():

@@ -105,7 +105,7 @@ class EngineConfig:
     Attributes:
         model: a checkpoint directory or a preset name (``lowlat.loader.presets``).
         device: "cpu", "cuda" or "auto" (cuda when available).
-        dtype: "bfloat16", "float16", "float32" or "auto" (the checkpoint's dtype; float32 on CPU for bf16);
+        dtype: "bfloat16", "float16", "float32" or "auto" (the checkpoint's dtype on a GPU; always float32 on CPU);
             the aliases of DTYPE_ALIASES ("bf16", "fp16", "half", "fp32", "float", ...) become those names.
         tp_size: tensor-parallel ranks.
         page_size: KV slots per page (tokens).
@@ -286,7 +286,7 @@ class EngineConfig:
         return self.device
 
     def resolved_dtype(self, model: ModelConfig) -> torch.dtype:
-        """The compute dtype: explicit, else the checkpoint's (bf16 becomes float32 on CPU for speed)."""
+        """The compute dtype: explicit, else float32 on CPU (whatever the checkpoint's), else the checkpoint's."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
         if self.resolved_device == "cpu":

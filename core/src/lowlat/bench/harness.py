@@ -170,10 +170,9 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
                       if other is not None and r["status"] == "ok" else None)
 
 
-def default_out_dir(name: str | None) -> Path:
-    """bench/results/<name>, or bench/results/<UTC timestamp> when no name is given."""
-    stamp = name or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return Path("bench") / "results" / stamp
+def default_out_dir(name: str | None, prefix: str = "lowlat-bench") -> Path:
+    """``name`` in the current directory, or ``<prefix>-<UTC timestamp>`` there when no name is given."""
+    return Path(name or f"{prefix}-{datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')}")
 
 
 def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[str] | None = None,

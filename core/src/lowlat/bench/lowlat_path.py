@@ -159,7 +159,8 @@ def run_lowlat_path(cfg: BenchConfig, model: str, path: str, depth: int, full_de
     prefix = f"[bench] {model} {path} L={depth}"
     t0 = time.perf_counter()
     ecfg = engine_config(cfg, model, path, None if depth == full_depth else depth)
-    log(f"{prefix}: starting (weights, KV pool for {ecfg.max_batch_size} requests, CUDA graphs)")
+    log(f"{prefix}: starting (weights, KV pool for {ecfg.max_batch_size} requests"
+        f"{', CUDA graphs' if device.type == 'cuda' else ''})")
     try:
         runner = ModelRunner(ecfg, device=device if device.type == "cuda" else None, show_progress=False)
     except Exception as e:
@@ -173,7 +174,8 @@ def run_lowlat_path(cfg: BenchConfig, model: str, path: str, depth: int, full_de
         res.info = {"plugin": host.name, "selection": sel.reason if sel else None,
                     "graphs": len(runner.graph_runner.graphs) if runner.graph_runner else 0,
                     "kv_pool_slots": runner.kv_pool.num_slots, "start_s": round(time.perf_counter() - t0, 2)}
-        log(f"{prefix}: started in {res.info['start_s']:.1f} s ({res.info['graphs']} CUDA graphs"
+        graphs = f"{res.info['graphs']} CUDA graphs" if runner.graph_runner else "eager steps"
+        log(f"{prefix}: started in {res.info['start_s']:.1f} s ({graphs}"
             f"{', plugin ' + host.name if host.name else ''})")
         fill_kv_random(runner.kv_pool, cfg.seed)
         for k, shape in enumerate(shapes):  # graphs first: no eager step runs between graph timings

@@ -8,6 +8,7 @@ CPU, steps are timed with ``time.perf_counter`` (eager work is synchronous there
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -152,13 +153,19 @@ def count_launches(fn: Callable[[], object], device: torch.device) -> tuple[int,
 
     Returns:
         (count, what was counted): on CUDA the device kernels the trace saw (``KERNELS_HOW``); on a CPU the
-        top-level ``aten::`` ops (``CPU_OPS_HOW``), the closest CPU analogue.
+        top-level ``aten::`` ops (``CPU_OPS_HOW``), the closest CPU analogue. Sets KINETO_LOG_LEVEL=6 in
+        ``os.environ`` unless it is set (see below).
     Raises:
         RuntimeError: the profiler saw no kernel on CUDA (e.g. CUPTI unavailable), so no count can be given.
     """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    # torch's profiler (kineto) prints "USDT:... profiler_start" / "profiler_stop" to stderr around every trace.
+    # Kineto reads KINETO_LOG_LEVEL when the process's first trace starts; 6 is above its highest level (USDT, 5),
+    # so it also hides kineto's ERROR lines (a CUDA trace without kernels still raises below). A value the user set
+    # wins: KINETO_LOG_LEVEL=4 shows kineto's errors and these lines again.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     synchronize(device)
     with profile(activities=activities) as prof:

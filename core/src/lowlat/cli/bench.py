@@ -20,9 +20,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers``; sets ``func=run``."""
     p = subparsers.add_parser(
         "bench", help="measure decode step latency against the roofline and the peers",
-        description="Measure decode/verify step latency per path and batch size (CUDA-graph replays, medians), the "
-                    "roofline (bytes / measured copy bandwidth), per-layer latency and launches, and the ratios to "
-                    "the general path and HF transformers. Writes results.json, results.md and results.png.")
+        description="Measure decode/verify step latency per path and batch size (CUDA-graph replays on a GPU, "
+                    "eager steps on a CPU; medians), the roofline (bytes / measured copy bandwidth), per-layer "
+                    "latency and launches, and the ratios to the general path and HF transformers. Writes "
+                    "results.json, results.md and results.png (into ./lowlat-bench-<UTC timestamp> unless --out).")
     add_arguments(p)
     p.set_defaults(func=run)
     from lowlat.cli import bench_serve
@@ -65,8 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds per model the hf peer may spend compiling and timing (default 150)")
     p.add_argument("--copy-bytes", type=int, default=None, help="bytes of the bandwidth copy (default 2 GiB; CPU "
                                                                 "64 MiB)")
-    p.add_argument("--out", default=None, help="output directory (default bench/results/<name or timestamp>)")
-    p.add_argument("--name", default=None, help="name of the default output directory")
+    p.add_argument("--out", default=None, help="output directory (default ./lowlat-bench-<UTC timestamp>, or "
+                                               "./<--name>, in the current directory)")
+    p.add_argument("--name", default=None, help="name of the default output directory (in the current directory)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--report", metavar="RESULTS_JSON", default=None,
                    help="print the markdown table of an earlier run's results.json and exit")

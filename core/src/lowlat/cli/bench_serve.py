@@ -35,7 +35,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                                  "on a GPU, tiny-llama on a CPU)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default auto")
     p.add_argument("--dtype", type=dtype_name, choices=("auto", *DTYPES), default="auto",
-                   help="default auto (bf16 on a GPU); aliases bf16, fp16, half, fp32, float")
+                   help="default auto (the checkpoint's dtype on a GPU, float32 on a CPU); aliases bf16, fp16, "
+                        "half, fp32, float")
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens per request (default 8192; CPU 32)")
     p.add_argument("--output-len", type=int, default=None, help="tokens generated per request (default 1024; CPU 16)")
     p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,2,4,8; CPU 1,2)")
@@ -56,8 +57,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="draft tokens per VERIFY step of the speculative servers (default: lowlat serve's)")
     p.add_argument("--speculative-only", action="store_true",
                    help="with --speculative: skip the plain servers (their figures come from another run)")
-    p.add_argument("--out", default=None, help="output directory (default bench/results/serve-<timestamp>)")
-    p.add_argument("--name", default=None, help="name of the default output directory")
+    p.add_argument("--out", default=None, help="output directory (default ./lowlat-bench-serve-<UTC timestamp>, "
+                                               "or ./<--name>, in the current directory)")
+    p.add_argument("--name", default=None, help="name of the default output directory (in the current directory)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.set_defaults(func=run)
     return p
@@ -97,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError("lowlat bench serve needs httpx: pip install 'lowlat[serve,bench]' (from a lowlat "
                            "checkout's root: pip install -e 'core[serve,bench]')") from None
     cfg = config_from_args(args)
-    stamp = args.name or "serve-" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out) if args.out else Path("bench") / "results" / stamp
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or args.name or f"lowlat-bench-serve-{stamp}")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

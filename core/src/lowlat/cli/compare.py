@@ -4,7 +4,7 @@ The two engines run one after the other (the first is closed before the second s
 fills the GPU is never loaded twice). Each records the float32 logits of every sampled row; the report
 says whether the tokens are identical, the largest logit difference over the steps where both runs had
 produced the same tokens so far (after a divergence the inputs differ and logits are not comparable),
-and the decode speed of each side by side.
+and the decode speed of each side by side (times only, no ratio, under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lowlat.config import EngineConfig
+from lowlat.platform import triton_interpreter_enabled
 
 # The contract's per-element bound relative to max(1, max |logits|) (docs/contract.md, "Tolerances"): a greedy
 # divergence is a near-tie when the general path's logit of its token exceeds that of the plugin's token by at
@@ -43,6 +44,7 @@ class CompareReport:
     identical: bool
     first_divergence: list[int | None]  # per request: index of the first differing token, None if identical
     max_abs_logit_diff: float
+    interpreted: bool = False  # TRITON_INTERPRET=1: Triton kernels ran in Python, so no speed ratio is printed
 
 
     def lines(self) -> list[str]:
@@ -60,8 +62,10 @@ class CompareReport:
             if tie:
                 out.append(f"    {tie}")
         speedup = g.decode_ms_per_step / p.decode_ms_per_step if p.decode_ms_per_step else float("nan")
+        ratio = (f"{speedup:.2f}x" if not self.interpreted else "no speed ratio: under TRITON_INTERPRET=1 Triton "
+                 "kernels run in Triton's Python interpreter, so these times are not speed figures")
         out.append(f"decode ms/step: general {g.decode_ms_per_step:.3f}, {p.label} {p.decode_ms_per_step:.3f} "
-                   f"({speedup:.2f}x)")
+                   f"({ratio})")
         counts = [f"{path} {mode} {v['steps']} ({v['graph_steps']} in CUDA graphs, {v['ms_per_step']:.3f} ms each)"
                   for path, modes in sorted(p.path_steps.items()) for mode, v in sorted(modes.items())]
         out.append(f"steps per path in the plugin run: {'; '.join(counts) or 'none'}")
@@ -141,4 +145,4 @@ def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareRep
         n = len(a) if d is None else d + 1  # the step that produced the first differing token is comparable
         for la, lb in zip(general.logits.get(i, [])[:n], plugin.logits.get(i, [])[:n]):
             worst = max(worst, float((la - lb).abs().max()))
-    return CompareReport(general, plugin, all(d is None for d in div), div, worst)
+    return CompareReport(general, plugin, all(d is None for d in div), div, worst, triton_interpreter_enabled())

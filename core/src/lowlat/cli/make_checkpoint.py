@@ -37,6 +37,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def human_size(nbytes: int) -> str:
+    """``nbytes`` in decimal units as ``--max-shard-gb`` counts them: "512 bytes", "1.5 KB", "64.0 MB", "2.47 GB"."""
+    if nbytes < 1000:
+        return f"{nbytes} bytes"
+    for unit, scale in (("KB", 1e3), ("MB", 1e6)):
+        if round(nbytes / scale, 1) < 1000:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e9:.2f} GB"
+
+
 def run(args: argparse.Namespace) -> int:
     """Write the checkpoint; print where and how big. Returns 0, or 2 after printing an error to stderr."""
     try:
@@ -51,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     size = synthetic_num_bytes(config, args.dtype)
     print(f"wrote {args.preset} ({config.num_hidden_layers} layers, {args.dtype}, seed {args.seed}, "
-          f"{size / 1e9:.3f} GB) to {out}")
+          f"{human_size(size)}) to {out}")
     return 0

@@ -38,7 +38,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
     p.add_argument("--seed", type=int, default=d.seed, help="seed of preset weights and sampling (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device, help="default auto")
     p.add_argument("--dtype", type=dtype_name, choices=("auto", *DTYPES), default=d.dtype,
-                   help="auto (the default), bfloat16 (bf16), float16 (fp16, half) or float32 (fp32, float)")
+                   help="auto (the default: the checkpoint's dtype on a GPU, always float32 on a CPU), bfloat16 "
+                        "(bf16), float16 (fp16, half) or float32 (fp32, float)")
     p.add_argument("--tp", type=int, default=d.tp_size, help="tensor-parallel ranks (default 1)")
     p.add_argument("--max-batch-size", type=int, default=d.max_batch_size, help=f"default {d.max_batch_size}")
     p.add_argument("--max-context-len", type=int, default=d.max_context_len, help=f"default {d.max_context_len}")

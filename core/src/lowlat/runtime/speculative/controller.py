@@ -129,13 +129,17 @@ class Controller:
         # tau is a moving average of the latest VERIFY steps, not the run's mean acceptance length: say so.
         now = (f"recent acceptance length {self.tau:.2f} (moving average of the last VERIFY steps) {{}} "
                f"VERIFY/DECODE step-time ratio {ratio:.2f} at batch {batch_size}")
+        band = f"{100 * self.hysteresis:g}% hysteresis"  # the thresholds: the ratio widened by the band
+        off_below = f"off below {ratio * (1 - self.hysteresis):.2f}, the ratio less the {band}"
+        on_above = f"back on above {ratio * (1 + self.hysteresis):.2f}, the ratio plus the {band}"
         if self.on and self.tau < ratio * (1 - self.hysteresis):
             self.on = False
             self.switches += 1
-            self.reason = "off: " + now.format("<") + " (plain DECODE is faster)"
+            self.reason = "off: " + now.format("<") + f" (plain DECODE is faster; {on_above})"
         elif not self.on and self.tau > ratio * (1 + self.hysteresis):
             self.on = True
             self.switches += 1
-            self.reason = "on: " + now.format(">")
+            self.reason = "on: " + now.format(">") + f" ({off_below})"
         elif self.on:
-            self.reason = "on: " + now.format("vs") + " (speculation pays while the length is above the ratio)"
+            self.reason = ("on: " + now.format("vs") + f" (speculation pays while the length is above the ratio; "
+                           f"{off_below})")
