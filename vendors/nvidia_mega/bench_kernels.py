@@ -1,8 +1,5 @@
 """Time every nvidia_mega kernel against its byte floor, with PDL on and off and with each fusion undone.
 
-Attention is timed both ways, its splits merged in the split kernel (production) and by a second kernel
-(``LOWLAT_MEGA_FUSED_MERGE=0``); the layer chain runs the merge the plugin would (``fused_merge_enabled``).
-
 Run on an sm90 GPU (about a minute, most of it Triton compiling):
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/bench_kernels.py [--ctx 512]
@@ -27,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import apply_rotary
-from lowlat_nvidia_mega.kernels.attention import fused_merge_enabled, paged_decode_attention, partial_numel, plan_splits
+from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
@@ -180,8 +177,7 @@ class Case:
             return len(self.wqkv)
         return chain
 
-    def attention(self, pdl: bool, b: int, r: int, fused: bool) -> Callable[[], int]:
-        """Attention of b requests x r rows, the splits merged in the split kernel (``fused``) or by a second one."""
+    def attention(self, pdl: bool, b: int, r: int) -> Callable[[], int]:
         s = self.s
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         rpi, seq, _, _ = self.decode_batch(b, r)
@@ -193,7 +189,7 @@ class Case:
             for kb, vb in zip(self.kb, self.vb):
                 paged_decode_attention(self.q, kb, vb, self.rtt, rpi, seq, self.attn, rows_per_req=r,
                                        sm_scale=d ** -0.5, num_splits=splits, o_partial=o_p, lse_partial=l_p,
-                                       counters=self.counters, fused_merge=fused, use_pdl=pdl)
+                                       use_pdl=pdl)
             return len(self.kb)
         return chain
 
@@ -277,7 +273,7 @@ class Case:
                          counters=self.counters, use_pdl=pdl)
                 paged_decode_attention(self.q, self.kb[i], self.vb[i], self.rtt, rpi, seq, self.attn, rows_per_req=1,
                                        sm_scale=d ** -0.5, num_splits=splits, o_partial=o_p, lse_partial=l_p,
-                                       counters=self.counters, fused_merge=fused_merge_enabled(), use_pdl=pdl)
+                                       use_pdl=pdl)
                 small_gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
                 small_gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
                            eps=EPS, **kw)
@@ -333,11 +329,9 @@ def run(name: str, rows: int, args: argparse.Namespace, dev: torch.device, bw: f
     pdls = [True, False] if pdl_ok else [False]
     for pdl in pdls:
         add("qkv_rope", "fused", c.qkv(pdl, True), c.nqkv * h * el, pdl)
-        for fused in (True, False):  # the production merge (in the split kernel) beside the two-kernel one
-            how = "fused merge" if fused else "2 kernels"
-            add("attention", f"decode B={rows}, {how}", c.attention(pdl, rows, 1, fused), kv_bytes(rows), pdl)
-            if rows > 1:
-                add("attention", f"verify R={rows}, {how}", c.attention(pdl, 1, rows, fused), kv_bytes(1), pdl)
+        add("attention", f"decode B={rows}", c.attention(pdl, rows, 1), kv_bytes(rows), pdl)
+        if rows > 1:
+            add("attention", f"verify R={rows}", c.attention(pdl, 1, rows), kv_bytes(1), pdl)
         add("o_proj", "fused residual", c.gemm("o_proj", pdl), h * hq * d * el, pdl)
         if s["inter"]:
             add("gate_up", "fused norm+silu", c.gemm("gate_up", pdl), 2 * s["inter"] * h * el, pdl)
@@ -351,9 +345,8 @@ def run(name: str, rows: int, args: argparse.Namespace, dev: torch.device, bw: f
         add("lm_head", "norm+logits", c.lm_head(pdl), s["vocab"] * h * el, pdl)
     if s["inter"]:
         layer_bytes = (c.nqkv * h + h * hq * d + 3 * s["inter"] * h) * el + kv_bytes(rows)
-        merge = "fused merge" if fused_merge_enabled() else "2-kernel merge"  # as the plugin runs it
         for pdl in pdls:
-            add("layer", f"mega chain ({merge})", c.layer(pdl, general=False), layer_bytes, pdl)
+            add("layer", "mega chain", c.layer(pdl, general=False), layer_bytes, pdl)
         if dev.type == "cuda":
             add("layer", "general path ops (torch + core)", c.layer(False, general=True), layer_bytes, False)
     pdl = pdls[0]  # fusion and split-K ablations, with PDL as in production

@@ -15,7 +15,7 @@ import torch
 from lowlat.plugin import PluginBuildError
 
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
-from lowlat_nvidia_mega.kernels.attention import merge_counters_numel, partial_numel, plan_splits
+from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
@@ -74,8 +74,7 @@ def build(binding: Any) -> MegaForward:
         + ([splitk_workspace_numel(plans["gate_up"], dense_inter, gated=True),
             splitk_workspace_numel(plans["down"], hid, gated=False)] if has_dense else [])
     )
-    # int32 tickets of every last-arriver reduction, zeroed once here; each launch leaves its counters zero
-    tiles = {"qkv": hq + 2 * hkv, "o_proj": plans["o_proj"].n_tiles(hid), "attn": merge_counters_numel(MAX_ROWS, hkv)}
+    tiles = {"qkv": hq + 2 * hkv, "o_proj": plans["o_proj"].n_tiles(hid)}
     if has_dense:
         tiles.update(gate_up=plans["gate_up"].n_tiles(dense_inter), down=plans["down"].n_tiles(hid))
     cnt = alloc("counters", (sum(tiles.values()),), torch.int32)

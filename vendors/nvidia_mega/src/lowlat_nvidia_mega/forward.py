@@ -3,8 +3,7 @@
 Per decoder layer (dense)::
 
     qkv_rope   x -> rmsnorm -> QKV GEMM -> q/k norm (Qwen3) -> RoPE -> q buffer, K/V at out_cache_loc
-    attention  split-KV paged attention (packed GQA, causal among the new rows), the splits merged by the last
-               program of each (request, KV head) to finish (LOWLAT_MEGA_FUSED_MERGE=0: a second merge kernel)
+    attention  split-KV paged attention (packed GQA, causal among the new rows) + merge
     o_proj     x += attn @ Wo^T                       (small GEMM, split-K, residual epilogue, in place)
     gate_up    act = silu(g) * u of rmsnorm(x) @ Wgu^T (small GEMM, norm prologue, SwiGLU epilogue)
     down       x += act @ Wd^T                        (small GEMM, split-K, residual epilogue, in place)
@@ -65,8 +64,7 @@ class Workspaces:
     """Buffers allocated once at build (``binding.alloc_workspace``), rows padded to 8.
 
     x [8, H] residual stream; q [8, Hq*D]; attn [8, Hq*D]; act [8, I] (dense layers); gemm_ws / qkv_ws fp32
-    split-K partials; counters int32 per call site with a last-arriver reduction ("qkv", "o_proj", "gate_up",
-    "down", and "attn" [8 * Hkv] for the fused attention merge; zero between launches); o_partial / lse_partial
+    split-K partials; counters int32 per split-K call site (zero between launches); o_partial / lse_partial
     fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; moe: the MoE workspace or None;
     head: the ``LMHeadWorkspace`` of ``lm_head_sample`` (sampled ids), None when the plugin returns logits only.
     """
@@ -180,7 +178,7 @@ class MegaForward:
             paged_decode_attention(q, self.k_buffers[i], self.v_buffers[i], self.req_to_token,
                                    batch.req_pool_indices, batch.seq_lens, attn, rows_per_req=rows,
                                    sm_scale=self.sm_scale, num_splits=splits, o_partial=ws.o_partial,
-                                   lse_partial=ws.lse_partial, counters=ws.counters["attn"], use_pdl=use_pdl)
+                                   lse_partial=ws.lse_partial, use_pdl=use_pdl)
             small_gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
                        workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)
             if lw.is_moe:

@@ -3,7 +3,7 @@
 - ``pdl``: programmatic-dependent-launch helpers (``gdc_wait`` / ``gdc_launch_dependents``, ``pdl_enabled``).
 - ``small_gemm``: <= 8-row GEMM, RMSNorm prologue, SwiGLU / residual epilogues, deterministic split-K.
 - ``qkv_rope``: input norm + QKV GEMM + Qwen3 q/k norm + RoPE + KV-cache write in one kernel.
-- ``attention``: paged split-KV decode attention for 1..8 rows per request, packed GQA, splits merged in-kernel.
+- ``attention``: paged split-KV decode attention for 1..8 rows per request, packed GQA, plus its merge.
 - ``moe_route`` / ``moe``: Qwen3-MoE routing and experts; ``lm_head``: final norm + LM head.
 
 Nothing is compiled at import; kernels compile on first launch.

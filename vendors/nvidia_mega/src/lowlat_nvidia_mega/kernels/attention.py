@@ -1,6 +1,6 @@
 """Paged decode attention for 1 to 8 new query rows per request (DECODE, and VERIFY with causal masking).
 
-Split-KV ("flash-decoding", Dao et al. 2023):
+Split-KV ("flash-decoding", Dao et al. 2023) in two kernels:
 
 1. ``_attn_split_kernel``, grid (B * Hkv, NUM_SPLITS): one program per (request, KV head, KV chunk). The
    G = Hq / Hkv query heads sharing that KV head and the R new rows of the request are packed into one
@@ -8,29 +8,17 @@ Split-KV ("flash-decoding", Dao et al. 2023):
    ``[s * C, (s + 1) * C)`` with ``C = ceil(ceil(L / S) / BLOCK_KV) * BLOCK_KV`` is processed with an online
    softmax (exp2, fp32 statistics); the program stores its normalized partial output and log-sum-exp.
    Query row r of a request of length L sits at position ``L - R + r`` and sees positions ``<= L - R + r``.
-2. The merge combines the splits of one (row, head) by their LSE weights (``_merge_splits``: sums in split
-   order, elementwise) and writes ``out[t, h * D:(h + 1) * D]`` in the model dtype. By default it is fused
-   into the split kernel with the
-   last-arriver pattern of ``small_gemm.py``'s split-K: each program stores its partial, a CTA barrier, then a
-   ticket ``atomic_add(counter[b * Hkv + kvh], 1, acq_rel)``; the program drawing ticket ``NUM_SPLITS - 1``
-   merges every split *in split order* (never arrival order: bit-identical run to run), writes the output and
-   re-arms the counter to 0 (the next launch and CUDA-graph replays find it zero). With one split the program
-   writes its normalized output directly (the merge of one split is the identity), with no partial or ticket.
-   ``LOWLAT_MEGA_FUSED_MERGE=0`` selects the two-kernel path instead (``_attn_merge_kernel``, grid (T * Hq,),
-   one program per (row, head)) for A/B measurement; both merge with ``_merge_splits``, so their outputs are
-   bit-identical.
+2. ``_attn_merge_kernel``, grid (T * Hq,): combines the splits of one (row, head) by their LSE weights and
+   writes ``out[t, h * D:(h + 1) * D]`` in the model dtype.
 
 K/V are gathered through ``req_to_token`` (one slot per position, so any page size works).
 
 PDL overlap: the page-table entries and the first K/V block of the chunk are loaded *before* ``gdc_wait``,
 masked to positions ``< L - R`` (written by earlier steps, never by this step's QKV kernel); positions of
-this step's new tokens are loaded after it, together with q. Partials, tickets and the output are written
-after the wait (``pdl.py``'s rule 1).
+this step's new tokens are loaded after it, together with q.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -41,17 +29,6 @@ from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, dot_acc, dot_in_f32,
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-FUSED_MERGE_SWITCH = "LOWLAT_MEGA_FUSED_MERGE"
-MERGE_CHUNK = 8  # splits whose partials the fused merge loads at a time ([BLOCK_M, D] fp32 each)
-
-
-def fused_merge_enabled() -> bool:
-    """Whether attention merges its splits inside the split kernel (default) rather than in a second kernel.
-
-    ``LOWLAT_MEGA_FUSED_MERGE=0`` (or false / off / no) selects the two-kernel path. Read at each call, like
-    ``pdl.pdl_enabled``, so a benchmark can flip it between builds of a CUDA graph.
-    """
-    return os.environ.get(FUSED_MERGE_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @triton.jit
@@ -69,50 +46,11 @@ def _attn_block(q, k, v, pos, kv_end, q_pos, m_i, l_i, acc, scale_log2, DOT_F32:
 
 
 @triton.jit
-def _merge_splits(op_ptr, lse_ptr, base, offs_m, m_mask, used, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, CHUNK: tl.constexpr, CACHE: tl.constexpr):
-    """[len(offs_m), D] fp32: splits ``[0, used)`` of packed rows ``offs_m`` (partials at ``base + s``) merged by
-    their LSE weights, ``sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)``.
-
-    Both sums run elementwise, one split after another in split order (``CHUNK`` splits' loads in flight at a
-    time; the masked tail adds exact zeros), never as a cross-thread reduction: the result does not depend on a
-    kernel's layouts or warps, so the fused and the two-kernel merge round alike. ``CACHE``: the partials' load
-    cache modifier (".cg" in the fused kernel, where other CTAs wrote them during this launch)."""
-    offs_s = tl.arange(0, NUM_SPLITS)
-    offs_d = tl.arange(0, D)
-    lse_all = tl.load(lse_ptr + (base + offs_s)[:, None] * BLOCK_M + offs_m[None, :],
-                      mask=(offs_s < used)[:, None] & m_mask[None, :], other=float("-inf"), cache_modifier=CACHE)
-    mx = tl.max(lse_all, axis=0)  # a max is exact in any order
-    mx = tl.where(mx == float("-inf"), 0.0, mx)
-    tot = tl.zeros_like(mx)
-    acc = tl.zeros([offs_m.shape[0], D], dtype=tl.float32)
-    for s0 in range(0, used, CHUNK):
-        for j in tl.static_range(CHUNK):
-            ok = m_mask & (tl.zeros_like(offs_m) + s0 + j < used)  # vector-shaped (the interpreter needs it)
-            row = (base + s0 + j) * BLOCK_M + offs_m
-            lse = tl.load(lse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=CACHE)
-            part = tl.load(op_ptr + row[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0,
-                           cache_modifier=CACHE)
-            wgt = tl.exp2(lse - mx)
-            tot += wgt
-            acc += wgt[:, None] * part
-    return acc / tl.where(tot > 0, tot, 1.0)[:, None]
-
-
-@triton.jit
-def _used_splits(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_KV: tl.constexpr):
-    """Splits that saw at least one of ``seq_len`` positions (the chunk length as ``_attn_split_kernel``'s)."""
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_KV) * BLOCK_KV, 1)
-    return tl.cdiv(seq_len, chunk)
-
-
-@triton.jit
 def _attn_split_kernel(
     q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, rtt_ptr, stride_rtt, rpi_ptr, seqlen_ptr, op_ptr, lse_ptr,
-    out_ptr, stride_ot, cnt_ptr, scale_log2,
+    scale_log2,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -164,24 +102,9 @@ def _attn_split_kernel(
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    out_rows = out_ptr + ((b * R + r).to(tl.int64) * stride_ot + (kvh * G + offs_m % G) * D)[:, None] \
-        + offs_d[None, :]
-    if FUSED and NUM_SPLITS == 1:  # the merge of one split is the identity: write the output directly
-        tl.store(out_rows, to_act(out, out_ptr.dtype.element_ty), mask=m_valid[:, None])
-    else:
-        base = pid * NUM_SPLITS + split
-        tl.store(op_ptr + (base * BLOCK_M + offs_m)[:, None] * D + offs_d[None, :], out, mask=m_valid[:, None])
-        tl.store(lse_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            ticket = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-            if ticket == NUM_SPLITS - 1:  # the last of this (request, KV head)'s splits to arrive merges them all
-                tl.debug_barrier()
-                o = _merge_splits(op_ptr, lse_ptr, pid * NUM_SPLITS, offs_m, m_valid,
-                                  _used_splits(seq_len, NUM_SPLITS, BLOCK_KV), D, BLOCK_M, NUM_SPLITS, MERGE_CHUNK,
-                                  ".cg")
-                tl.store(out_rows, to_act(o, out_ptr.dtype.element_ty), mask=m_valid[:, None])
-                tl.atomic_xchg(cnt_ptr + pid, 0)  # re-arm for the next launch (graph replays included)
+    base = pid * NUM_SPLITS + split
+    tl.store(op_ptr + (base * BLOCK_M + offs_m)[:, None] * D + offs_d[None, :], out, mask=m_valid[:, None])
+    tl.store(lse_ptr + base * BLOCK_M + offs_m, lse, mask=m_valid)
 
 
 @triton.jit
@@ -196,13 +119,22 @@ def _attn_merge_kernel(
     b = t // R
     m = (t % R) * G + h % G
     base = (b * HKV + h // G) * NUM_SPLITS
-    used = _used_splits(tl.load(seqlen_ptr + b).to(tl.int32), NUM_SPLITS, BLOCK_KV)
-    offs_m = m + tl.arange(0, 1)
+    seq_len = tl.load(seqlen_ptr + b).to(tl.int32)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_KV) * BLOCK_KV, 1)
+    used = tl.cdiv(seq_len, chunk)  # splits that saw at least one position
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, D)
+    s_mask = offs_s < used
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
-    o = _merge_splits(op_ptr, lse_ptr, base, offs_m, offs_m >= 0, used, D, BLOCK_M, NUM_SPLITS, NUM_SPLITS, "")
-    offs_d = tl.arange(0, D)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * D + offs_d[None, :], to_act(o, out_ptr.dtype.element_ty))
+    lse = tl.load(lse_ptr + (base + offs_s) * BLOCK_M + m, mask=s_mask, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    wgt = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))
+    part = tl.load(op_ptr + ((base + offs_s) * BLOCK_M + m)[:, None] * D + offs_d[None, :], mask=s_mask[:, None],
+                   other=0.0)
+    tot = tl.sum(wgt, axis=0)
+    o = tl.sum(wgt[:, None] * part, axis=0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * D + offs_d, to_act(o, out_ptr.dtype.element_ty))
 
 
 def attention_block_m(num_heads: int, num_kv_heads: int, rows_per_req: int) -> int:
@@ -230,16 +162,11 @@ def partial_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: 
     return n * head_dim, n
 
 
-def merge_counters_numel(batch_size: int, num_kv_heads: int) -> int:
-    """int32 ticket counters the fused merge needs: one per (request, KV head)."""
-    return batch_size * num_kv_heads
-
-
 def paged_decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, rows_per_req: int,
     sm_scale: float, num_splits: int, o_partial: torch.Tensor, lse_partial: torch.Tensor,
-    counters: torch.Tensor | None = None, fused_merge: bool | None = None, use_pdl: bool | None = None,
+    use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention of T = B * R new query rows over each request's cached K/V (new rows included).
 
@@ -253,17 +180,11 @@ def paged_decode_attention(
         rows_per_req: R, 1 (DECODE) to 8 (VERIFY).
         sm_scale: softmax scale, usually D ** -0.5.
         num_splits: KV splits, a power of two <= 64 (``plan_splits``).
-        o_partial, lse_partial: fp32 workspaces of >= ``partial_numel(...)`` elements (unused by the fused
-            path with one split).
-        counters: int32 zeros of >= ``merge_counters_numel(B, Hkv)`` elements, left zero after each launch
-            (the fused path with more than one split only).
-        fused_merge: merge inside the split kernel (one launch) or with ``_attn_merge_kernel`` (two); default
-            ``fused_merge_enabled()`` (``LOWLAT_MEGA_FUSED_MERGE``). Both give bit-identical outputs.
-        use_pdl: launch with PDL; default ``pdl_enabled(q.device)``.
+        o_partial, lse_partial: fp32 workspaces of >= ``partial_numel(...)`` elements.
     Returns:
         ``out``.
     Raises:
-        ValueError: on a shape, stride, dtype or device mismatch, or missing counters for the fused merge.
+        ValueError: on a shape, stride, dtype or device mismatch.
     """
     num_slots, hkv, d = k_buffer.shape if k_buffer.dim() == 3 else (0, 0, 0)
     if k_buffer.dim() != 3 or v_buffer.shape != k_buffer.shape or not (k_buffer.is_contiguous()
@@ -301,11 +222,6 @@ def paged_decode_attention(
     if o_partial.dtype != torch.float32 or o_partial.numel() < n_o or lse_partial.dtype != torch.float32 \
             or lse_partial.numel() < n_l:
         raise ValueError(f"o_partial / lse_partial must be fp32 with >= {n_o} / {n_l} elements")
-    fused = fused_merge_enabled() if fused_merge is None else fused_merge
-    if fused and num_splits > 1 and (counters is None or counters.dtype != torch.int32
-                                     or counters.numel() < merge_counters_numel(b, hkv) or counters.device != q.device):
-        raise ValueError(f"the fused merge of {num_splits} splits needs int32 zero counters of >= "
-                         f"{merge_counters_numel(b, hkv)} elements on {q.device}; pass counters= or fused_merge=False")
     use_pdl = pdl_enabled(q.device) if use_pdl is None else use_pdl
     g = hq // hkv
     block_m = attention_block_m(hq, hkv, r)
@@ -313,14 +229,10 @@ def paged_decode_attention(
     warps = 4 if block_m * d <= 4096 else 8
     _attn_split_kernel[(b * hkv, num_splits)](
         q2, q2.stride(0), k_buffer, v_buffer, k_buffer.stride(0), req_to_token, req_to_token.stride(0),
-        req_pool_indices, seq_lens, o_partial, lse_partial, out, out.stride(0),
-        counters if counters is not None else lse_partial, sm_scale * LOG2E,
-        HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=num_splits, FUSED=fused,
-        MERGE_CHUNK=min(MERGE_CHUNK, num_splits), DOT_F32=dot_in_f32(q.dtype), USE_PDL=use_pdl, num_warps=warps,
-        num_stages=2, **launch_kwargs(use_pdl),
+        req_pool_indices, seq_lens, o_partial, lse_partial, sm_scale * LOG2E,
+        HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=num_splits,
+        DOT_F32=dot_in_f32(q.dtype), USE_PDL=use_pdl, num_warps=warps, num_stages=2, **launch_kwargs(use_pdl),
     )
-    if fused:
-        return out
     _attn_merge_kernel[(t * hq,)](
         o_partial, lse_partial, seq_lens, out, out.stride(0),
         HQ=hq, HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=num_splits,
