@@ -11,8 +11,9 @@ counters); these mutations cover the wait itself, the publish, the per-step rese
 
 import os
 import pathlib
-import subprocess
 import sys
+
+import mutation_runner  # same directory
 
 S = pathlib.Path("vendors/amd_mono/src/lowlat_amd_mono/kernels/sync.py")
 E = pathlib.Path("vendors/amd_mono/src/lowlat_amd_mono/kernels/embed_head.py")
@@ -24,11 +25,10 @@ M = [  # (name, file, original text, mutated text)
     ("count must exceed need (off by one late)", S, "lanes + seen >= need", "lanes + seen > need"),
     ("deadline ignored", S, "tl.where((lanes + elapsed) > deadline, 1, 0))),",
      "tl.where((lanes + elapsed) < 0, 1, 0))),"),
-    ("abort word not polled", S, "abort_tag = tl.load(ctl_ptr + CTL_ABORT, volatile=True)\n        if TIMER == 0:\n"
-     "            elapsed = spins\n        else:\n            elapsed = read_timer(TIMER) - t0\n        spins += 1\n"
-     "        # One decision", "abort_tag = tl.full([], 0, tl.int32)\n        if TIMER == 0:\n"
-     "            elapsed = spins\n        else:\n            elapsed = read_timer(TIMER) - t0\n        spins += 1\n"
-     "        # One decision"),
+    ("abort word not polled", S, "abort_tag = tl.load(ctl_ptr + CTL_ABORT, volatile=True)\n"
+     "        elapsed = _elapsed(t0, spins, TIMER)\n        spins += 1\n        # One decision",
+     "abort_tag = tl.full([], 0, tl.int32)\n"
+     "        elapsed = _elapsed(t0, spins, TIMER)\n        spins += 1\n        # One decision"),
     ("an aborted counter wait counts as ready", S, "state = tl.where(sig == 3, 1, tl.where(sig == 2, 2,",
      "state = tl.where(sig == 3, 1, tl.where(sig == 2, 1,"),
     ("record holds the need, not the count seen", S,
@@ -57,23 +57,4 @@ M = [  # (name, file, original text, mutated text)
     ("host: a counter timeout reported as an item", F, 'if kind == int(KIND_COUNT) else', 'if kind == -1 else'),
 ]
 env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-missed = 0
-for name, p, old, new in M:
-    src = p.read_text()
-    assert src.count(old) == 1, (name, src.count(old), old)
-    p.write_text(src.replace(old, new))
-    try:
-        try:
-            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rf",
-                                "vendors/amd_mono/tests/test_kernels.py"], capture_output=True, text=True, env=env,
-                               timeout=300)
-            lines = r.stdout.strip().splitlines() or ["(no output)"]
-            first = next((ln.split("::")[1].split(" ")[0] for ln in lines if ln.startswith("FAILED ")), "")
-            rc, last = r.returncode, f"{first}: {lines[-1]}"
-        except subprocess.TimeoutExpired:
-            rc, last = 124, "hung: killed after 300 s"
-        missed += rc == 0
-        print(("CAUGHT " if rc else "MISSED ") + name + " -> " + last, flush=True)
-    finally:
-        p.write_text(src)
-sys.exit(1 if missed else 0)
+sys.exit(mutation_runner.run(M, "vendors/amd_mono/tests/test_kernels.py", env))

@@ -12,8 +12,9 @@ interpreted operations, which checks the program as written, not the GPU's behav
 
 import os
 import pathlib
-import subprocess
 import sys
+
+import mutation_runner  # same directory
 
 K = pathlib.Path("core/src/lowlat/kernels/peer_allreduce.py")
 H = pathlib.Path("core/src/lowlat/runtime/peer_buffers.py")
@@ -71,23 +72,4 @@ M = [  # (name, file, original text, mutated text)
 ]
 env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
        "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}
-missed = 0
-for name, p, old, new in M:
-    src = p.read_text()
-    assert src.count(old) == 1, (name, old)
-    p.write_text(src.replace(old, new))
-    try:
-        try:
-            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                "-rf", "core/tests/test_peer_allreduce.py"], capture_output=True, text=True, env=env,
-                               timeout=300)
-            lines = r.stdout.strip().splitlines() or ["(no output)"]
-            first = next((ln.split("::")[1].split(" ")[0] for ln in lines if ln.startswith("FAILED ")), "")
-            rc, last = r.returncode, f"{first}: {lines[-1]}"
-        except subprocess.TimeoutExpired:
-            rc, last = 124, "hung: killed after 300 s"
-        missed += rc == 0
-        print(("CAUGHT " if rc else "MISSED ") + name + " -> " + last, flush=True)
-    finally:
-        p.write_text(src)
-sys.exit(1 if missed else 0)
+sys.exit(mutation_runner.run(M, "core/tests/test_peer_allreduce.py", env))

@@ -62,6 +62,16 @@ def read_timer(TIMER: tl.constexpr):
 
 
 @triton.jit
+def _elapsed(t0, spins, TIMER: tl.constexpr):
+    """Time since ``t0`` in the unit of ``TIMER``; with no clock (``TIMER_SPIN``), the polls done (``spins``)."""
+    if TIMER == 0:
+        e = spins
+    else:
+        e = read_timer(TIMER) - t0
+    return e
+
+
+@triton.jit
 def stage_runs(debug_mask, STAGE_ID: tl.constexpr):
     """False when a benchmark asked to skip stage ``STAGE_ID``'s compute (the stage still publishes)."""
     return ((debug_mask >> STAGE_ID) & 1) == 0
@@ -122,10 +132,7 @@ def wait_flags(flags_ptr, lo, hi, tag, ctl_ptr, deadline, layer,
         blocked = nxt < pos + MAXW
         pos = tl.minimum(nxt, hi)
         abort_tag = tl.load(ctl_ptr + CTL_ABORT, volatile=True)
-        if TIMER == 0:
-            elapsed = spins
-        else:
-            elapsed = read_timer(TIMER) - t0
+        elapsed = _elapsed(t0, spins, TIMER)
         spins += 1
         # Each thread read the abort word and the clock itself; a reduction makes the decision the same for all
         # threads of the workgroup (a split decision would diverge around the barriers of the next poll).
@@ -153,10 +160,7 @@ def wait_count(cnt_ptr, need, tag, ctl_ptr, deadline, layer, STAGE_ID: tl.conste
     while state == 0:
         seen = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         abort_tag = tl.load(ctl_ptr + CTL_ABORT, volatile=True)
-        if TIMER == 0:
-            elapsed = spins
-        else:
-            elapsed = read_timer(TIMER) - t0
+        elapsed = _elapsed(t0, spins, TIMER)
         spins += 1
         # One decision for the whole workgroup (see wait_flags).
         sig = tl.max(tl.where(lanes + seen >= need, 3, tl.where(lanes + abort_tag == tag, 2,
