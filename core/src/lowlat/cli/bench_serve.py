@@ -89,8 +89,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 @one_line_errors("bench serve")
 def run(args: argparse.Namespace) -> int:
     """Run ``lowlat bench serve``; prints the markdown table. Returns 0 (2 after one error line)."""
-    import datetime
-
+    from lowlat.bench.harness import default_out_dir
     from lowlat.bench.serve_bench import run_serve_bench
 
     try:
@@ -99,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise RuntimeError("lowlat bench serve needs httpx: pip install 'lowlat[serve,bench]' (from a lowlat "
                            "checkout's root: pip install -e 'core[serve,bench]')") from None
     cfg = config_from_args(args)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or args.name or f"lowlat-bench-serve-{stamp}")
+    out = Path(args.out) if args.out else default_out_dir(args.name, "lowlat-bench-serve")
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
