@@ -43,16 +43,16 @@ M = [  # (name, file, original text, mutated text)
      'tl.atomic_add(cnt_ptr, 2, mask=keep, sem="release", scope="gpu")'),
     ("publish never counts", S, "    if COUNT:\n        tl.atomic_add(cnt_ptr, 1,",
      "    if False:\n        tl.atomic_add(cnt_ptr, 1,"),
-    ("counters never reset", E, "tl.store(cnt_ptr + j * CNT_STRIDE, tl.zeros([N_CNT], tl.int32))",
-     "tl.store(cnt_ptr + j * CNT_STRIDE, tl.load(cnt_ptr + j * CNT_STRIDE))"),
-    ("reset misses the last layers", E, "tl.store(cnt_ptr + j * CNT_STRIDE, tl.zeros([N_CNT], tl.int32))",
-     "tl.store(cnt_ptr + j * CNT_STRIDE, tl.zeros([N_CNT], tl.int32), mask=j < N_CNT // 4)"),
+    ("counters never reset", E, "tl.store(cnt_ptr + j * CNT, tl.zeros([N_CNT], tl.int32))",
+     "tl.store(cnt_ptr + j * CNT, tl.load(cnt_ptr + j * CNT))"),
+    ("reset misses the last layers", E, "tl.store(cnt_ptr + j * CNT, tl.zeros([N_CNT], tl.int32))",
+     "tl.store(cnt_ptr + j * CNT, tl.zeros([N_CNT], tl.int32), mask=j < N_CNT // 4)"),
     ("every layer shares layer 0's counters", F, "self.counters[layer * P.NUM_STAGES]", "self.counters[0]"),
-    ("o_proj counted on the combine's counter", K2, "cnt_ptr + _S_OPROJ * _CNT, tag, debug_mask, 4, COUNT)",
-     "cnt_ptr + _S_COMB * _CNT, tag, debug_mask, 4, COUNT)"),
-    ("expert gate/up not counted", MOE, "publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * _CNT, tag, "
+    ("o_proj counted on the combine's counter", K2, "cnt_ptr + _S_OPROJ * CNT, tag, debug_mask, 4, COUNT)",
+     "cnt_ptr + _S_COMB * CNT, tag, debug_mask, 4, COUNT)"),
+    ("expert gate/up not counted", MOE, "publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, "
      "debug_mask, S_ME, COUNT)\n    return alive\n\n\n@triton.jit\ndef expert_down_stage",
-     "publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * _CNT, tag, debug_mask, S_ME, False)\n"
+     "publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, False)\n"
      "    return alive\n\n\n@triton.jit\ndef expert_down_stage"),
     ("host: a counter timeout reported as an item", F, 'if kind == int(KIND_COUNT) else', 'if kind == -1 else'),
 ]

@@ -23,7 +23,7 @@ from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
 from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 from lowlat_amd_mono.kernels.k2_attn_out_mlp import k2_dense_kernel, k2_moe_kernel
 from lowlat_amd_mono.kernels.launch import MonoOptions, StageRunner, is_interpreted
-from lowlat_amd_mono.kernels.sync import CTL_SIZE, KIND_COUNT
+from lowlat_amd_mono.kernels.sync import CNT_STRIDE, CTL_SIZE, KIND_COUNT
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 AllocFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -105,7 +105,7 @@ class MonoForward:
         self.flags = alloc("amd_mono.flags", (dm.layers, P.NUM_STAGES, mi), torch.int32)
         # Stage counters (sync.wait_count): one int32 per (layer, stage), each on its own 128-byte line.
         self.n_counters = P.next_pow2(dm.layers * P.NUM_STAGES)
-        self.counters = alloc("amd_mono.counters", (self.n_counters, P.CNT_STRIDE), torch.int32)
+        self.counters = alloc("amd_mono.counters", (self.n_counters, CNT_STRIDE), torch.int32)
         self.ctl = alloc("amd_mono.ctl", (CTL_SIZE,), torch.int32)
         self.step = alloc("amd_mono.step", (1,), torch.int32)
         for t in (self.flags, self.counters, self.ctl, self.step):
@@ -179,10 +179,11 @@ class MonoForward:
         self._raise_if_new(self.ctl.tolist())
 
     def embed(self, input_ids: torch.Tensor) -> None:
-        """The step's first launch: ``x[:T] = embed[input_ids]`` (int64 ``[T]``), a new step tag, zeroed counters."""
+        """The step's first launch: ``x[:T] = embed[input_ids]`` (int64 ``[T]``), a new step tag, and (with
+        ``stage_counters``) zeroed stage counters."""
         embed_kernel[(input_ids.shape[0],)](input_ids, self.w["embed"], self.x, self.step, self.counters,
                                             H=self.dims.hidden, BH=min(1024, P.next_pow2(self.dims.hidden)),
-                                            N_CNT=self.n_counters, CNT_STRIDE=P.CNT_STRIDE)
+                                            N_CNT=self.n_counters if self.options.stage_counters else 0)
 
     # ----- test and benchmark hooks ---------------------------------------------------------------------------
     def set_debug(self, layer: int, *, skip: tuple[int, ...] = (), never_publish: tuple[int, ...] = ()) -> None:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv_loop, load_w, rnd, row_rstd
-from lowlat_amd_mono.kernels.sync import TAG_WRAP
+from lowlat_amd_mono.kernels.sync import CNT, TAG_WRAP
 
 try:
     from triton.language.extra.cuda import gdc_wait
@@ -25,15 +25,16 @@ _TAG_WRAP = tl.constexpr(TAG_WRAP)
 
 @triton.jit
 def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, cnt_ptr, H: tl.constexpr, BH: tl.constexpr,
-                 N_CNT: tl.constexpr, CNT_STRIDE: tl.constexpr):
-    """``x[t, :] = emb[ids[t], :]`` for program ``t``; program 0 bumps ``step`` and zeroes the ``N_CNT`` stage
-    counters (``cnt[j * CNT_STRIDE]``), so that this step's waits count only this step's items."""
+                 N_CNT: tl.constexpr):
+    """``x[t, :] = emb[ids[t], :]`` for program ``t``; program 0 bumps ``step`` and, when ``N_CNT`` > 0 (stage
+    counters on), zeroes the ``N_CNT`` counters ``cnt[j * CNT]``, so this step's waits count only its items."""
     t = tl.program_id(0)
     if t == 0:
         s = tl.load(step_ptr) + 1
         tl.store(step_ptr, tl.where(s >= _TAG_WRAP, 1, s))
-        j = tl.arange(0, N_CNT)
-        tl.store(cnt_ptr + j * CNT_STRIDE, tl.zeros([N_CNT], tl.int32))
+        if N_CNT > 0:
+            j = tl.arange(0, N_CNT)
+            tl.store(cnt_ptr + j * CNT, tl.zeros([N_CNT], tl.int32))
     tok = tl.load(ids_ptr + t).to(tl.int64)
     for h in range(0, H, BH):
         cols = h + tl.arange(0, BH)

@@ -19,7 +19,7 @@ import triton.language as tl
 from lowlat_amd_mono.kernels.attention import attention_item, combine_item
 from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv2_loop, gemv_loop, l2_prefetch, load_w, rnd, row_rstd
 from lowlat_amd_mono.kernels.moe import expert_down_stage, expert_up_stage, router_stage
-from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_all_if, wait_if
+from lowlat_amd_mono.kernels.sync import CNT, publish, stage_runs, wait_all_if, wait_if
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -33,7 +33,6 @@ _S_MLP1 = tl.constexpr(5)
 _S_MLP2 = tl.constexpr(6)
 _S_MLP3 = tl.constexpr(7)
 # Step-varying ints are not specialized (Triton would otherwise compile a variant for the value 1).
-_CNT = tl.constexpr(32)  # int32s between two stages' counters (one 128-byte line each)
 _RUNTIME_INTS = ["T", "B", "NSPLIT", "layer", "deadline", "debug_mask"]
 
 
@@ -60,7 +59,7 @@ def _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_
                 if stage_runs(debug_mask, 3):
                     combine_item(i, op_ptr, ml_ptr, ao_ptr, NSPLIT, HQ, HKV, D, TPR, M_ATT, NSPLIT_MAX, DT, INTERP,
                                  XC)
-                publish(flags_ptr + _S_COMB * MAX_ITEMS + i, cnt_ptr + _S_COMB * _CNT, tag, debug_mask, 3, COUNT)
+                publish(flags_ptr + _S_COMB * MAX_ITEMS + i, cnt_ptr + _S_COMB * CNT, tag, debug_mask, 3, COUNT)
     return alive
 
 
@@ -77,7 +76,7 @@ def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_pt
         w0 = load_w(wo_ptr, i * BN, H, KO, 0, KO, BN, BK, DT, INTERP)
         l2_prefetch(wo_ptr, i * BN, H, KO, BK, KO, PF_BYTES, BN, PF_L2)
         if i == pid:  # later items of this program need the same flags
-            alive = wait_all_if(alive, flags_ptr + _S_COMB * MAX_ITEMS, cnt_ptr + _S_COMB * _CNT, B * HKV, tag,
+            alive = wait_all_if(alive, flags_ptr + _S_COMB * MAX_ITEMS, cnt_ptr + _S_COMB * CNT, B * HKV, tag,
                                 ctl_ptr, deadline, layer, 4, 3, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
             if stage_runs(debug_mask, 4):
@@ -92,7 +91,7 @@ def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_pt
                 x = tl.load(x_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0).to(tl.float32)
                 xm = rnd(x + rnd(acc, DT, INTERP), DT, INTERP)
                 tl.store(xmid_ptr + r[:, None] * H + n[None, :], xm.to(DT), mask=m)
-            publish(flags_ptr + _S_OPROJ * MAX_ITEMS + i, cnt_ptr + _S_OPROJ * _CNT, tag, debug_mask, 4, COUNT)
+            publish(flags_ptr + _S_OPROJ * MAX_ITEMS + i, cnt_ptr + _S_OPROJ * CNT, tag, debug_mask, 4, COUNT)
     return alive
 
 
@@ -114,7 +113,7 @@ def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, ep
             l2_prefetch(wgu_ptr, i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
             l2_prefetch(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
             if i == pid:
-                alive = wait_all_if(alive, flags_ptr + _S_OPROJ * MAX_ITEMS, cnt_ptr + _S_OPROJ * _CNT, N_OPROJ, tag,
+                alive = wait_all_if(alive, flags_ptr + _S_OPROJ * MAX_ITEMS, cnt_ptr + _S_OPROJ * CNT, N_OPROJ, tag,
                                     ctl_ptr, deadline, layer, 5, 4, MAXW, TIMER, PERSISTENT, COUNT)
                 rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK_GU, XC)
             if alive != 0:
@@ -133,13 +132,13 @@ def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, ep
                     n = i * BN_GU + tl.arange(0, BN_GU)
                     tl.store(act_ptr + r[:, None] * INTER + n[None, :], act.to(DT),
                              mask=(r[:, None] < T) & (n[None, :] < INTER))
-                publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, cnt_ptr + _S_MLP1 * _CNT, tag, debug_mask, 5, COUNT)
+                publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, cnt_ptr + _S_MLP1 * CNT, tag, debug_mask, 5, COUNT)
     if PERSISTENT or STAGE == 6:
         for i in range(pid, (H + BN_D - 1) // BN_D, nprog):
             w0 = load_w(wdn_ptr, i * BN_D, H, INTER, 0, INTER, BN_D, BK_D, DT, INTERP)
             l2_prefetch(wdn_ptr, i * BN_D, H, INTER, BK_D, INTER, PF_BYTES, BN_D, PF_L2)
             if i == pid:
-                alive = wait_all_if(alive, flags_ptr + _S_MLP1 * MAX_ITEMS, cnt_ptr + _S_MLP1 * _CNT, NT_GU, tag,
+                alive = wait_all_if(alive, flags_ptr + _S_MLP1 * MAX_ITEMS, cnt_ptr + _S_MLP1 * CNT, NT_GU, tag,
                                     ctl_ptr, deadline, layer, 6, 5, MAXW, TIMER, PERSISTENT, COUNT)
             if alive != 0:
                 if stage_runs(debug_mask, 6):

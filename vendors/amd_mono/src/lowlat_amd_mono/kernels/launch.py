@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lowlat_amd_mono.kernels.gemv import PREFETCH_ACT
 from lowlat_amd_mono.kernels.residency import Occupancy, check_grid, kernel_occupancy
 from lowlat_amd_mono.kernels.sync import TIMER_CUDA, TIMER_HIP, TIMER_SPIN
 
@@ -113,8 +114,6 @@ class MonoOptions:
             except (KeyError, ValueError):
                 raise ValueError(f"amd_mono option {f.name}={raw!r} does not parse as {f.type}") from None
         opts = cls(**vals)
-        from lowlat_amd_mono.kernels.gemv import PREFETCH_ACT
-
         if opts.gemv_prefetch != bool(PREFETCH_ACT.value):
             raise ValueError(f"amd_mono_gemv_prefetch={opts.gemv_prefetch} but the kernels were imported with "
                              f"LOWLAT_MONO_GEMV_PREFETCH={int(bool(PREFETCH_ACT.value))}: the switch is process-wide; "

@@ -18,9 +18,7 @@ import triton
 import triton.language as tl
 
 from lowlat_amd_mono.kernels.gemv import as_operand, gemv2_loop, gemv_loop, load_a, load_w, rnd, row_rstd
-from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_all_if
-
-_CNT = tl.constexpr(32)  # int32s between two stages' counters (as in k2_attn_out_mlp)
+from lowlat_amd_mono.kernels.sync import CNT, publish, stage_runs, wait_all_if
 
 
 @triton.jit
@@ -75,7 +73,7 @@ def router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xm
     rstd = tl.zeros([BM], tl.float32)
     for i in range(pid, (E + BN - 1) // BN, nprog):
         if i == pid:
-            alive = wait_all_if(alive, flags_ptr + S_WAIT * MAX_ITEMS, cnt_ptr + S_WAIT * _CNT, N_WAIT, tag, ctl_ptr,
+            alive = wait_all_if(alive, flags_ptr + S_WAIT * MAX_ITEMS, cnt_ptr + S_WAIT * CNT, N_WAIT, tag, ctl_ptr,
                                 deadline, layer, S_ME, S_WAIT, MAXW, TIMER, PERSISTENT, COUNT)
             rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
         if alive != 0:
@@ -86,7 +84,7 @@ def router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xm
                 n = i * BN + tl.arange(0, BN)
                 tl.store(rl_ptr + r[:, None] * E + n[None, :], rnd(acc, DT, INTERP),
                          mask=(r[:, None] < T) & (n[None, :] < E))
-            publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * _CNT, tag, debug_mask, S_ME, COUNT)
+            publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, COUNT)
     return alive
 
 
@@ -112,7 +110,7 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
         u = i // NT
         nt = i % NT
         if i == pid:  # routing and the rows' norm, once per program
-            alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * _CNT, N_ROUTER, tag,
+            alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * CNT, N_ROUTER, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT, COUNT)
             w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
             rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
@@ -133,7 +131,7 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
                     n = nt * BN + tl.arange(0, BN)
                     dst = actm_ptr + u * (8 * IM) + r[:, None] * IM + n[None, :]
                     tl.store(dst, act.to(DT), mask=(r[:, None] < T) & (n[None, :] < IM))
-                publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * _CNT, tag, debug_mask, S_ME, COUNT)
+                publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, COUNT)
     return alive
 
 
@@ -158,10 +156,10 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
     r = tl.arange(0, BM)
     for i in range(pid, (H + BN - 1) // BN, nprog):
         if i == pid:
-            alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * _CNT, N_ROUTER, tag,
+            alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * CNT, N_ROUTER, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT, COUNT)
             w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
-            alive = wait_all_if(alive, flags_ptr + S_UP * MAX_ITEMS, cnt_ptr + S_UP * _CNT, n_unique * NT_UP, tag,
+            alive = wait_all_if(alive, flags_ptr + S_UP * MAX_ITEMS, cnt_ptr + S_UP * CNT, n_unique * NT_UP, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_UP, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
             out = tl.zeros([BM, BN], tl.float32)

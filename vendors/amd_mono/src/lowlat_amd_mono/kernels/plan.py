@@ -19,7 +19,6 @@ BM = 16  # rows of every tl.dot (rows >= T are masked)
 # Stage ids: the index of a stage's flags in flags[layer, stage, item] and the error record's stage field.
 S_QKV, S_ROPE, S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2, S_MLP3 = range(8)
 NUM_STAGES = 8
-CNT_STRIDE = 32  # int32s between two stage counters: one 128-byte line each (sync.wait_count)
 STAGE_NAMES_DENSE = {
     S_QKV: "k1.qkv_proj", S_ROPE: "k1.qk_norm_rope_kv_write", S_ATTN: "k2.attention", S_COMB: "k2.attention_combine",
     S_OPROJ: "k2.o_proj_residual", S_MLP1: "k2.gate_up_silu", S_MLP2: "k2.down_residual",

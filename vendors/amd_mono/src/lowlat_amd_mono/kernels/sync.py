@@ -46,6 +46,8 @@ TIMER_CUDA = 1  # %globaltimer, nanoseconds
 TIMER_HIP = 2  # s_memrealtime, 100 MHz on gfx942/gfx950
 
 TAG_WRAP = 1 << 30  # the step tag cycles through 1 .. TAG_WRAP - 1; 0 means "never published"
+CNT_STRIDE = 32  # int32s between two stage counters (wait_count): one 128-byte line each
+CNT = tl.constexpr(CNT_STRIDE)
 
 
 @triton.jit
