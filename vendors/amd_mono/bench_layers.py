@@ -127,8 +127,9 @@ class LayerBench:
         fwd.check_errors()
         return (full - graph_median_us(embed)) / self.cfg.num_hidden_layers
 
-    def floor_us(self, fwd: MonoForward, stages: tuple[int, ...]) -> float:
-        """Per-layer time with every stage's compute skipped: launches, waits and publishes alone."""
+    def skipped_us(self, fwd: MonoForward, stages: tuple[int, ...]) -> float:
+        """Per-layer time with ``stages``' compute skipped in every layer (they still publish); all of them: the
+        launches, waits and publishes alone."""
         for i in range(self.cfg.num_hidden_layers):
             fwd.set_debug(i, skip=stages)
         us = self.mono_layer_us(fwd)
@@ -192,24 +193,20 @@ def main(argv: list[str] | None = None) -> int:
             fwd = lb.mono()
             full = lb.mono_layer_us(fwd)
             row(f"amd_mono persistent (pdl={fwd.options.pdl})", full)
+            stages = P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES)
             if not args.no_skips:
-                for st in P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES):
-                    for i in range(lb.cfg.num_hidden_layers):
-                        fwd.set_debug(i, skip=(st,))
-                    us = lb.mono_layer_us(fwd)
+                for st in stages:
+                    us = lb.skipped_us(fwd, (st,))
                     row(f"  skip {fwd.stage_name(0, st)} (saves {full - us:+.1f})", us)
-                for i in range(lb.cfg.num_hidden_layers):
-                    fwd.set_debug(i)
             if args.overlaps:
                 row("  PDL off (cooperative launch)", lb.mono_layer_us(lb.mono(amd_mono_pdl=False)))
                 row("  L2 prefetch off", lb.mono_layer_us(lb.mono(amd_mono_l2_prefetch_bytes=0)))
             if args.staged:
                 row("  stage per launch", lb.mono_layer_us(lb.mono(amd_mono_staged=True)))
-            stages = P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES)
 
             def sync_floor(f: MonoForward, label: str, lb: LayerBench = lb, stages: tuple = stages) -> None:
                 if args.sync_floor:
-                    row(f"  {label}, every stage skipped", lb.floor_us(f, stages))
+                    row(f"  {label}, every stage skipped", lb.skipped_us(f, stages))
 
             sync_floor(fwd, "defaults")
             for spec in filter(None, (v.strip() for v in args.variants.split(";"))):
