@@ -50,6 +50,8 @@ def test_files_and_metadata(bench_run):
     assert results["copy_bandwidth"]["gb_per_s"] > 0 and results["copy_bandwidth_end"]["gb_per_s"] > 0
     assert results["paths"] == ["general", "no_such_plugin", "hf"]
     assert "CPU figures" in md and "| tiny-qwen3-moe | general | verify b=1 x3 |" in md
+    # what a verify row's tok/s/req counts
+    assert "tok/s/req of a verify row counts all k+1 verified tokens per request, rejected drafts included" in md
 
 
 def test_every_row_is_there_and_general_rows_are_measured(bench_run):

@@ -69,6 +69,15 @@ def skipped(results: dict[str, Any]) -> list[str]:
     return [f"{m} {p} ({', '.join(steps)}): {reason}" for (m, p, reason), steps in groups.items()]
 
 
+def verify_note(results: dict[str, Any]) -> str | None:
+    """What tok/s/req counts in a verify row (every verified token), when the results hold one; else None."""
+    if not any(r["mode"] == "VERIFY" for r in results["rows"]):
+        return None
+    return ("tok/s/req of a verify row counts all k+1 verified tokens per request, rejected drafts included: the "
+            "bound when every draft is accepted, not the tokens a request gains per second (the mean acceptance "
+            "length, the token after the kept drafts included, x 1000 / median ms)")
+
+
 def per_layer_notes(results: dict[str, Any]) -> list[str]:
     """"model path (steps): why" for measured rows without a per-layer figure whose second depth was measured
     (a slope <= 0 or within the noise; ``harness.per_layer_slope``), rows sharing a model, path and reason grouped."""
@@ -109,6 +118,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(HEADERS) - 3)) + "|")
     for cells in table_rows(results):
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    note = verify_note(results)
+    if note:
+        lines += ["", f"Note: {note}."]
     layer = per_layer_notes(results)
     if layer:
         lines += ["", "No per-layer figure (us/layer -):", ""] + [f"- {n}" for n in layer]
@@ -120,7 +132,7 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def print_table(results: dict[str, Any]) -> None:
     """Print the figures with rich as two tables (latency; roofline, per-layer and ratios), header lines above, the
-    notes (rows without a per-layer figure) and the skipped rows' reasons
+    notes (what a verify row's tok/s/req counts, rows without a per-layer figure) and the skipped rows' reasons
     below. Output that is not a terminal gets 160 columns, so tables are not squeezed."""
     from rich.console import Console
     from rich.table import Table
@@ -141,6 +153,9 @@ def print_table(results: dict[str, Any]) -> None:
         for row in cells:
             table.add_row(*(row[i] for i in cols))
         console.print(table)
+    note = verify_note(results)
+    if note:
+        console.print(Text(note))
     for n in per_layer_notes(results):
         console.print(Text(f"us/layer -: {n}", style="dim"))
     for n in skipped(results):
