@@ -50,7 +50,9 @@ def test_files_and_metadata(bench_run):
     assert results["copy_bandwidth"]["gb_per_s"] > 0 and results["copy_bandwidth_end"]["gb_per_s"] > 0
     assert results["paths"] == ["general", "no_such_plugin", "hf"]
     assert "CPU figures" in md and "| tiny-qwen3-moe | general | verify b=1 x3 |" in md
-    # what a verify row's tok/s/req counts
+    # the dtype it ran, and that lowlat run's CPU default differs; what a verify row's tok/s/req counts
+    assert results["settings"]["dtype"] == "bfloat16"
+    assert "dtype bfloat16 (weights, activations, KV; not lowlat run's CPU default, float32" in md
     assert "tok/s/req of a verify row counts all k+1 verified tokens per request, rejected drafts included" in md
 
 
@@ -169,6 +171,13 @@ def test_bad_flags_are_one_error_line(capsys, monkeypatch, tmp_path, argv, msg):
     assert main(["bench", "--device", "cpu", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err
+
+
+def test_help_names_the_dtype_and_lowlat_runs_cpu_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "bfloat16 (bf16, the default on a CPU too" in text and "float32 on a CPU" in text
 
 
 def test_cpu_and_gpu_defaults():

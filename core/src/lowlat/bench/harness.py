@@ -204,7 +204,7 @@ def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[st
     Raises:
         ValueError / ConfigError: bad configuration (unknown preset, CUDA asked for but absent).
     """
-    from lowlat.bench.report import render_markdown
+    from lowlat.bench.report import dtype_line, render_markdown
 
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
@@ -215,6 +215,7 @@ def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[st
     if device.type == "cpu":
         results["meta"]["note"] = CPU_NOTE
         log(f"[bench] {CPU_NOTE}")
+    log(f"[bench] {dtype_line(cfg.dtype, device.type == 'cpu')}")
     bw = copy_bandwidth(device, cfg.copy_bytes, cfg.copy_reps)
     log(f"[bench] copy bandwidth {bw.gb_per_s:.1f} GB/s ({cfg.copy_bytes / 2**20:.0f} MiB copied, read + write, "
         f"median of {cfg.copy_reps})")

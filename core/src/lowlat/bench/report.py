@@ -89,6 +89,15 @@ def per_layer_notes(results: dict[str, Any]) -> list[str]:
     return [f"{m} {p} ({', '.join(steps)}): {note}" for (m, p, note), steps in groups.items()]
 
 
+def dtype_line(dtype: str, cpu: bool) -> str:
+    """"dtype D (weights, activations, KV)"; on a CPU, when D is not float32, also that it is not what
+    ``lowlat run`` computes in there (its ``--dtype auto`` is float32 on a CPU; the bench keeps bfloat16)."""
+    if cpu and dtype != "float32":
+        return (f"dtype {dtype} (weights, activations, KV; not lowlat run's CPU default, float32: --dtype float32 "
+                "measures that)")
+    return f"dtype {dtype} (weights, activations, KV)"
+
+
 def header_lines(results: dict[str, Any]) -> list[str]:
     """What ran where: device, commit, versions, bandwidth, settings, and the CPU note when it applies."""
     m, s = results["meta"], results["settings"]
@@ -100,7 +109,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"triton {m.get('triton') or '-'}, transformers {m.get('transformers') or '-'}.",
         f"Copy bandwidth (device-to-device, read + write, median of {s.get('copy_reps')}): "
         f"{_f(bw.get('gb_per_s'), 1)} GB/s at the start, {_f(bw_end.get('gb_per_s'), 1)} GB/s at the end.",
-        f"Context {s['context']} tokens per request, {s['dtype']}, {s['input_sets']} input sets rotated, "
+        f"Context {s['context']} tokens per request, {dtype_line(s['dtype'], m.get('figures') == 'cpu')}, "
+        f"{s['input_sets']} input sets rotated, "
         f"{s['warmup']} warm-up + 2 x {s['iters']} timed steps per row; per-layer figures from the slope between "
         + ", ".join(f"{' and '.join(map(str, v['depths']))} layers ({k})" for k, v in results["models"].items())
         + ".",
