@@ -211,3 +211,23 @@ def test_cpu_run_is_quiet_truthful_and_writes_into_the_current_directory(tmp_pat
     made = [d.name for d in tmp_path.iterdir()]
     assert len(made) == 1 and made[0].startswith("lowlat-bench-"), made
     assert (tmp_path / made[0] / "results.json").is_file()
+
+
+def test_readme_bench_examples_say_where_they_run():
+    """Every `lowlat bench` example of the README runs on a CPU (--device cpu) or its comment says it needs a GPU."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    examples = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("lowlat bench ") and not line.startswith("lowlat bench serve"):
+                comment = [line.partition("#")[2]]
+                comment += [x.strip().lstrip("#") for x in lines[i + 1:] if x.startswith(" ") and x.strip()[:1] == "#"]
+                examples.append((line.partition("#")[0], " ".join(comment)))
+    assert len(examples) >= 3, examples
+    for command, comment in examples:
+        assert "--device cpu" in command or "(GPU" in comment, (command, comment)
+    variants = next(c for cmd, c in examples if "general-compiled" in cmd)
+    assert "On a CPU" in variants and "hf is skipped" in variants
