@@ -173,7 +173,7 @@ def per_layer_slope(m: Measurement, m2: Measurement, full: int, second: int) -> 
     spread = max(abs(m.repeat.median - m.step.median), abs(m2.repeat.median - m2.step.median))
     if slope <= 0:
         return slope, (f"no per-layer figure: the slope between L={full} and L={second} is {slope:.1f} us/layer, "
-                       "not positive (the step time is noise, not a layer's cost)")
+                       "not positive (the difference between the depths is timing noise, not a layer's cost)")
     if diff <= spread:
         return slope, (f"no per-layer figure: the L={full} and L={second} medians differ by {diff:.4f} ms, within "
                        f"the run-to-run spread ({spread:.4f} ms, first timed run against the repeat)")
