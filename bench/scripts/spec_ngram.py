@@ -21,13 +21,15 @@ speculative output is checked equal to plain decoding's (``same``: requests with
 near-ties may flip at batch > 1, see bench/scripts/spec_identity.py).
 
 Per (path, workload, batch), from one plain engine (the default loop: overlapped on CUDA) and one n-gram engine
-(``lowlat run --speculative ngram``'s defaults: adaptive off-switch on), each warmed up first:
+(``lowlat run --speculative ngram``'s defaults: adaptive off-switch enabled), each warmed up first:
 
-- per-request decode tok/s of each (``Completion.decode_tokens_per_s``, mean) and their ratio, the speed-up;
+- per-request decode tok/s of each (``Completion.decode_tokens_per_s``, mean: output tokens, rejected drafts not
+  counted) and their ratio, the speed-up;
 - acceptance length (tokens appended per request per VERIFY step, the token after the drafts included) and
   tokens/step (per request over every decoding step, VERIFY and DECODE: what the speed-up is made of);
 - drafting: host seconds in ``NgramDrafter.propose`` per VERIFY step (``SpecStats.draft_s``) and its share of a
-  speculative step (drafting + VERIFY).
+  speculative step (drafting + VERIFY);
+- auto-off at end: whether the adaptive off-switch had turned speculation off ("triggered") when the run ended.
 
 Prints the markdown table; exits 1 when a path fails to run.
 """
@@ -47,7 +49,7 @@ from lowlat.runtime.speculative.ngram import lookup
 
 HEADERS = ("path", "workload", "batch", "copyable", "plain tok/s/req", "ngram tok/s/req", "speed-up",
            "accept len", "tokens/step", "VERIFY/DECODE steps", "drafting us/step", "drafting % of step", "same",
-           "off-switch")
+           "auto-off at end")
 
 
 def copyable(prompt: list[int], out: list[int], n: int, window: int) -> float:
@@ -118,11 +120,20 @@ def run_path(path: str, args: argparse.Namespace, workloads: dict[str, list[list
     return rows, workloads
 
 
+def off_switch(c: dict[str, Any]) -> str:
+    """The adaptive off-switch's state at the end of the run: "not triggered" (speculating) or "triggered" (plain
+    DECODE steps), with its switches; "-" without a controller (``--no-spec-adaptive``)."""
+    if "on" not in c:
+        return "-"
+    return ("not triggered" if c["on"] else "triggered") + (f", {c['switches']} switches" if c.get("switches") else "")
+
+
 def render(rows: list[dict[str, Any]]) -> str:
+    """The markdown table; tok/s/req are each request's own output tokens per second (kept tokens only: rejected
+    drafts are not counted), the mean over the batch's requests."""
     out = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for r in rows:
-        c = r["controller"]
-        sw = ("on" if c.get("on") else "off") + (f", {c['switches']} switches" if c.get("switches") else "")
+        sw = off_switch(r["controller"])
         out.append("| " + " | ".join([
             r["path"], r["workload"], str(r["batch"]), f"{100 * r['copyable']:.0f}%", f"{r['plain_tok_s']:.1f}",
             f"{r['ngram_tok_s']:.1f}", f"{r['speedup']:.2f}x", f"{r['acceptance_length']:.2f}",
@@ -162,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"path {path} failed: {type(e).__name__}: {e}", flush=True)
     print(f"n-gram drafter, k={args.k}, {args.model} {args.dtype} on {args.device}: prompts = {args.seed_len} random "
           f"ids (+ the model's own {args.warmup_tokens} greedy tokens for 'copy'), {args.new_tokens} measured "
-          f"tokens per request; random weights: the text is the model's own greedy output")
+          f"tokens per request; random weights: the text is the model's own greedy output; tok/s/req: per request "
+          f"(mean over the batch), output tokens only, rejected drafts not counted; auto-off at end: whether the "
+          f"adaptive off-switch had turned speculation off (triggered) when the run ended")
     print(render(rows))
     print(f"({time.monotonic() - t0:.0f} s)")
     if args.json:

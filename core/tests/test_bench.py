@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from lowlat.bench.config import BenchConfig, Shape
+from lowlat.bench.measure import Measurement
 from lowlat.bench.roofline import step_bytes
+from lowlat.bench.timing import summarize
 from lowlat.cli import main
 from lowlat.forward_batch import ForwardMode
 from lowlat.loader.presets import get_preset
@@ -48,6 +50,10 @@ def test_files_and_metadata(bench_run):
     assert results["copy_bandwidth"]["gb_per_s"] > 0 and results["copy_bandwidth_end"]["gb_per_s"] > 0
     assert results["paths"] == ["general", "no_such_plugin", "hf"]
     assert "CPU figures" in md and "| tiny-qwen3-moe | general | verify b=1 x3 |" in md
+    # the dtype it ran, and that lowlat run's CPU default differs; what a verify row's tok/s/req counts
+    assert results["settings"]["dtype"] == "bfloat16"
+    assert "dtype bfloat16 (weights, activations, KV; not lowlat run's CPU default, float32" in md
+    assert "tok/s/req of a verify row counts all k+1 verified tokens per request, rejected drafts included" in md
 
 
 def test_every_row_is_there_and_general_rows_are_measured(bench_run):
@@ -63,9 +69,50 @@ def test_every_row_is_there_and_general_rows_are_measured(bench_run):
         assert r["pct_of_roofline"] == pytest.approx(100 * r["roofline_ms"] / s["median"])
         assert r["speedup_vs_general"] == pytest.approx(1.0) and r["speedup_vs_hf"] is None
         assert r["layers"] == 2 and r["second_depth"] == 1 and r["second_depth_ms"]["n"] == 2
-        assert r["per_layer_us"] == pytest.approx(1e3 * (s["median"] - r["second_depth_ms"]["median"]))
+        slope = 1e3 * (s["median"] - r["second_depth_ms"]["median"])  # us per layer: 2 layers against 1
+        assert r["per_layer_slope_us"] == pytest.approx(slope)
+        if r["per_layer_us"] is None:  # CPU timings: the slope may be <= 0 or within the noise; the note says so
+            assert r["per_layer_note"].startswith("no per-layer figure") and r["pct_of_layer_roofline"] is None
+        else:
+            assert r["per_layer_us"] == pytest.approx(slope) and slope > 0 and r["per_layer_note"] is None
         assert r["launches"]["2"] > r["launches"]["1"] > 0 and "aten" in r["launches_how"]
         assert r["launches_per_layer"] == r["launches"]["2"] - r["launches"]["1"]
+
+
+def _measurement(median: float, repeat: float) -> Measurement:
+    return Measurement(step=summarize([median] * 3), repeat=summarize([repeat] * 3), ran_on="general")
+
+
+@pytest.mark.parametrize("full_ms, second_ms, figure, why", [
+    ((2.0, 2.0), (1.0, 1.0), 1000.0, None),  # 1 ms more for the second layer: 1000 us/layer
+    ((1.0, 1.0), (1.2, 1.2), None, "is -200.0 us/layer, not positive"),  # the shallower model timed slower
+    ((1.0, 1.0), (1.0, 1.0), None, "is 0.0 us/layer, not positive"),
+    ((1.10, 1.30), (1.0, 1.0), None, "differ by 0.1000 ms, within the run-to-run spread (0.2000 ms"),
+])
+def test_per_layer_figure_only_for_a_positive_slope_above_the_noise(bench_run, full_ms, second_ms, figure, why):
+    from lowlat.bench.harness import _row
+    from lowlat.bench.report import HEADERS, render_markdown, table_rows
+
+    _, results, _ = bench_run
+    cfg = BenchConfig.with_defaults("cpu")
+    roof = {"roofline_bytes": None, "roofline_ms": 0.5, "layer_roofline_us": 100.0, "experts_touched_mean": None,
+            "roofline_note": None}
+    row = _row(cfg, "tiny-llama", "general", Shape(ForwardMode.DECODE, 1, 1), 2, 1, _measurement(*full_ms),
+               _measurement(*second_ms), roof)
+    assert row["per_layer_slope_us"] == pytest.approx(1e3 * (full_ms[0] - second_ms[0]))
+    if figure is not None:
+        assert row["per_layer_us"] == pytest.approx(figure) and row["per_layer_note"] is None
+        assert row["pct_of_layer_roofline"] == pytest.approx(10.0)
+        return
+    assert row["per_layer_us"] is None and row["pct_of_layer_roofline"] is None
+    assert row["per_layer_note"].startswith("no per-layer figure: ") and why in row["per_layer_note"]
+    # the tables print "-" for it (never a negative number) and the reason under the table
+    doctored = {**results, "rows": [{**row, "speedup_vs_general": None, "speedup_vs_hf": None}]}
+    cells = dict(zip(HEADERS, table_rows(doctored)[0]))
+    assert cells["us/layer"] == "-" and cells["layer roofline us"] == "100.0"
+    md = render_markdown(doctored)
+    assert "No per-layer figure (us/layer -):" in md
+    assert f"- tiny-llama general (decode b=1): {row['per_layer_note']}" in md
 
 
 def test_failing_paths_are_skipped_rows_with_reasons(bench_run):
@@ -126,6 +173,13 @@ def test_bad_flags_are_one_error_line(capsys, monkeypatch, tmp_path, argv, msg):
     assert msg in err and "Traceback" not in err
 
 
+def test_help_names_the_dtype_and_lowlat_runs_cpu_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "bfloat16 (bf16, the default on a CPU too" in text and "float32 on a CPU" in text
+
+
 def test_cpu_and_gpu_defaults():
     cpu = BenchConfig.with_defaults("cpu")
     gpu = BenchConfig.with_defaults("cuda")
@@ -157,3 +211,23 @@ def test_cpu_run_is_quiet_truthful_and_writes_into_the_current_directory(tmp_pat
     made = [d.name for d in tmp_path.iterdir()]
     assert len(made) == 1 and made[0].startswith("lowlat-bench-"), made
     assert (tmp_path / made[0] / "results.json").is_file()
+
+
+def test_readme_bench_examples_say_where_they_run():
+    """Every `lowlat bench` example of the README runs on a CPU (--device cpu) or its comment says it needs a GPU."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    examples = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("lowlat bench ") and not line.startswith("lowlat bench serve"):
+                comment = [line.partition("#")[2]]
+                comment += [x.strip().lstrip("#") for x in lines[i + 1:] if x.startswith(" ") and x.strip()[:1] == "#"]
+                examples.append((line.partition("#")[0], " ".join(comment)))
+    assert len(examples) >= 3, examples
+    for command, comment in examples:
+        assert "--device cpu" in command or "(GPU" in comment, (command, comment)
+    variants = next(c for cmd, c in examples if "general-compiled" in cmd)
+    assert "On a CPU" in variants and "hf is skipped" in variants

@@ -42,17 +42,40 @@ def test_plugins_table_and_explain(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "nvidia_mega" in out.stdout and "Qwen3MoeForCausalLM" in out.stdout and "guard here: fail" in out.stdout
     assert "loaded, guards pass here for 0 of 3 architectures" in out.stdout  # no bare "ok" beside failing guards
-    out = lowlat(site, "plugins", "--device", "cpu",
-                 env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
+    interp = {"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"}
+    out = lowlat(site, "plugins", "--device", "cpu", env_extra=interp)
     assert out.returncode == 0, out.stderr
-    # a pass whose dtype requirement was skipped says so (lowlat run may still refuse the plugin on dtype)
-    assert "guard here: pass (not checked without --dtype / --model:" in " ".join(out.stdout.split())
+    # --dtype auto is float32 on a CPU, which nvidia_mega refuses: a fail, as `lowlat run --plugin nvidia_mega` fails
+    text = " ".join(out.stdout.split())
+    assert "guard here: fail (dtype: needs dtype bfloat16; the engine runs float32, what --dtype auto computes in on" \
+           " a CPU (pass --dtype bfloat16))" in text, text
+    out = lowlat(site, "plugins", "--device", "cpu", "--dtype", "bf16", env_extra=interp)
+    assert out.returncode == 0, out.stderr
+    # requirements it could not check (no --model) are "not checked", never a "pass"
+    text = " ".join(out.stdout.split())
+    assert "guard here: pass" not in text
+    assert "guards pass here for 0 of 3 architectures, not fully checked for 3" in text
+    assert "guard here: not checked: model.head_dim, model.attention_bias, model.mlp_bias (no --model given); the " \
+           "checked requirements pass" in text, text
+    out = lowlat(site, "plugins", "--device", "cpu", "--dtype", "bf16", "--model", "tiny-qwen3", env_extra=interp)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert text.count("guard here: pass") == 1 and "(--model is a Qwen3ForCausalLM, not this architecture)" in text
+    out = lowlat(site, "plugins", "--device", "cpu", "--dtype", "bf16", "--json", env_extra=interp)
+    specs = json.loads(out.stdout)["plugins"][0]["specs"]
+    assert {s["guard"] for s in specs} == {"not checked"} and "model.head_dim" in specs[0]["not_checked"]
     out = lowlat(site, "plugins", "--device", "cpu", "--explain", "Qwen3ForCausalLM", "--dtype", "bfloat16",
                  env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr
-    assert "nvidia_mega (lowlat-nvidia-mega" in out.stdout and ": PASS" in out.stdout
+    assert "nvidia_mega (lowlat-nvidia-mega" in out.stdout and ": PASS" not in out.stdout
+    assert ": NOT CHECKED (model.head_dim, model.attention_bias, model.mlp_bias skipped; the checked requirements " \
+           "pass)" in out.stdout
     assert "[pass] platform: cpu (Triton interpreter on)" in out.stdout
     assert "[pass] architecture: Qwen3ForCausalLM" in out.stdout
+    out = lowlat(site, "plugins", "--device", "cpu", "--explain", "Qwen3ForCausalLM", "--dtype", "bfloat16",
+                 "--model", "tiny-qwen3", env_extra=interp)
+    assert out.returncode == 0, out.stderr
+    assert "nvidia_mega (lowlat-nvidia-mega 0" in out.stdout and ": PASS  coverage" in out.stdout, out.stdout
 
 
 def test_unknown_allowlisted_plugin_is_a_clear_cli_error(tmp_path):

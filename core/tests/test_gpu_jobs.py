@@ -82,7 +82,9 @@ def test_spec_ngram_script_runs_on_cpu(tmp_path):
            "--new-tokens", "24", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| path | workload | batch | copyable |" in proc.stdout
+    assert "| path | workload | batch | copyable |" in proc.stdout and "| auto-off at end |" in proc.stdout
+    head = "tok/s/req: per request (mean over the batch), output tokens only, rejected drafts not counted"
+    assert head in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["batch"]) for r in rows] == [("copy", 1), ("copy", 2), ("fresh", 1), ("fresh", 2)]
     for r in rows:
@@ -101,6 +103,9 @@ def test_spec_ngram_copyable_share():
     # after [1 2 3], "1" has no earlier 3 to follow (a miss); every later token continues the period-3 loop
     assert mod.copyable([1, 2, 3], [1, 2, 3, 1, 2, 3], 3, 1024) == pytest.approx(5 / 6)
     assert mod.copyable([1, 2, 3], [4, 5, 6], 3, 1024) == 0.0 and mod.copyable([1], [], 3, 1024) == 0.0
+    # the off-switch column says whether it fired, not a bare "on" / "off"
+    assert mod.off_switch({"on": True, "switches": 0}) == "not triggered"
+    assert mod.off_switch({"on": False, "switches": 1}) == "triggered, 1 switches" and mod.off_switch({}) == "-"
 
 
 def test_serve_job_with_speculation_parses(jobs, monkeypatch):

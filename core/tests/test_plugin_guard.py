@@ -97,3 +97,13 @@ def test_trace_format_lists_every_requirement():
     text = t.format()
     assert text.startswith("p / LlamaForCausalLM: FAIL")
     assert "[fail] platform" in text and "[fail] dtype" in text and "[pass] architecture" in text
+
+
+def test_dtype_auto_without_a_model_is_float32_on_a_cpu_and_unknown_on_a_gpu():
+    # lowlat plugins on a CPU: --dtype auto computes in float32 whatever the model, so a bfloat16-only plugin fails
+    # here as `lowlat run --plugin NAME` would (it said "skip: depends on the model" and the row read as a pass)
+    r = result(evaluate("p", spec(), CPU_INTERP, EngineConfig()), "dtype")
+    assert r.status == "fail" and "the engine runs float32, what --dtype auto computes in on a CPU" in r.reason
+    fp32 = spec(dtypes=frozenset({"float32"}))
+    assert result(evaluate("p", fp32, CPU_INTERP, EngineConfig()), "dtype").status == "pass"
+    assert result(evaluate("p", spec(), H200, EngineConfig()), "dtype").status == "skip"  # the checkpoint's dtype

@@ -149,6 +149,13 @@ def test_compare_reports_identical_tokens_and_speed(install, capsys, monkeypatch
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 0, out
     assert "tokens identical: yes" in out and "decode ms/step: general" in out and "plugin mirror" in out
+    # how many tokens were compared and the tolerance the comparison uses (tokens: none; near-tie: float32's)
+    assert "(5 tokens compared over 1 request; general made 5, plugin mirror 5; greedy, so the tolerance on " \
+           "tokens is none: every one must match)" in out, out
+    assert re.search(r"over matching steps: [0-9.e+-]+ \(5 logits rows compared; reported, not judged\)", out), out
+    assert "near-tie tolerance at a differing token: the general path's logit of its token exceeds that of the " \
+           "plugin's by <= 0.0001 x max(1, max |logit|) (float32: docs/contract.md's per-element bound, " \
+           "rounded)" in out, out
     # under the Triton interpreter the times are Python's, not the kernels': the line says so instead of a ratio
     assert bool(re.search(r"\(\d+\.\d\dx\)", out)) is not interpreted, out
     assert ("no speed ratio: under TRITON_INTERPRET=1" in out) is interpreted, out
@@ -163,6 +170,9 @@ def test_compare_shows_the_near_tie_at_a_divergence(install):
     assert not report.identical and report.first_divergence[0] is not None
     text = "\n".join(report.lines())
     assert "first differing token" in text and "top-2 gap" in text
+    d = report.first_divergence[0]
+    assert report.tokens_compared == d + 1 and f"({d + 1} tokens compared over 1 request;" in text
+    assert report.logit_rows == d + 1  # the step that made the first differing token is compared too
     # the noisy plugin moves logits far beyond float32's near-tie bound (1e-4 x scale): the verdict says so
     assert "NOT a near-tie: general logit[" in text and "> 0.0001 x scale" in text
 

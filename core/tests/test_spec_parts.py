@@ -181,7 +181,10 @@ def test_engine_falls_back_to_decode_when_nothing_is_ever_accepted():
         assert got == want and not c.on and "off" in c.reason
         assert st.decode_steps > 5 * st.verify_steps and st.verify_steps >= 1  # probes only
         summary = "\n".join(e.speculator.summary(e))
-        assert "off-switch: off" in summary
+        # the off-switch's state says what it means: triggered (plain DECODE) or not (speculating)
+        assert "adaptive off-switch (plain DECODE while it measures faster): triggered: plain DECODE steps at the " \
+               "end, speculation off; recent acceptance length" in summary, summary
+        assert "off-switch: off" not in summary and "not triggered" not in summary
         # the run's mean and the off-switch's moving average are two figures: each line says which it is
         assert "mean acceptance length" in summary and "over the run" in summary
         assert re.search(r"recent acceptance length \d\.\d\d \(moving average of the last VERIFY steps\) < "
@@ -214,9 +217,18 @@ def test_run_with_speculation_prints_acceptance(capsys):
     args = _parse(["--device", "cpu", "--max-context-len", "64", "--max-new-tokens", "20", "--prompt", "abcabcabc",
                    "--speculative", "ngram", "--num-draft-tokens", "3", "--plugin", "none"])
     assert run_cli.run(args) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     for word in ("speculative: ngram, k=3", "VERIFY steps", "mean acceptance length", "VERIFY", "tok/s"):
         assert word in out, word
+    # each tok/s figure says what it counts: per request (the table) or the whole batch (the summary)
+    assert "decode tok/s: per request, its tokens after the first over its decode time (rejected drafts not " \
+           "counted)" in out, out
+    assert re.search(r"whole batch \d+\.\d tok/s \(tokens all requests gained: kept drafts, the token after them "
+                     r"and DECODE tokens; rejected drafts not counted\), per request \d+\.\d{3} ms per token", out), out
+    assert "tokens: rows the steps ran (VERIFY: every verified row, rejected drafts included)" in out, out
+    # the off-switch line names its state: triggered or not, never a bare "off-switch: on"
+    assert re.search(r"adaptive off-switch \(plain DECODE while it measures faster\): (not )?triggered: ", out), out
+    assert "off-switch: on" not in out and "off-switch: off" not in out
 
 
 def test_run_json_stats_carry_the_speculative_stats(capsys):

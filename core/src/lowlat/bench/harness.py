@@ -141,8 +141,8 @@ def _row(cfg: BenchConfig, model: str, path: str, shape: Shape, full: int, secon
         tokens_per_s_per_req=shape.tokens_per_req * 1e3 / med, compile_s=m.compile_s,
         pct_of_roofline=100.0 * roof["roofline_ms"] / med if roof["roofline_ms"] else None,
         launches={str(full): m.launches}, launches_how=m.launches_how, launches_error=m.launches_error,
-        second_depth_ms=None, per_layer_us=None, pct_of_layer_roofline=None, launches_per_layer=None,
-        per_layer_note=None,
+        second_depth_ms=None, per_layer_us=None, per_layer_slope_us=None, pct_of_layer_roofline=None,
+        launches_per_layer=None, per_layer_note=None,
     )
     if second is None:
         row["per_layer_note"] = "the model has one decoder layer; no second depth"
@@ -150,14 +150,34 @@ def _row(cfg: BenchConfig, model: str, path: str, shape: Shape, full: int, secon
         row["per_layer_note"] = f"second depth (L={second}) not measured: {m2 or 'not run'}"
     else:
         row["second_depth_ms"] = m2.step.as_dict()
-        per_layer = 1e3 * (med - m2.step.median) / (full - second)
-        row["per_layer_us"] = per_layer
-        if roof["layer_roofline_us"] and per_layer > 0:
-            row["pct_of_layer_roofline"] = 100.0 * roof["layer_roofline_us"] / per_layer
+        slope, note = per_layer_slope(m, m2, full, second)
+        row["per_layer_slope_us"] = slope
+        if note is None:
+            row["per_layer_us"] = slope
+            if roof["layer_roofline_us"]:
+                row["pct_of_layer_roofline"] = 100.0 * roof["layer_roofline_us"] / slope
+        else:
+            row["per_layer_note"] = note
         row["launches"][str(second)] = m2.launches
         if m.launches is not None and m2.launches is not None:
             row["launches_per_layer"] = (m.launches - m2.launches) / (full - second)
     return row
+
+
+def per_layer_slope(m: Measurement, m2: Measurement, full: int, second: int) -> tuple[float, str | None]:
+    """The per-decoder-layer slope in us between the ``full``-layer step ``m`` and the ``second``-layer step
+    ``m2`` (medians), and None, or the reason it is no per-layer figure: a slope <= 0, or a difference between
+    the two medians no larger than the run-to-run spread (first timed run against the repeat, at either depth)."""
+    diff = m.step.median - m2.step.median
+    slope = 1e3 * diff / (full - second)
+    spread = max(abs(m.repeat.median - m.step.median), abs(m2.repeat.median - m2.step.median))
+    if slope <= 0:
+        return slope, (f"no per-layer figure: the slope between L={full} and L={second} is {slope:.1f} us/layer, "
+                       "not positive (the difference between the depths is timing noise, not a layer's cost)")
+    if diff <= spread:
+        return slope, (f"no per-layer figure: the L={full} and L={second} medians differ by {diff:.4f} ms, within "
+                       f"the run-to-run spread ({spread:.4f} ms, first timed run against the repeat)")
+    return slope, None
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -184,7 +204,7 @@ def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[st
     Raises:
         ValueError / ConfigError: bad configuration (unknown preset, CUDA asked for but absent).
     """
-    from lowlat.bench.report import render_markdown
+    from lowlat.bench.report import dtype_line, render_markdown
 
     t_start = time.perf_counter()
     device = resolve_device(cfg.device)
@@ -195,6 +215,7 @@ def run_bench(cfg: BenchConfig, *, out_dir: Path | None = None, command: list[st
     if device.type == "cpu":
         results["meta"]["note"] = CPU_NOTE
         log(f"[bench] {CPU_NOTE}")
+    log(f"[bench] {dtype_line(cfg.dtype, device.type == 'cpu')}")
     bw = copy_bandwidth(device, cfg.copy_bytes, cfg.copy_reps)
     log(f"[bench] copy bandwidth {bw.gb_per_s:.1f} GB/s ({cfg.copy_bytes / 2**20:.0f} MiB copied, read + write, "
         f"median of {cfg.copy_reps})")

@@ -1,7 +1,7 @@
 """Render a results dict (the ``results.json`` of ``lowlat bench``) as a markdown section or a console table.
 
 ``lowlat bench --report results.json`` prints ``render_markdown``: the section docs/benchmarks.md's "Latest H200
-results" is made of (header lines, one table, the skipped rows' reasons).
+results" is made of (header lines, one table, the notes under it, the skipped rows' reasons).
 """
 
 from __future__ import annotations
@@ -69,6 +69,35 @@ def skipped(results: dict[str, Any]) -> list[str]:
     return [f"{m} {p} ({', '.join(steps)}): {reason}" for (m, p, reason), steps in groups.items()]
 
 
+def verify_note(results: dict[str, Any]) -> str | None:
+    """What tok/s/req counts in a verify row (every verified token), when the results hold one; else None."""
+    if not any(r["mode"] == "VERIFY" for r in results["rows"]):
+        return None
+    return ("tok/s/req of a verify row counts all k+1 verified tokens per request, rejected drafts included: the "
+            "bound when every draft is accepted, not the tokens a request gains per second (the mean acceptance "
+            "length, the token after the kept drafts included, x 1000 / median ms)")
+
+
+def per_layer_notes(results: dict[str, Any]) -> list[str]:
+    """"model path (steps): why" for measured rows without a per-layer figure whose second depth was measured
+    (a slope <= 0 or within the noise; ``harness.per_layer_slope``), rows sharing a model, path and reason grouped."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for r in results["rows"]:
+        if r["status"] == "ok" and r.get("per_layer_us") is None and r.get("second_depth_ms") is not None:
+            note = r.get("per_layer_note") or "no per-layer figure"
+            groups.setdefault((r["model"], r["path"], note), []).append(step_label(r))
+    return [f"{m} {p} ({', '.join(steps)}): {note}" for (m, p, note), steps in groups.items()]
+
+
+def dtype_line(dtype: str, cpu: bool) -> str:
+    """"dtype D (weights, activations, KV)"; on a CPU, when D is not float32, also that it is not what
+    ``lowlat run`` computes in there (its ``--dtype auto`` is float32 on a CPU; the bench keeps bfloat16)."""
+    if cpu and dtype != "float32":
+        return (f"dtype {dtype} (weights, activations, KV; not lowlat run's CPU default, float32: --dtype float32 "
+                "measures that)")
+    return f"dtype {dtype} (weights, activations, KV)"
+
+
 def header_lines(results: dict[str, Any]) -> list[str]:
     """What ran where: device, commit, versions, bandwidth, settings, and the CPU note when it applies."""
     m, s = results["meta"], results["settings"]
@@ -80,7 +109,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
         f"triton {m.get('triton') or '-'}, transformers {m.get('transformers') or '-'}.",
         f"Copy bandwidth (device-to-device, read + write, median of {s.get('copy_reps')}): "
         f"{_f(bw.get('gb_per_s'), 1)} GB/s at the start, {_f(bw_end.get('gb_per_s'), 1)} GB/s at the end.",
-        f"Context {s['context']} tokens per request, {s['dtype']}, {s['input_sets']} input sets rotated, "
+        f"Context {s['context']} tokens per request, {dtype_line(s['dtype'], m.get('figures') == 'cpu')}, "
+        f"{s['input_sets']} input sets rotated, "
         f"{s['warmup']} warm-up + 2 x {s['iters']} timed steps per row; per-layer figures from the slope between "
         + ", ".join(f"{' and '.join(map(str, v['depths']))} layers ({k})" for k, v in results["models"].items())
         + ".",
@@ -92,12 +122,18 @@ def header_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """The markdown section: header lines, the table, then the reasons of skipped rows."""
+    """The markdown section: header lines, the table, the notes under it, then the reasons of skipped rows."""
     lines = [*header_lines(results), ""]
     lines.append("| " + " | ".join(HEADERS) + " |")
     lines.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(HEADERS) - 3)) + "|")
     for cells in table_rows(results):
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    note = verify_note(results)
+    if note:
+        lines += ["", f"Note: {note}."]
+    layer = per_layer_notes(results)
+    if layer:
+        lines += ["", "No per-layer figure (us/layer -):", ""] + [f"- {n}" for n in layer]
     notes = skipped(results)
     if notes:
         lines += ["", "Skipped rows:", ""] + [f"- {n}" for n in notes]
@@ -105,8 +141,9 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def print_table(results: dict[str, Any]) -> None:
-    """Print the figures with rich as two tables (latency; roofline, per-layer and ratios), header lines above and
-    the skipped rows' reasons below. Output that is not a terminal gets 160 columns, so tables are not squeezed."""
+    """Print the figures with rich as two tables (latency; roofline, per-layer and ratios), header lines above, the
+    notes (what a verify row's tok/s/req counts, rows without a per-layer figure) and the skipped rows' reasons
+    below. Output that is not a terminal gets 160 columns, so tables are not squeezed."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -126,5 +163,10 @@ def print_table(results: dict[str, Any]) -> None:
         for row in cells:
             table.add_row(*(row[i] for i in cols))
         console.print(table)
+    note = verify_note(results)
+    if note:
+        console.print(Text(note))
+    for n in per_layer_notes(results):
+        console.print(Text(f"us/layer -: {n}", style="dim"))
     for n in skipped(results):
         console.print(Text(f"skipped: {n}", style="dim"))

@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                            "(default 100; CPU 3)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="default auto")
     p.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES), default="bfloat16",
-                   help="bfloat16 (bf16, the default), float16 (fp16, half) or float32 (fp32, float)")
+                   help="weights, activations and KV: bfloat16 (bf16, the default on a CPU too, which the "
+                        "plugins need; lowlat run's --dtype auto computes in float32 on a CPU), float16 (fp16, half) "
+                        "or float32 (fp32, float); the output's header names it")
     p.add_argument("--seed", type=int, default=0, help="weights, token ids and KV contents (default 0)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size (default 16)")
     p.add_argument("--layer-depth", type=int, default=None,

@@ -2,9 +2,11 @@
 
 The two engines run one after the other (the first is closed before the second starts, so a model that
 fills the GPU is never loaded twice). Each records the float32 logits of every sampled row; the report
-says whether the tokens are identical, the largest logit difference over the steps where both runs had
-produced the same tokens so far (after a divergence the inputs differ and logits are not comparable),
-and the decode speed of each side by side (times only, no ratio, under TRITON_INTERPRET=1).
+says whether the tokens are identical (how many were compared: greedy, so every one must match), the
+largest logit difference over the steps where both runs had produced the same tokens so far (after a
+divergence the inputs differ and logits are not comparable; reported, not judged), the near-tie tolerance
+a differing token is classified by, and the decode speed of each side by side (times only, no ratio, under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -45,13 +47,28 @@ class CompareReport:
     first_divergence: list[int | None]  # per request: index of the first differing token, None if identical
     max_abs_logit_diff: float
     interpreted: bool = False  # TRITON_INTERPRET=1: Triton kernels ran in Python, so no speed ratio is printed
+    logit_rows: int = 0  # logits rows (one per sampled token) that max_abs_logit_diff is over
 
+    @property
+    def tokens_compared(self) -> int:
+        """Token positions compared, over all requests: each request's up to and including its first difference."""
+        return sum(len(a) if d is None else d + 1
+                   for a, d in zip(self.general.token_ids, self.first_divergence))
 
     def lines(self) -> list[str]:
-        """Human-readable report lines."""
+        """Human-readable report lines: the verdict with the token counts and the tolerance, divergences, speed."""
         g, p = self.general, self.plugin
-        out = [f"tokens identical: {'yes' if self.identical else 'NO'}",
-               f"largest |logit difference| over matching steps: {self.max_abs_logit_diff:.4g}"]
+        rel = NEAR_TIE_REL.get(g.dtype, 5e-2)
+        dtype = str(g.dtype).removeprefix("torch.")
+        n = len(g.token_ids)
+        out = [f"tokens identical: {'yes' if self.identical else 'NO'} ({self.tokens_compared} tokens compared over "
+               f"{n} request{'s' if n != 1 else ''}; general made {sum(map(len, g.token_ids))}, {p.label} "
+               f"{sum(map(len, p.token_ids))}; greedy, so the tolerance on tokens is none: every one must match)",
+               f"largest |logit difference| over matching steps: {self.max_abs_logit_diff:.4g} ({self.logit_rows} "
+               f"logits rows compared; reported, not judged)",
+               f"near-tie tolerance at a differing token: the general path's logit of its token exceeds that of the "
+               f"plugin's by <= {rel:g} x max(1, max |logit|) ({dtype}: docs/contract.md's per-element bound, "
+               f"rounded); a label only, any differing token exits 1"]
         for i, d in enumerate(self.first_divergence):
             if d is None:
                 continue
@@ -136,7 +153,7 @@ def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareRep
         raise ValueError(f"--plugin {config.plugin} selected no plugin for this model here; see lowlat plugins")
     plugin.label = f"plugin {plugin.plugin}"
     div: list[int | None] = []
-    worst = 0.0
+    worst, rows = 0.0, 0
     for i, (a, b) in enumerate(zip(general.token_ids, plugin.token_ids)):
         d = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if d is None and len(a) != len(b):
@@ -145,4 +162,6 @@ def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareRep
         n = len(a) if d is None else d + 1  # the step that produced the first differing token is comparable
         for la, lb in zip(general.logits.get(i, [])[:n], plugin.logits.get(i, [])[:n]):
             worst = max(worst, float((la - lb).abs().max()))
-    return CompareReport(general, plugin, all(d is None for d in div), div, worst, triton_interpreter_enabled())
+            rows += 1
+    return CompareReport(general, plugin, all(d is None for d in div), div, worst, triton_interpreter_enabled(),
+                         logit_rows=rows)

@@ -51,19 +51,25 @@ def _model(name: str | None) -> ModelConfig | None:
 
 def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None,
             model: ModelConfig | None, architecture: str | None = None) -> dict[str, Any]:
-    """Everything ``lowlat plugins`` shows, as JSON-ready data."""
+    """Everything ``lowlat plugins`` shows, as JSON-ready data.
+
+    Each spec is evaluated for a model of its own architecture: against ``model`` when it is one, else with the
+    model's requirements skipped. A spec's ``guard`` is "pass" (every requirement checked and met), "fail" (one
+    failed) or "not checked" (none failed, ``not_checked`` lists the skipped ones: a pass is not known).
+    """
     plugins = []
     for info in registry.plugins.values():
         specs = []
         for spec in info.specs:
             m = model if model is None or model.architecture == spec.architecture else None
-            trace = evaluate(info.name, spec, platform, engine, m,
-                             architecture=architecture if architecture == spec.architecture else None)
+            trace = evaluate(info.name, spec, platform, engine, m, architecture=spec.architecture)
+            skipped = [r.requirement for r in trace.results if r.status == "skip"]
             specs.append({
                 "architecture": spec.architecture,
                 "coverage": spec.coverage.describe(),
                 "requirements": _requirements(spec),
-                "guard": "pass" if trace.passed else "fail",
+                "guard": "fail" if not trace.passed else "not checked" if skipped else "pass",
+                "not_checked": skipped,
                 "reason": trace.summary(),
                 "trace": _trace(trace),
             })
@@ -71,7 +77,8 @@ def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None
             "name": info.name, "distribution": info.distribution, "version": info.version,
             "core_range": info.core_range or "(any)", "status": info.status, "error": info.error, "specs": specs,
         })
-    return {"core_version": registry.core_version, "platform": platform.describe(), "plugins": plugins}
+    return {"core_version": registry.core_version, "platform": platform.describe(),
+            "model": model.architecture if model is not None else None, "plugins": plugins}
 
 
 def _requirements(spec: Any) -> dict[str, Any]:
@@ -103,7 +110,9 @@ def _explain(report: dict[str, Any], arch: str, as_json: bool) -> int:
         return 0 if rows else 1
     print(f"Requirement trace for {arch} on {report['platform']} (lowlat {report['core_version']})")
     for p, s in rows:
-        print(f"\n{p['name']} ({p['distribution']} {p['version']}): {s['guard'].upper()}  coverage: {s['coverage']}")
+        verdict = s["guard"].upper() + (f" ({', '.join(s['not_checked'])} skipped; the checked requirements pass)"
+                                        if s["guard"] == "not checked" else "")
+        print(f"\n{p['name']} ({p['distribution']} {p['version']}): {verdict}  coverage: {s['coverage']}")
         for r in s["trace"]:
             print(f"  [{r['status']:4}] {r['requirement']}: {r['reason']}")
     for p in broken:
@@ -124,8 +133,10 @@ def _print_table(report: dict[str, Any]) -> None:
         return
     for p in report["plugins"]:
         passing = sum(s["guard"] == "pass" for s in p["specs"])
+        unchecked = sum(s["guard"] == "not checked" for s in p["specs"])
         usable = "[green]" if passing else "[yellow]"
-        status = (f"loaded, {usable}guards pass here for {passing} of {len(p['specs'])} architectures[/]"
+        more = f", not fully checked for {unchecked} (see below)" if unchecked else ""
+        status = (f"loaded, {usable}guards pass here for {passing} of {len(p['specs'])} architectures{more}[/]"
                   if p["status"] == "ok" else f"[red]{p['status']}[/]: {p['error']}")
         console.print(f"\n[bold]{p['name']}[/]  {p['distribution']} {p['version']}  core range {p['core_range']}  "
                       f"{status}")
@@ -134,12 +145,27 @@ def _print_table(report: dict[str, Any]) -> None:
             if s["requirements"] != shown:
                 shown = s["requirements"]
                 console.print(f"  requirements: {_describe_requirements(shown)}")
-            guard = "[green]pass[/]" if s["guard"] == "pass" else f"[yellow]fail[/] ({s['reason']})"
-            skipped = {r["requirement"] for r in s["trace"] if r["status"] == "skip"}
-            if s["guard"] == "pass" and skipped:  # e.g. dtype without --dtype: `lowlat run` may still refuse
-                flags = sorted({"--dtype" if r == "dtype" else "--model" for r in skipped})
-                guard += f" (not checked without {' / '.join(flags)}: {', '.join(sorted(skipped))})"
+            guard = {"pass": "[green]pass[/]", "fail": f"[yellow]fail[/] ({s['reason']})"}.get(s["guard"]) or (
+                f"[yellow]not checked[/]: {_unchecked(s['not_checked'], report.get('model'))}; "
+                "the checked requirements pass")
             console.print(f"  {s['architecture']:<22} {s['coverage']:<40} guard here: {guard}")
+
+
+def _unchecked(names: list[str], model_arch: str | None) -> str:
+    """The skipped requirements and what would check them, e.g. "dtype (give --dtype or --model), model.head_dim
+    (give --model)"; ``model_arch``: the architecture of ``--model`` when one was given."""
+    how: dict[str, list[str]] = {}
+    for name in names:
+        if name == "dtype":
+            hint = "--dtype auto depends on the model: give --dtype or --model"
+        elif model_arch is not None and name.startswith("model."):
+            hint = f"--model is a {model_arch}, not this architecture"
+        elif name.startswith("model."):
+            hint = "no --model given"
+        else:
+            hint = "no engine configuration"
+        how.setdefault(hint, []).append(name)
+    return ", ".join(f"{', '.join(n)} ({hint})" for hint, n in how.items())
 
 
 def _describe_requirements(req: dict[str, Any]) -> str:

@@ -231,14 +231,19 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
         for prompt, c in zip(prompts, completions):
             console.print(Text(f"\n[{c.request_id}] ", style="bold") + Text(_printable(prompt), style="cyan")
                           + Text(_printable(c.text)))
-    table = Table(title="requests")
+    # two tok/s figures when speculating: this one per request, the speculative summary's for the whole batch
+    table = Table(title="requests", caption="decode tok/s: per request, its tokens after the first over its decode "
+                                            "time" + (" (rejected drafts not counted)" if spec is not None else ""))
     for col in ("id", "prompt tok", "new tok", "finish", "prefill ms", "decode ms", "decode tok/s"):
         table.add_column(col, justify="right")
     for c in completions:
         table.add_row(str(c.request_id), str(len(c.prompt_token_ids)), str(len(c.token_ids)), c.finish_reason,
                       f"{1e3 * c.prefill_s:.2f}", f"{1e3 * c.decode_s:.2f}", f"{c.decode_tokens_per_s:.1f}")
     console.print(table)
-    steps = Table(title="steps by forward mode and path")
+    verify = any(mode.name == "VERIFY" for _, mode in engine.stats.by_path)
+    steps = Table(title="steps by forward mode and path",
+                  caption="tokens: rows the steps ran (VERIFY: every verified row, rejected drafts included)"
+                  if verify else None)
     for col in ("mode", "path", "steps", "graph replays", "tokens", "ms/step"):
         steps.add_column(col, justify="right")
     for (path, mode), row in sorted(engine.stats.by_path.items(), key=lambda kv: (kv[0][1].name, kv[0][0])):

@@ -142,14 +142,17 @@ def _engine(
         return [RequirementResult(n, SKIP, "no engine configuration given") for n in ("dtype", "tp_size", "page_size",
                                                                                       "features")]
     out = []
-    if model is None and engine.dtype == "auto":
+    if model is None and engine.dtype == "auto" and platform.kind != "cpu":
         out.append(RequirementResult("dtype", SKIP, "dtype auto depends on the model"))
     else:
-        dtype = engine.dtype if engine.dtype != "auto" else _dtype_name(engine.resolved_dtype(model))  # type: ignore[arg-type]
+        # dtype auto is float32 on a CPU whatever the model (EngineConfig.resolved_dtype)
+        dtype = (engine.dtype if engine.dtype != "auto" else
+                 "float32" if model is None else _dtype_name(engine.resolved_dtype(model)))
+        auto = ", what --dtype auto computes in on a CPU" if engine.dtype == "auto" and model is None else ""
         ok = dtype in req.dtypes
         out.append(RequirementResult(
-            "dtype", PASS if ok else FAIL, dtype if ok else f"needs dtype {'/'.join(sorted(req.dtypes))}; "
-            f"the engine runs {dtype} (pass --dtype {sorted(req.dtypes)[0]})"))
+            "dtype", PASS if ok else FAIL, dtype + auto if ok else f"needs dtype {'/'.join(sorted(req.dtypes))}; "
+            f"the engine runs {dtype}{auto} (pass --dtype {sorted(req.dtypes)[0]})"))
     for name, allowed in (("tp_size", req.tp_sizes), ("page_size", req.page_sizes)):
         value = getattr(engine, name)
         if allowed is None or value in allowed:

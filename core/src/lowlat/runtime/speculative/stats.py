@@ -108,9 +108,14 @@ class SpecStats:
         if secs > 0 and steps_n and tokens:
             per_req = tokens / ((self.request_steps + self.decode_tokens) / steps_n)  # tokens of a mean request
             out.append(f"  loop time: drafting {1e3 * self.draft_s:.1f} ms, VERIFY {1e3 * self.verify_s:.1f} ms, "
-                       f"DECODE {1e3 * self.decode_s:.1f} ms; {tokens / secs:.1f} tok/s over all requests, "
-                       f"{1e3 * secs / per_req:.3f} ms per token per request")
+                       f"DECODE {1e3 * self.decode_s:.1f} ms; whole batch {tokens / secs:.1f} tok/s (tokens all "
+                       f"requests gained: kept drafts, the token after them and DECODE tokens; rejected drafts not "
+                       f"counted), per request {1e3 * secs / per_req:.3f} ms per token")
         if controller is not None and controller.adaptive:
             c = d["controller"]
-            out.append(f"  off-switch: {c['reason']} ({c['switches']} switches, {c['probes']} probes)")
+            state = ("not triggered: speculating at the end" if c["on"] else
+                     "triggered: plain DECODE steps at the end, speculation off")
+            why = c["reason"].removeprefix("on: ").removeprefix("off: ")
+            out.append(f"  adaptive off-switch (plain DECODE while it measures faster): {state}; {why} "
+                       f"({c['switches']} switches, {c['probes']} probes)")
         return out
