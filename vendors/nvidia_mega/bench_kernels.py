@@ -11,6 +11,13 @@ replay time is divided by the number of launches. The floor is the bytes the ker
 K/V, activations) divided by the copy bandwidth measured at the start (device-to-device copy, bytes read plus
 written, the roofline method of docs/benchmarks.md). ``--smoke`` runs every variant once at tiny shapes on
 whatever device is there (CPU with ``TRITON_INTERPRET=1``) to check the script itself; its times print as nan.
+
+``--prefetch`` times only the kernels whose K loop applies an RMSNorm per chunk (qkv_rope, gate_up, LM head, and a
+dense layer) with the activation prefetch off and on, side by side with the ratio, and checks each pair's outputs
+are bit-identical (exit status 1 if not); about 3 minutes on an H200 for the three presets at 1 and 8 rows:
+
+    PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/bench_kernels.py --prefetch \
+        --models llama-3.2-1b,qwen3-8b,qwen3-30b-a3b --rows 1,8
 """
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ class Case:
 
     # ------------------------------------------------------------------ chains (one launch per weight copy)
 
-    def qkv(self, pdl: bool, fused: bool) -> Callable[[], int]:
+    def qkv(self, pdl: bool, fused: bool, prefetch: bool | None = None) -> Callable[[], int]:
         s, t = self.s, self.t
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         _, _, pos, loc = self.decode_batch(t, 1)
@@ -162,7 +169,7 @@ class Case:
                     qkv_rope(self.x, nw, w, num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
                              k_norm=self.kn, cos=self.cos, sin=self.sin, positions=pos, out_cache_loc=loc,
                              q_out=self.q, k_buffer=kb, v_buffer=vb, eps=EPS, plan=plan,
-                             workspace=ws, counters=self.counters, use_pdl=pdl)
+                             workspace=ws, counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
                 else:  # what the general path runs: norm, GEMM, q/k norm, RoPE, KV write as separate kernels
                     small_gemm(rms_norm(self.x, nw, EPS), w, out, plan=gplan,
                                workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl)
@@ -193,7 +200,8 @@ class Case:
             return len(self.kb)
         return chain
 
-    def gemm(self, which: str, pdl: bool, fused: bool = True, split: bool = True) -> Callable[[], int]:
+    def gemm(self, which: str, pdl: bool, fused: bool = True, split: bool = True,
+             prefetch: bool | None = None) -> Callable[[], int]:
         s, t, h = self.s, self.t, self.s["hidden"]
         ws = {"o_proj": self.wo, "gate_up": self.wgu, "down": self.wd}[which]
         n = s["inter"] if which == "gate_up" else h
@@ -213,7 +221,8 @@ class Case:
             for i in range(len(ws)):
                 if gated and fused:
                     small_gemm(x_in, ws[i], self.act, plan=plan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
-                               eps=EPS, workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl)
+                               eps=EPS, workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl,
+                               prefetch_act=prefetch)
                 elif gated:
                     small_gemm(rms_norm(x_in, self.norm[i % 8], EPS), ws[i], tmp, plan=plan_plain,
                                workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl)
@@ -246,7 +255,7 @@ class Case:
             return copies
         return chain, ws
 
-    def layer(self, pdl: bool, general: bool) -> Callable[[], int]:
+    def layer(self, pdl: bool, general: bool, prefetch: bool | None = None) -> Callable[[], int]:
         """A whole dense decoder layer (DECODE, B = rows): the mega kernel chain, or the general path's ops."""
         s, t, h = self.s, self.t, self.s["hidden"]
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
@@ -270,13 +279,13 @@ class Case:
                 qkv_rope(x, self.norm[i % 8], self.wqkv[i], num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
                          k_norm=self.kn, cos=self.cos, sin=self.sin, positions=pos, out_cache_loc=loc, q_out=self.q,
                          k_buffer=self.kb[i], v_buffer=self.vb[i], eps=EPS, plan=qplan, workspace=qws,
-                         counters=self.counters, use_pdl=pdl)
+                         counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
                 paged_decode_attention(self.q, self.kb[i], self.vb[i], self.rtt, rpi, seq, self.attn, rows_per_req=1,
                                        sm_scale=d ** -0.5, num_splits=splits, o_partial=o_p, lse_partial=l_p,
                                        use_pdl=pdl)
                 small_gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
                 small_gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
-                           eps=EPS, **kw)
+                           eps=EPS, prefetch_act=prefetch, **kw)
                 small_gemm(self.act, self.wd[i], x, plan=dplan, epilogue="residual", residual=x, **kw)
             return n_layers
 
@@ -302,12 +311,13 @@ class Case:
 
         return torch_layer if general else mega
 
-    def lm_head(self, pdl: bool) -> Callable[[], int]:
-        w = self.rand(self.s["vocab"], self.s["hidden"])
-        out = torch.empty(self.t, self.s["vocab"], device=self.dev)
+    def lm_head(self, pdl: bool, prefetch: bool | None = None) -> Callable[[], int]:
+        if not hasattr(self, "lm_w"):  # one weight (larger than the L2 at every preset) and output for all variants
+            self.lm_w = self.rand(self.s["vocab"], self.s["hidden"])
+            self.logits = torch.empty(self.t, self.s["vocab"], device=self.dev)
 
         def chain() -> int:
-            lm_head_logits(self.x, self.norm[0], w, EPS, out, pdl=pdl)
+            lm_head_logits(self.x, self.norm[0], self.lm_w, EPS, self.logits, pdl=pdl, prefetch_act=prefetch)
             return 1
         return chain
 
@@ -359,6 +369,48 @@ def run(name: str, rows: int, args: argparse.Namespace, dev: torch.device, bw: f
     return out
 
 
+def run_prefetch(name: str, rows: int, args: argparse.Namespace, dev: torch.device, bw: float) -> list[tuple]:
+    """The kernels whose K loop normalizes its input (qkv_rope, gate_up, LM head, and the dense layer holding the
+    first two) with the activation prefetch off and on, PDL as in production; each pair's outputs are checked
+    bit-identical after the timing. Returns (model, rows, kernel, off us, on us, floor us, identical) rows."""
+    c = Case(name, rows, args.ctx, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    s, el = c.s, 2
+    h, hq, hkv, d = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"]
+    pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+    kernels: list[tuple[str, Callable[[bool], Callable[[], int]], float, Callable[[], list[torch.Tensor]]]] = [
+        ("qkv_rope", lambda p: c.qkv(pdl, True, prefetch=p), c.nqkv * h * el, lambda: [c.q]),
+    ]
+    if s["inter"]:
+        kernels.append(("gate_up", lambda p: c.gemm("gate_up", pdl, prefetch=p), 2 * s["inter"] * h * el,
+                        lambda: [c.act]))
+    kernels.append(("lm_head", lambda p: c.lm_head(pdl, prefetch=p), s["vocab"] * h * el, lambda: [c.logits]))
+    if s["inter"]:
+        layer_bytes = (c.nqkv * h + h * hq * d + 3 * s["inter"] * h) * el + 2 * rows * args.ctx * hkv * d * el
+        kernels.append(("layer", lambda p: c.layer(pdl, general=False, prefetch=p), layer_bytes, lambda: []))
+    out = []
+    for kernel, make, nbytes, outputs in kernels:
+        chains = {p: make(p) for p in (False, True)}
+        off, on = (time_chain(chains[p], dev, args.reps) for p in (False, True))
+        chains[False]()  # one eager run each (compiled by now); the last launch of each wrote the same inputs' output
+        ref = [t.clone() for t in outputs()]
+        chains[True]()
+        same = all(torch.equal(a, b) for a, b in zip(ref, outputs(), strict=True))
+        out.append((name, rows, kernel, off * 1e6, on * 1e6, nbytes / bw * 1e6 if bw else math.nan, same))
+    return out
+
+
+def print_prefetch(table: list[tuple]) -> None:
+    hdr = (f"{'model':14} {'rows':>4} {'kernel':10} {'off us':>9} {'on us':>9} {'off/on':>7} {'floor us':>9} "
+           f"{'bit-identical':>13}")
+    print("activation prefetch (LOWLAT_MEGA_PREFETCH_ACT / prefetch_act) off vs on, PDL as in production")
+    print(hdr)
+    print("-" * len(hdr))
+    for model, rows, kernel, off, on, floor, same in table:
+        ratio = off / on if on == on and on > 0 else math.nan
+        ident = ("yes" if same else "NO") if kernel != "layer" else "-"
+        print(f"{model:14} {rows:>4} {kernel:10} {off:9.2f} {on:9.2f} {ratio:7.3f} {floor:9.2f} {ident:>13}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="llama-3.2-1b,qwen3-30b-a3b")
@@ -366,6 +418,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512, help="KV tokens per request")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, one eager run per variant, no timing")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="only the kernels with a norm prologue, activation prefetch off vs on (and their ratio)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     models = ["tiny"] if args.smoke else args.models.split(",")
@@ -375,6 +429,14 @@ def main() -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"device {name}; copy bandwidth {bw / 1e12:.2f} TB/s (read + written); context {args.ctx} tokens")
     table = []
+    if args.prefetch:
+        for m in models:
+            for r in (int(x) for x in args.rows.split(",")):
+                table += run_prefetch(m, r, args, dev, bw)
+        print_prefetch(table)
+        if not all(row[-1] for row in table):
+            raise SystemExit("activation prefetch changed a kernel's output (see 'bit-identical')")
+        return
     for m in models:
         for r in (int(x) for x in args.rows.split(",")):
             table += run(m, r, args, dev, bw)

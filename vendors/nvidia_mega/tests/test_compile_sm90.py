@@ -73,8 +73,10 @@ def plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # t
     return tuned_plans
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_small_gemm_compiles_for_sm90(model: str, plans) -> None:  # type: ignore[no-untyped-def]
+def test_small_gemm_compiles_for_sm90(model: str, prefetch: bool, plans) -> None:  # type: ignore[no-untyped-def]
+    """Every call site of ``MegaForward``; ``prefetch``: the activation prefetch where the GEMM has a norm."""
     hid, hq, _, d, inter, _ = MODELS[model]
     sites = [("o_proj", hid, hq * d, 2, False)] + ([("gate_up", inter, hid, 1, True), ("down", hid, inter, 2, False)]
                                                     if model == "llama-3.2-1b" else [])
@@ -84,20 +86,21 @@ def test_small_gemm_compiles_for_sm90(model: str, plans) -> None:  # type: ignor
         ptx = _compile(_small_gemm_kernel, GEMM_SIG, dict(
             NORM_K=k if norm else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512), PRE_K=plan.pre_k,
             HAS_NORM=norm, EPILOGUE=epilogue, NPART=2 if gated else 1, SPLIT_K=plan.split_k, EVEN_K=True,
-            BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
-            stages=plan.num_stages, warps=plan.num_warps)
+            BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
+            PREFETCH_ACT=prefetch and norm), stages=plan.num_stages, warps=plan.num_warps)
         _assert_pdl(ptx)
         assert "ld.global.v4" in ptx, "weight loads must be 16-byte vectors"
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_qkv_rope_compiles_for_sm90(model: str, plans) -> None:  # type: ignore[no-untyped-def]
+def test_qkv_rope_compiles_for_sm90(model: str, prefetch: bool, plans) -> None:  # type: ignore[no-untyped-def]
     hid, hq, hkv, d, _, qk_norm = MODELS[model]
     plan = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA)
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
-        SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True),
-        stages=plan.num_stages, warps=plan.num_warps))
+        SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
+        PREFETCH_ACT=prefetch), stages=plan.num_stages, warps=plan.num_warps))
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

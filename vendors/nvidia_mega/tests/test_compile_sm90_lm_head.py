@@ -131,14 +131,18 @@ def test_lm_head_sample_compiles_for_sm90(name: str, monkeypatch: pytest.MonkeyP
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
 
 
-def test_lm_head_logits_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plain logits launch of ``MegaForward`` (llama-3.2-1b's vocabulary, 8 rows, PDL)."""
+@pytest.mark.parametrize("prefetch", [False, True], ids=["plain", "prefetch"])
+def test_lm_head_logits_compiles_for_sm90(prefetch: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain logits launch of ``MegaForward`` (llama-3.2-1b's vocabulary, 8 rows, PDL), with and without the
+    activation prefetch."""
     def launch() -> None:
         x = torch.empty(8, 2048, dtype=torch.bfloat16, device=META)
         out = torch.empty(8, 128256, device=META)
         lm_head.lm_head_logits(x, torch.empty(2048, dtype=torch.bfloat16, device=META),
-                               torch.empty(128256, 2048, dtype=torch.bfloat16, device=META), 1e-5, out, pdl=True)
+                               torch.empty(128256, 2048, dtype=torch.bfloat16, device=META), 1e-5, out, pdl=True,
+                               prefetch_act=prefetch)
     bound, options = _capture(monkeypatch, launch)
+    assert bound["PREFETCH_ACT"] is prefetch
     ptx = _compile(bound, options)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert any("cp.async.cg.shared.global" in ln and "0x10" in ln for ln in ptx.splitlines()), \

@@ -13,9 +13,10 @@ from lowlat.layers.attention import decode_attention_torch
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat_nvidia_mega.kernels import pdl
+from lowlat_nvidia_mega.kernels import small_gemm as small_gemm_mod
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import plan_gemm, small_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.small_gemm import plan_gemm, prefetch_act_enabled, small_gemm, splitk_workspace_numel
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
@@ -86,6 +87,81 @@ def test_small_gemm_matches_torch(dtype: torch.dtype, rows: int, epilogue: str, 
     else:
         assert torch.isnan(buf[rows:].float()).all(), "rows beyond T were written"
     assert not cnt.any(), "split-K counters must be re-armed to zero"
+
+
+# (rows, epilogue, split_k, block_k, K): gated and not, one split and several, K a multiple of BLOCK_K or not (the
+# last chunk of the loop, and of the prefetch one ahead of it, is partial), the loop running 1 to 9 chunks after PRE_K
+PREFETCH_GEMM_CASES = [
+    (1, "none", 1, 16, 200),
+    (3, "silu_mul", 2, 16, 200),
+    (8, "silu_mul", 1, 32, 192),
+    (8, "residual", 3, 16, 200),
+    (2, "none", 4, 16, 392),
+    (5, "silu_mul", 1, 16, 136),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,epilogue,split_k,block_k,k", PREFETCH_GEMM_CASES)
+def test_small_gemm_prefetch_is_bit_identical(dtype: torch.dtype, rows: int, epilogue: str, split_k: int,
+                                              block_k: int, k: int) -> None:
+    """The activation prefetch (norm prologue only) changes when x is loaded, never what is computed."""
+    n = 80
+    gated = epilogue == "silu_mul"
+    x = _randn(rows, k, dtype=dtype, seed=31)
+    w = _randn(2 * n if gated else n, k, dtype=dtype, seed=32, scale=0.1)
+    nw = (torch.rand(k, generator=_gen(33)) + 0.5).to(dtype=dtype, device=DEV)
+    plan = plan_gemm(n, k, dtype, 4, gated=gated, block_n=32, split_k=split_k, block_k=block_k)
+    assert plan.split_k == split_k and plan.pre_k < plan.k_per_split  # the K loop after the pre-wait tile runs
+    ws = torch.zeros(max(1, splitk_workspace_numel(plan, n, gated=gated)), device=DEV)
+    cnt = torch.zeros(plan.n_tiles(n), dtype=torch.int32, device=DEV)
+    res = _randn(rows, n, dtype=dtype, seed=34)
+    outs = []
+    for prefetch in (False, True):
+        out = res.clone() if epilogue == "residual" else torch.full((rows, n), float("nan"), dtype=dtype, device=DEV)
+        small_gemm(x, w, out, plan=plan, epilogue=epilogue, norm_weight=nw, eps=EPS,
+                   residual=out if epilogue == "residual" else None, workspace=ws, counters=cnt,
+                   prefetch_act=prefetch)
+        assert not cnt.any()
+        outs.append(out)
+    assert not torch.isnan(outs[0].float()).any()
+    assert torch.equal(outs[0], outs[1]), "prefetch on and off must give bit-identical outputs"
+
+
+class _CaptureLaunch:
+    """Stands in for a Triton kernel: records the constexpr keyword arguments of ``kernel[grid](...)``."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict] = []
+
+    def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+def test_prefetch_switch_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prefetch_act`` wins; without it ``LOWLAT_MEGA_PREFETCH_ACT`` decides, else the default (off); a GEMM
+    without a norm never prefetches; anything but on/off in the variable is refused."""
+    cap = _CaptureLaunch()
+    monkeypatch.setattr(small_gemm_mod, "_small_gemm_kernel", cap)
+    x, out, w = torch.zeros(2, 64, device=DEV), torch.zeros(2, 64, device=DEV), torch.zeros(64, 64, device=DEV)
+    nw = torch.ones(64, device=DEV)
+    plan = plan_gemm(64, 64, torch.float32, 4, split_k=1)
+
+    def launch(norm: bool = True, **kw) -> bool:  # type: ignore[no-untyped-def]
+        small_gemm(x, w, out, plan=plan, norm_weight=nw if norm else None, **kw)
+        return cap.kwargs[-1]["PREFETCH_ACT"]
+
+    monkeypatch.delenv("LOWLAT_MEGA_PREFETCH_ACT", raising=False)
+    assert prefetch_act_enabled() is small_gemm_mod.PREFETCH_ACT_DEFAULT is False
+    assert launch() is False and launch(prefetch_act=True) is True
+    assert launch(norm=False, prefetch_act=True) is False
+    monkeypatch.setenv("LOWLAT_MEGA_PREFETCH_ACT", "1")
+    assert launch() is True and launch(prefetch_act=False) is False
+    monkeypatch.setenv("LOWLAT_MEGA_PREFETCH_ACT", "off")
+    assert launch() is False
+    monkeypatch.setenv("LOWLAT_MEGA_PREFETCH_ACT", "maybe")
+    with pytest.raises(ValueError, match="LOWLAT_MEGA_PREFETCH_ACT"):
+        launch()
 
 
 def test_small_gemm_split_k_is_deterministic() -> None:
@@ -170,6 +246,39 @@ def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype
         "a slot outside out_cache_loc changed"
     assert torch.isnan(qbuf[rows:].float()).all(), "q rows beyond T were written"
     assert not cnt.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,qk_norm,split_k,hidden", [(1, False, 1, HID), (3, True, 2, 256), (8, True, 1, 120),
+                                                        (2, False, 2, 120)])
+def test_qkv_rope_prefetch_is_bit_identical(dtype: torch.dtype, rows: int, qk_norm: bool, split_k: int,
+                                            hidden: int) -> None:
+    """q, K and V with the activation prefetch equal those without, bit for bit (hidden 120: a partial last chunk)."""
+    x = _randn(rows, hidden, dtype=dtype, seed=40)
+    nw = (torch.rand(hidden, generator=_gen(41)) + 0.5).to(dtype=dtype, device=DEV)
+    w = _randn((HQ + 2 * HKV) * D, hidden, dtype=dtype, seed=42, scale=0.2)
+    qn = (torch.rand(D, generator=_gen(43)) + 0.5).to(dtype=dtype, device=DEV) if qk_norm else None
+    kn = (torch.rand(D, generator=_gen(44)) + 0.5).to(dtype=dtype, device=DEV) if qk_norm else None
+    positions = torch.randint(0, MAX_POS, (rows,), generator=_gen(45)).to(DEV)
+    loc = (torch.randperm(SLOTS - 1, generator=_gen(46))[:rows] + 1).to(DEV)
+    cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, None, DEV)
+    plan = plan_qkv(HQ, HKV, D, hidden, dtype, 4, split_k=split_k, block_k=16)
+    assert plan.split_k == split_k and plan.pre_k < plan.k_per_split
+    ws = torch.zeros(max(1, qkv_workspace_numel(plan, HQ, HKV, D)), device=DEV)
+    cnt = torch.zeros(HQ + 2 * HKV, dtype=torch.int32, device=DEV)
+    outs = []
+    for prefetch in (False, True):
+        kb = torch.zeros(SLOTS, HKV, D, dtype=dtype, device=DEV)
+        vb = torch.zeros(SLOTS, HKV, D, dtype=dtype, device=DEV)
+        q = torch.full((rows, HQ * D), float("nan"), dtype=dtype, device=DEV)
+        qkv_rope(x, nw, w, num_heads=HQ, num_kv_heads=HKV, q_norm=qn, k_norm=kn, cos=cos, sin=sin,
+                 positions=positions, out_cache_loc=loc, q_out=q, k_buffer=kb, v_buffer=vb, eps=EPS, plan=plan,
+                 workspace=ws, counters=cnt, prefetch_act=prefetch)
+        assert not cnt.any()
+        outs.append((q, kb, vb))
+    assert not torch.isnan(outs[0][0].float()).any()
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b), "prefetch on and off must give bit-identical outputs"
 
 
 def test_rope_tables_are_the_general_paths() -> None:

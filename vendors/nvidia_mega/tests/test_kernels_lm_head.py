@@ -293,3 +293,36 @@ def test_bad_inputs_raise_clear_errors() -> None:
     if DEV == "cpu":
         with pytest.raises(ValueError, match="pdl"):
             lm_head_logits(x, norm_w, w, EPS, torch.empty(3, V), pdl=True)
+
+
+@pytest.mark.parametrize(("dtype", "rows", "hidden"), [(torch.float32, 3, 64), (torch.bfloat16, 1, 64),
+                                                       (torch.bfloat16, 8, 56), (torch.float32, 5, 56)])
+def test_prefetch_is_bit_identical(dtype: torch.dtype, rows: int, hidden: int) -> None:
+    """Logits and sampled ids with the activation prefetch equal those without, bit for bit: 16-wide K chunks, so
+    the loop runs 4 chunks (hidden 56: the last one partial)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(rows, hidden, generator=g).to(dtype).to(DEV)
+    norm_w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    w = (torch.randn(320, hidden, generator=g) * 0.3).to(dtype).to(DEV)
+    cfg = LMHeadConfig(block_v=64, block_k=16)
+    ws = LMHeadWorkspace.allocate(8, 320, DEV, block_v=64, candidates=CAND, fan_in=4)
+    temp = torch.full((rows,), 1.5, device=DEV)
+    top_k = torch.full((rows,), 5, dtype=torch.int32, device=DEV)
+    top_p = torch.full((rows,), 0.9, device=DEV)
+    seeds = torch.arange(rows, device=DEV) + 5
+    got = []
+    for prefetch in (False, True):
+        logits = torch.full((rows, 320), float("nan"), device=DEV)
+        lm_head_logits(x, norm_w, w, EPS, logits, pdl=False, config=cfg, prefetch_act=prefetch)
+        tokens = torch.full((rows,), -1, dtype=torch.int64, device=DEV)
+        sampled = torch.empty(rows, 320, device=DEV)
+        lm_head_sample(x, norm_w, w, EPS, temp, top_k, top_p, seeds, seeds, tokens, ws, pdl=False,
+                       out_logits=sampled, config=cfg, prefetch_act=prefetch)
+        assert int(ws.counters.abs().sum()) == 0
+        got.append((logits, sampled, tokens))
+    assert torch.isfinite(got[0][0]).all()
+    torch.testing.assert_close(got[0][0], reference_logits(x, norm_w, w),
+                               **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.0,
+                                                                                                  "rtol": 8e-3}))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b), "prefetch on and off must give bit-identical logits and ids"

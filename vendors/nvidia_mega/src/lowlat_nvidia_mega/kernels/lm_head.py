@@ -12,7 +12,8 @@ it. For Qwen3 (V = 151936, H = 2048, bf16, 622 MB) that is 1187 programs of 512 
 recomputes the rows' RMS from x (T*H elements from L2) before its loop. Nothing precedes ``gdc_wait``: the first
 weight tiles are issued by the software pipeline right after it. With ``lm_head_sample`` the tile's logits never
 leave the chip unless asked: each program writes a small record and a merge tree of atomic tickets reduces them
-across programs (``sampling.py``).
+across programs (``sampling.py``). Activation prefetch (``PREFETCH_ACT``, off by default; see ``small_gemm.py``):
+the K loop loads the next x / norm-weight chunk one iteration ahead; bit-identical results.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace, merge_records, pick_tokens, tile_record
-from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, prefetch_act_enabled, to_act
 
 ROWS = 8
 
@@ -59,7 +60,7 @@ def _lm_head_kernel(
     ROWS_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CAND: tl.constexpr,
     FAN_IN: tl.constexpr, WRITE_LOGITS: tl.constexpr, SAMPLE: tl.constexpr, FILTER: tl.constexpr,
     ROUND_LOGITS: tl.constexpr, DOT_F32: tl.constexpr, BITONIC: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -80,13 +81,19 @@ def _lm_head_kernel(
     rstd = tl.rsqrt(ss / H + eps)
 
     acc = tl.zeros([BLOCK_V, ROWS_C], dtype=tl.float32)
+    if PREFETCH_ACT:  # the first raw x^T chunk and norm weights, loaded one chunk ahead from here on
+        xt_nx, nw_nx = _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, tl.arange(0, BLOCK_K), H)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < H
         w = tl.load(w_rows + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + rows[None, :] * stride_x + offs_k[:, None], mask=kmask[:, None] & row_ok[None, :],
-                     other=0.0).to(tl.float32)
-        nw = tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        if PREFETCH_ACT:  # the same values and arithmetic as below, the next chunk in flight during this dot
+            xt, nw = xt_nx.to(tl.float32), nw_nx.to(tl.float32)
+            xt_nx, nw_nx = _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, offs_k + BLOCK_K, H)
+        else:
+            xt = tl.load(x_ptr + rows[None, :] * stride_x + offs_k[:, None], mask=kmask[:, None] & row_ok[None, :],
+                         other=0.0).to(tl.float32)
+            nw = tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
         ht = to_act(nw[:, None] * to_act(xt * rstd[None, :], dtype).to(tl.float32), dtype)
         acc = dot_acc(w, ht, acc, DOT_F32)
     if ROUND_LOGITS:
@@ -127,6 +134,14 @@ def _lm_head_kernel(
                         greedy_ptr, gumbel_ptr, max_ptr, sum_ptr, key_ptr, ROWS_C, CAND, SAMPLE, FILTER)
 
 
+@triton.jit
+def _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, offs_k, H):
+    """(x[rows, offs_k]^T, norm_w[offs_k]) as stored, zeros past ``H`` and for rows >= T."""
+    kmask = offs_k < H
+    xt = tl.load(x_ptr + rows[None, :] * stride_x + offs_k[:, None], mask=kmask[:, None] & row_ok[None, :], other=0.0)
+    return xt, tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0)
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -144,7 +159,7 @@ def _check_common(x: torch.Tensor, norm_w: torch.Tensor, w: torch.Tensor, pdl: b
            "pdl=True needs a CUDA GPU of capability >= 9.0 and no TRITON_INTERPRET; pass pdl=pdl_enabled(device)")
 
 
-def _launch(x, norm_w, w, eps, logits, samp, ws, block_v, cfg, pdl):  # type: ignore[no-untyped-def]
+def _launch(x, norm_w, w, eps, logits, samp, ws, block_v, cfg, pdl, prefetch):  # type: ignore[no-untyped-def]
     t, hidden = x.shape
     vocab = w.shape[0]
     n_tiles = triton.cdiv(vocab, block_v)
@@ -165,7 +180,7 @@ def _launch(x, norm_w, w, eps, logits, samp, ws, block_v, cfg, pdl):  # type: ig
         CAND=ws.candidates if ws is not None else 1, FAN_IN=ws.fan_in if ws is not None else 2,
         WRITE_LOGITS=logits is not None, SAMPLE=sample, FILTER=filt, ROUND_LOGITS=x.dtype != torch.float32,
         DOT_F32=x.dtype == torch.float32 or interpreting(), BITONIC=not interpreting(),
-        USE_PDL=pdl,
+        USE_PDL=pdl, PREFETCH_ACT=prefetch_act_enabled() if prefetch is None else bool(prefetch),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl))
 
 
@@ -175,7 +190,7 @@ def _check_logits(out: torch.Tensor, t: int, vocab: int, device: torch.device) -
 
 
 def lm_head_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tensor, eps: float, out: torch.Tensor,
-                   *, pdl: bool, config: LMHeadConfig | None = None) -> torch.Tensor:
+                   *, pdl: bool, config: LMHeadConfig | None = None, prefetch_act: bool | None = None) -> torch.Tensor:
     """``out = (rmsnorm(x) * norm_w) @ lm_head_w^T`` as float32 (values rounded to x.dtype first).
 
     Args:
@@ -183,6 +198,8 @@ def lm_head_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tenso
         norm_w: [H] final norm weight. lm_head_w: [V, H] contiguous, x's dtype. eps: RMSNorm epsilon.
         out: [T, V] float32, unit stride in V (written in full).
         pdl: launch with programmatic dependent launch (sm90+). config: tile sizes (``LMHeadConfig()``).
+        prefetch_act: load each x / norm-weight chunk one K chunk ahead (bit-identical results); default
+            ``small_gemm.prefetch_act_enabled()``.
 
     Returns:
         ``out``.
@@ -193,7 +210,7 @@ def lm_head_logits(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tenso
     cfg = config or LMHeadConfig()
     _check_common(x, norm_w, lm_head_w, pdl)
     _check_logits(out, x.shape[0], lm_head_w.shape[0], x.device)
-    _launch(x, norm_w, lm_head_w, eps, out, None, None, cfg.block_v, cfg, pdl)
+    _launch(x, norm_w, lm_head_w, eps, out, None, None, cfg.block_v, cfg, pdl, prefetch_act)
     return out
 
 
@@ -201,7 +218,7 @@ def lm_head_sample(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tenso
                    temperature: torch.Tensor | None, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                    seeds: torch.Tensor | None, offsets: torch.Tensor | None, out_tokens: torch.Tensor,
                    workspace: LMHeadWorkspace, *, pdl: bool, out_logits: torch.Tensor | None = None,
-                   config: LMHeadConfig | None = None) -> torch.Tensor:
+                   config: LMHeadConfig | None = None, prefetch_act: bool | None = None) -> torch.Tensor:
     """Final norm + LM head + sampling in one launch and one pass over ``lm_head_w``; semantics in ``sampling.py``.
 
     Args:
@@ -216,6 +233,7 @@ def lm_head_sample(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tenso
         pdl: launch with programmatic dependent launch (sm90+).
         out_logits: optional [T, V] float32 that also receives the logits.
         config: ``block_k``, warps and stages (``LMHeadConfig()``).
+        prefetch_act: as in :func:`lm_head_logits`.
 
     Returns:
         ``out_tokens``.
@@ -247,5 +265,5 @@ def lm_head_sample(x: torch.Tensor, norm_w: torch.Tensor, lm_head_w: torch.Tenso
     if out_logits is not None:
         _check_logits(out_logits, t, vocab, x.device)
     samp = (temperature, top_k, top_p, seeds, offsets, out_tokens)
-    _launch(x, norm_w, lm_head_w, eps, out_logits, samp, workspace, workspace.block_v, cfg, pdl)
+    _launch(x, norm_w, lm_head_w, eps, out_logits, samp, workspace, workspace.block_v, cfg, pdl, prefetch_act)
     return out_tokens

@@ -16,6 +16,8 @@ sum rounded to it (no-ops for fp32 models).
 PDL: the first ``PRE_K`` columns of both half-head weight tiles, and the epilogue's inputs that no kernel of the
 step writes (out_cache_loc, positions, their cos/sin rows, the q/k norm weights), are loaded before ``gdc_wait``;
 nothing is written before it (see pdl.py).
+Activation prefetch (``PREFETCH_ACT``, off by default): as in ``small_gemm.py``, the K loop loads the next raw x
+and input-norm chunks one iteration ahead; bit-identical results.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     grow_split,
     load_rows,
     load_tile,
+    load_x_nw,
     make_plan,
+    norm_rows,
+    prefetch_act_enabled,
     rnd,
     row_rstd,
     to_act,
@@ -106,7 +111,7 @@ def _qkv_rope_kernel(
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
 ):
     head = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -129,6 +134,9 @@ def _qkv_rope_kernel(
 
     rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
     xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)
+    if PREFETCH_ACT:  # the loop's first raw activation chunk and norm weights (see small_gemm.py)
+        kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
+        x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
     lo = dot_acc(xk, tl.trans(wl0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
     hi = dot_acc(xk, tl.trans(wh0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
     for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
@@ -136,7 +144,13 @@ def _qkv_rope_kernel(
         kl_mask = kl < k_end
         wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
         wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
-        xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
+        if PREFETCH_ACT:  # normalize the chunk loaded one iteration ago while the next one is in flight
+            xr, nwr = x_nx, nw_nx
+            kn = kl + BLOCK_K
+            x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
+            xl = norm_rows(xr, rstd, nwr)
+        else:
+            xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
         lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)
         hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
 
@@ -189,7 +203,7 @@ def qkv_rope(
     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, out_cache_loc: torch.Tensor, q_out: torch.Tensor, k_buffer: torch.Tensor,
     v_buffer: torch.Tensor, eps: float, plan: GemmPlan, workspace: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None, use_pdl: bool | None = None,
+    counters: torch.Tensor | None = None, use_pdl: bool | None = None, prefetch_act: bool | None = None,
 ) -> torch.Tensor:
     """Launch the fused norm + QKV + q/k-norm + RoPE + KV-write kernel.
 
@@ -206,6 +220,9 @@ def qkv_rope(
             ``out_cache_loc`` are written.
         eps: RMSNorm epsilon (shared by input norm and q/k norm, as in HF).
         plan: from ``plan_qkv``; workspace / counters as for ``small_gemm`` when ``plan.split_k > 1``.
+        use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
+        prefetch_act: load each activation chunk one K chunk ahead (bit-identical results); default
+            ``small_gemm.prefetch_act_enabled()``.
     Returns:
         ``q_out``.
     Raises:
@@ -256,6 +273,7 @@ def qkv_rope(
         if counters is None or counters.dtype != torch.int32 or counters.numel() < num_heads + 2 * num_kv_heads:
             raise ValueError(f"split-K needs int32 zero counters of >= {num_heads + 2 * num_kv_heads} elements")
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
     qn = q_norm if q_norm is not None else norm_weight
     kn = k_norm if k_norm is not None else norm_weight
     grid = (num_heads + 2 * num_kv_heads, plan.split_k)
@@ -268,6 +286,7 @@ def qkv_rope(
         HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
+        PREFETCH_ACT=bool(prefetch),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

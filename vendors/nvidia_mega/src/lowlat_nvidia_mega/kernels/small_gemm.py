@@ -19,13 +19,17 @@ Triton):
   second kernel is launched. Nothing spins, so it also runs under the Triton interpreter.
 - PDL: the first ``PRE_K`` columns of the weight tile are loaded before ``gdc_wait``; see ``pdl.py`` for the
   rules.
+- Activation prefetch (``PREFETCH_ACT``, with a norm only; off by default, ``prefetch_act_enabled``): the K loop
+  loads the next raw x chunk and norm-weight chunk one iteration ahead and normalizes the previous one, the same
+  arithmetic on the same values, so results are bit-identical to the plain loop.
 
-Shared device helpers (``to_act``, ``rnd``, ``load_tile``, ``row_rstd``, ``load_rows``, ``dot_acc``) are reused
-by ``qkv_rope.py`` and ``attention.py``.
+Shared device helpers (``to_act``, ``rnd``, ``load_tile``, ``row_rstd``, ``load_rows``, ``load_x_nw``,
+``norm_rows``, ``dot_acc``) are reused by ``qkv_rope.py`` (``to_act`` and ``dot_acc`` by the other kernels too).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +41,13 @@ from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, inte
 MAX_ROWS = 8
 BLOCK_M = 16
 EPILOGUES = {"none": 0, "silu_mul": 1, "residual": 2}
+# Activation prefetch in the K loops that RMS-normalize their input (small GEMM with a norm, qkv_rope, LM head):
+# load the next raw x chunk and norm-weight chunk one K chunk ahead into registers, so their round trip and the
+# norm arithmetic overlap the current chunk's dot (as amd_mono's gemv loops do). Results are bit-identical either
+# way. Off by default until measured on the H200 (bench_kernels.py --prefetch); ``LOWLAT_MEGA_PREFETCH_ACT=1``
+# turns it on, read at each launch like ``LOWLAT_MEGA_PDL``; a launcher's ``prefetch_act`` argument wins over both.
+PREFETCH_ENV = "LOWLAT_MEGA_PREFETCH_ACT"
+PREFETCH_ACT_DEFAULT = False
 # The interpreter (triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even as GPUs do;
 # ``to_act`` then rounds with integer arithmetic so CPU results round like the GPU's and like torch's.
 _EMULATE_BF16_ROUNDING = tl.constexpr(interpreting())
@@ -98,14 +109,36 @@ def row_rstd(x_ptr, stride_xm, offs_m, m_mask, K: tl.constexpr, eps, BLOCK: tl.c
 
 
 @triton.jit
+def load_x(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask):
+    """x[rows, ks] as stored (input dtype), zeros outside ``m_mask`` x ``k_mask``."""
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def norm_rows(x, rstd, nw):
+    """HF RMSNorm of a raw chunk ``x[rows, ks]`` with its weight chunk ``nw[ks]``: ``nw * (x * rstd).to(dtype)``."""
+    h = rnd(x.to(tl.float32) * rstd[:, None], x.dtype)
+    return to_act(nw.to(tl.float32)[None, :] * h, x.dtype)
+
+
+@triton.jit
 def load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, HAS_NORM: tl.constexpr):
-    """x[rows, ks] in the input dtype, RMS-normalized and scaled by ``nw[ks]`` when ``HAS_NORM`` (HF order)."""
+    """x[rows, ks] in the input dtype, RMS-normalized and scaled by ``nw[ks]`` when ``HAS_NORM`` (HF order).
+
+    ``norm_rows`` is the same arithmetic; this keeps its own order of loads so the plain loops compile as before."""
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     if HAS_NORM:
         h = rnd(x.to(tl.float32) * rstd[:, None], x.dtype)
         nw = tl.load(nw_ptr + ks, mask=k_mask, other=0.0)
         x = to_act(nw.to(tl.float32)[None, :] * h, x.dtype)
     return x
+
+
+@triton.jit
+def load_x_nw(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, nw_ptr):
+    """(raw x[rows, ks], nw[ks]): the operands of ``norm_rows``, loaded one K chunk ahead by the prefetch loops."""
+    return load_x(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask), tl.load(nw_ptr + ks, mask=k_mask, other=0.0)
 
 
 @triton.jit
@@ -131,9 +164,10 @@ def _small_gemm_kernel(
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, HAS_NORM: tl.constexpr,
     EPILOGUE: tl.constexpr, NPART: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
 ):
     GATED: tl.constexpr = EPILOGUE == 1
+    PREFETCH: tl.constexpr = PREFETCH_ACT and HAS_NORM
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -156,6 +190,9 @@ def _small_gemm_kernel(
     if HAS_NORM:
         rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
     xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, HAS_NORM)
+    if PREFETCH:  # the loop's first activation chunk (raw) and norm weights, in flight during the first dot
+        kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
+        x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
     acc = dot_acc(xk, tl.trans(w0), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATED:
@@ -164,7 +201,15 @@ def _small_gemm_kernel(
         kl = k0 + tl.arange(0, BLOCK_K)
         kl_mask = kl < k_end
         w = load_tile(w_rows + kl[None, :], n_mask, kl_mask, EVEN_K)
-        xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)
+        if PREFETCH:
+            # Normalize the chunk loaded one iteration ago (same values, same arithmetic as load_rows) while the
+            # next one is in flight; past k_end the mask is empty and nothing is read.
+            xr, nwr = x_nx, nw_nx
+            kn = kl + BLOCK_K
+            x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
+            xl = norm_rows(xr, rstd, nwr)
+        else:
+            xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)
         acc = dot_acc(xl, tl.trans(w), acc, DOT_F32)
         if GATED:
             wu = load_tile(w_rows + N * stride_wn + kl[None, :], n_mask, kl_mask, EVEN_K)
@@ -285,6 +330,7 @@ def small_gemm(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str = "none",
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None, use_pdl: bool | None = None,
+    prefetch_act: bool | None = None,
 ) -> torch.Tensor:
     """Launch the small-row GEMM.
 
@@ -300,6 +346,8 @@ def small_gemm(
         workspace: fp32 tensor of >= ``splitk_workspace_numel`` elements (split-K only).
         counters: int32 zeros, >= N / BLOCK_N elements (split-K only; left zero after each launch).
         use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
+        prefetch_act: with ``norm_weight``, load each activation chunk one K chunk ahead (bit-identical results);
+            default ``prefetch_act_enabled()``. Ignored without a norm.
     Returns:
         ``out``.
     Raises:
@@ -339,6 +387,7 @@ def small_gemm(
         if counters is None or counters.dtype != torch.int32 or counters.numel() < plan.n_tiles(n):
             raise ValueError(f"split-K={plan.split_k} needs int32 zero counters of >= {plan.n_tiles(n)} elements")
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
     res = residual if residual is not None else out
     dummy = out
     grid = (plan.n_tiles(n), plan.split_k)
@@ -351,10 +400,27 @@ def small_gemm(
         SPLIT_K=plan.split_k,
         EVEN_K=(k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
+        DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl, PREFETCH_ACT=bool(prefetch) and norm_weight is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return out
+
+
+def prefetch_act_enabled() -> bool:
+    """Whether launches prefetch the activation chunk by default: ``LOWLAT_MEGA_PREFETCH_ACT`` (1/true/on/yes or
+    0/false/off/no), else ``PREFETCH_ACT_DEFAULT``. Read at each call, so a benchmark can flip it between graphs.
+
+    Raises:
+        ValueError: the variable holds anything else (a typo would otherwise measure the wrong variant).
+    """
+    v = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if v in ("", "default"):
+        return PREFETCH_ACT_DEFAULT
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{PREFETCH_ENV}={v!r}: use 1 (prefetch the activation chunk) or 0 (do not)")
 
 
 def dot_in_f32(dtype: torch.dtype) -> bool:
