@@ -1,4 +1,4 @@
-"""Time one decoder layer of lowlat-amd-mono (K1 + K2) on a GPU, against the general path, with stage variants.
+"""Time one decoder layer of lowlat-amd-mono on a GPU, against the general path, with stage variants.
 
 Usage (on the H200; about a minute with a warm Triton cache, under two minutes cold):
     PYTHONPATH=core/src:vendors/amd_mono/src python vendors/amd_mono/bench_layers.py
@@ -9,7 +9,8 @@ Usage (on the H200; about a minute with a warm Triton cache, under two minutes c
 
 Method: a model cut to ``--layers`` distinct decoder layers (so weights do not stay in L2 between replays) with
 seeded random weights made on the GPU; each request has ``--ctx`` cached tokens. A CUDA graph holds the
-embedding launch (it bumps the step tag) plus every layer's K1 and K2; another holds the embedding alone.
+embedding launch (it bumps the step tag) plus the layers (the one-launch step, or every layer's K1 and K2 with
+``one_launch=0``); another holds the embedding alone.
 Per layer = (median replay of the first - median of the second) / layers. The general path is the same cut
 model's decoder layers (lowlat.models) in a CUDA graph. "skip S" re-captures with stage S's compute skipped in
 every layer (it still publishes), so "full - skip S" is what stage S costs on the critical path. The roofline
@@ -119,6 +120,9 @@ class LayerBench:
 
         def layers() -> None:
             embed()
+            if fwd.one_launch:  # every layer in one persistent launch (kernels/step.py)
+                fwd.runner.run(*fwd.step_launch(b, shape))
+                return
             for i in range(self.cfg.num_hidden_layers):
                 fwd._k1(i, b, shape)
                 fwd._k2(i, b, shape)

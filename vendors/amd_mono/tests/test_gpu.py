@@ -1,5 +1,6 @@
-"""amd_mono on a GPU: persistent launches against the stage-per-launch mode and the general path, fault injection,
-the residency refusal, and the launch count of a captured step. Skipped without CUDA/ROCm or under the interpreter.
+"""amd_mono on a GPU: the one-launch step and the two-launch layers against the stage-per-launch mode and the
+general path, fault injection, the residency refusal, and the launch count of a captured step. Skipped without
+CUDA/ROCm or under the interpreter.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def _prefix(rows: int, tpr: int) -> list[int]:
 def test_persistent_matches_staged_and_general_path(preset: str, rows: int, tpr: int) -> None:
     s = make_setup(preset, torch.bfloat16, DEV, layers=_layers(preset))
     pers, staged = _forward(s), _forward(s, MonoOptions.resolve(s.device, {"amd_mono_staged": True}))
-    assert not pers.options.staged and staged.options.staged
+    two = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_one_launch": False}))
+    assert pers.one_launch and not two.one_launch and not two.options.staged and staged.options.staged
     pool_ref = make_pool(s, num_pages=400)
     req = new_requests(pool_ref, _prefix(rows, tpr))
-    pools = [clone_pool(pool_ref), clone_pool(pool_ref)]
+    pools = [clone_pool(pool_ref), clone_pool(pool_ref), clone_pool(pool_ref)]
     # seeded: the global CUDA generator's state depends on which tests ran before, which made failures unrepeatable
     ids = torch.randint(0, s.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(3)).to(DEV)
     batch = step_batch(pool_ref, req, tpr, ids)
@@ -69,10 +71,12 @@ def test_persistent_matches_staged_and_general_path(preset: str, rows: int, tpr:
     with router_logits_of(s.model) as router_logits:
         ref = s.model(batch, pool_ref)
     outs = []
-    for fwd, pool in zip((pers, staged), pools):
+    for fwd, pool in zip((pers, staged, two), pools):
         fwd.attach_kv_pool(pool)
         outs.append(fwd.forward(batch))
-    torch.testing.assert_close(outs[0], outs[1], atol=0.02, rtol=0.02)  # same kernel bodies and tiles
+    assert torch.equal(outs[0], outs[2])  # one launch or two per layer: the same stage bodies and tiles
+    assert all(torch.equal(a, b) for a, b in zip(pools[0].k_buffers, pools[2].k_buffers))
+    torch.testing.assert_close(outs[0], outs[1], atol=0.02, rtol=0.02)  # same kernel bodies (tiles may differ)
     # bf16 against the general path: the contract suite's rule (docs/contract.md), where a row over the element
     # bound that is a router near-tie of the general path (a MoE expert flip) is also left out of the mean
     ties = router_near_ties(router_logits, s.cfg.num_experts_per_tok)
@@ -87,20 +91,26 @@ def test_persistent_matches_staged_and_general_path(preset: str, rows: int, tpr:
                                    rtol=0.05)
 
 
-FAULTS = [("tiny-llama", 1, P.S_COMB, False), ("tiny-llama", 0, P.S_QKV, False), ("tiny-llama", 1, P.S_COMB, True),
-          ("tiny-llama", 0, P.S_MLP1, True), ("tiny-qwen3-moe", 1, P.S_MLP2, True),
-          ("tiny-qwen3-moe", 0, P.S_MLP1, False)]
+FAULTS = [("tiny-llama", 1, P.S_COMB, False, True), ("tiny-llama", 0, P.S_QKV, False, True),
+          ("tiny-llama", 1, P.S_COMB, True, True), ("tiny-llama", 0, P.S_MLP1, True, True),
+          ("tiny-llama", 0, P.S_MLP2, False, True), ("tiny-llama", 1, P.S_ROPE, True, True),
+          ("tiny-qwen3-moe", 1, P.S_MLP2, True, True), ("tiny-qwen3-moe", 0, P.S_MLP3, False, True),
+          ("tiny-qwen3-moe", 0, P.S_MLP1, False, True), ("tiny-llama", 0, P.S_QKV, False, False),
+          ("tiny-qwen3-moe", 1, P.S_MLP2, True, False)]
 
 
-@pytest.mark.parametrize("preset,layer,stage,counters", FAULTS,
-                         ids=[f"{p}-layer{la}-stage{st}-{'counters' if c else 'flags'}" for p, la, st, c in FAULTS])
+@pytest.mark.parametrize("preset,layer,stage,counters,one", FAULTS,
+                         ids=[f"{p}-layer{la}-stage{st}-{'counters' if c else 'flags'}-{'one' if o else 'two'}"
+                              for p, la, st, c, o in FAULTS])
 def test_stage_that_never_publishes_raises_within_the_deadline(preset: str, layer: int, stage: int,
-                                                               counters: bool) -> None:
+                                                               counters: bool, one: bool) -> None:
     """A silent stage stops the step with MonoStageTimeout within the deadline, with flag waits and with stage
-    counters (``stage_counters``: the waits for a whole stage), and the next step is correct again."""
+    counters (``stage_counters``: the waits for a whole stage), in the one-launch step (where the next layer's
+    QKV waits on a layer's last stage) and in two launches per layer, and the next step is correct again."""
     s = make_setup(preset, torch.bfloat16, DEV)
-    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_deadline_ms": 50,
+    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_deadline_ms": 50, "amd_mono_one_launch": one,
                                                      "amd_mono_stage_counters": counters}))
+    assert fwd.one_launch == one
     pool = make_pool(s)
     req = new_requests(pool, [12, 40])
     fwd.attach_kv_pool(pool)
@@ -109,9 +119,11 @@ def test_stage_that_never_publishes_raises_within_the_deadline(preset: str, laye
     batch = step_batch(pool, req, 1, torch.tensor([7, 8], device=DEV))
     t0 = time.monotonic()
     # whichever downstream stage times out first reports; the layer is the silent stage's (or the next one's)
-    progress = r"\d+ items published" if counters and stage != P.S_QKV else r"item \d+ unpublished"
-    with pytest.raises(MonoStageTimeout, match=rf"layer {layer}, stage k[12]\.\w+ waited more than 50 ms for "
-                                               rf"k[12]\.\w+ \({progress}\)"):
+    progress = r"\d+ items published" if counters and stage not in (P.S_QKV, P.S_ROPE) else r"item \d+ unpublished"
+    last = stage == (P.S_MLP3 if s.cfg.num_experts else P.S_MLP2)  # waited on by the next layer's QKV
+    where = rf"layer {layer + 1}, stage k1\.qkv_proj" if last else rf"layer {layer}, stage k[12]\.\w+"
+    awaited = rf"k[12]\.\w+ of layer {layer}" if last else r"k[12]\.\w+"
+    with pytest.raises(MonoStageTimeout, match=rf"{where} waited more than 50 ms for {awaited} \({progress}\)"):
         fwd.forward(batch)
     assert time.monotonic() - t0 < 10.0  # the server does not hang; generous bound for a loaded machine
     fwd.set_debug(layer)  # the next step runs with a new tag: stale flags and the old abort do not matter
@@ -138,9 +150,10 @@ def _captured(fwd: MonoForward, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGra
     return g, out
 
 
-def test_captured_step_has_two_launches_per_layer_and_replays_fresh_inputs() -> None:
+@pytest.mark.parametrize("one", [True, False], ids=["one-launch", "two-launches-per-layer"])
+def test_captured_step_counts_its_launches_and_replays_fresh_inputs(one: bool) -> None:
     s = make_setup("tiny-qwen3-moe", torch.bfloat16, DEV)
-    fwd = _forward(s)
+    fwd = _forward(s, MonoOptions.resolve(s.device, {"amd_mono_one_launch": one}))
     pool = make_pool(s)
     req = new_requests(pool, [10, 30, 50])
     fwd.attach_kv_pool(pool)
@@ -154,9 +167,13 @@ def test_captured_step_has_two_launches_per_layer_and_replays_fresh_inputs() -> 
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"
              and not e.name.lower().startswith(("memcpy", "memset"))]
     layers = s.cfg.num_hidden_layers
-    assert sum(n.startswith("k1_attn_in") for n in names) == layers
-    assert sum(n.startswith(("k2_dense_kernel", "k2_moe_kernel")) for n in names) == layers
-    assert len(names) == 2 * layers + 2, names  # plus the embedding and the LM head
+    if one:
+        assert sum(n.startswith("step_moe_kernel") for n in names) == 1
+        assert len(names) == 3, names  # the embedding, every layer, the LM head
+    else:
+        assert sum(n.startswith("k1_attn_in") for n in names) == layers
+        assert sum(n.startswith(("k2_dense_kernel", "k2_moe_kernel")) for n in names) == layers
+        assert len(names) == 2 * layers + 2, names  # plus the embedding and the LM head
     batch.input_ids.copy_(torch.tensor([9, 8, 7], device=DEV))  # fresh inputs, same slots
     fwd.prepare_for_replay(batch)
     g.replay()

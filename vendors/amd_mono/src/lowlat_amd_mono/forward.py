@@ -1,7 +1,8 @@
-"""MonoForward: a decode/verify step as embedding, two persistent launches per decoder layer, and the LM head.
+"""MonoForward: a decode/verify step as embedding, persistent launches for the decoder layers, and the LM head.
 
-Per step: ``embed_kernel`` (also bumps the device step tag), then for each layer K1 (``k1_attn_in``) and K2
-(``k2_attn_out_mlp``), then ``head_kernel``. The residual stream lives in the workspace ``x [8, H]`` between
+Per step: ``embed_kernel`` (also bumps the device step tag), then the decoder layers: one persistent launch for
+all of them (``kernels.step``, option ``one_launch``, the default) or, per layer, K1 (``k1_attn_in``) and K2
+(``k2_attn_out_mlp``); then ``head_kernel``. The residual stream lives in the workspace ``x [8, H]`` between
 launches. Everything a launch reads comes from device tensors, so a captured CUDA graph replays correctly
 with new inputs and a new tag. A missed deadline inside a launch is reported by ``check_errors`` (eager steps
 check after every step; captured steps are checked at the next ``prepare_for_replay``).
@@ -23,7 +24,9 @@ from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
 from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 from lowlat_amd_mono.kernels.k2_attn_out_mlp import k2_dense_kernel, k2_moe_kernel
 from lowlat_amd_mono.kernels.launch import MonoOptions, StageRunner, is_interpreted
+from lowlat_amd_mono.kernels.step import WTAB_COLS, step_dense_kernel, step_moe_kernel
 from lowlat_amd_mono.kernels.sync import CNT_STRIDE, CTL_SIZE, KIND_COUNT
+from lowlat_amd_mono.weights import bind_weights, layer_pointers
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 AllocFn = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
@@ -78,13 +81,19 @@ class MonoForward:
         self.options = options or MonoOptions.resolve(self.device, interpret=self.interpret)
         if self.options.staged:
             nprog = 4 if self.device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
+        elif self.interpret:  # one persistent program: every wait targets work it has already done (CPU tests)
+            nprog = 1
         else:
             per_sm = self.options.programs_per_sm or (2 if dm.any_moe else 1)
             nprog = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
         self.plan = P.MonoPlan.build(dm, nprog, interpret=self.interpret, bk_max=self.options.gemv_bk_max,
                                      max_tile_elems=self.options.gemv_tile_elems)
         self.runner = StageRunner(self.device, self.options, self.interpret, nprog)
-        self.w = _bind_weights(params, dm, dtype)
+        self.w = bind_weights(params, dm, dtype)
+        # One launch for all layers, unless staged or the model mixes dense and MoE layers (one kernel per kind).
+        self.one_launch = self.options.one_launch and not self.options.staged and not (dm.any_moe and dm.any_dense)
+        self.launch_note = ("one persistent launch for all layers" if self.one_launch else
+                            "two persistent launches per layer" if not self.options.staged else "one launch per stage")
         self.vocab = dm.vocab
         g, mi = dm.group, self.plan.max_items
         alloc = alloc_workspace
@@ -108,6 +117,8 @@ class MonoForward:
         self.counters = alloc("amd_mono.counters", (self.n_counters, CNT_STRIDE), torch.int32)
         self.ctl = alloc("amd_mono.ctl", (CTL_SIZE,), torch.int32)
         self.step = alloc("amd_mono.step", (1,), torch.int32)
+        self.wtab = alloc("amd_mono.layer_pointers", (dm.layers, WTAB_COLS), torch.int64)
+        self.dbg = alloc("amd_mono.debug_masks", (dm.layers,), torch.int32)
         for t in (self.flags, self.counters, self.ctl, self.step):
             t.zero_()
         self.cos, self.sin = rope_tables(model_config, max_context_len, self.device)
@@ -127,6 +138,12 @@ class MonoForward:
         if not all(b.is_contiguous() for b in (*kv_pool.k_buffers, *kv_pool.v_buffers)):
             raise ValueError("amd_mono needs contiguous KV buffers")
         self.kv_pool = kv_pool
+        if self.one_launch:
+            table, why = layer_pointers(self.w, kv_pool.k_buffers, kv_pool.v_buffers, self.dims.any_moe)
+            if table is None:
+                self.one_launch, self.launch_note = False, f"two persistent launches per layer ({why})"
+            else:
+                self.wtab.copy_(table)
 
     def supports(self, batch: ForwardBatch) -> bool:
         """DECODE or VERIFY steps of 1 to 8 rows with a uniform token count per request, once the pool exists."""
@@ -153,9 +170,12 @@ class MonoForward:
         shape = self.plan.step_shape(batch.num_tokens, _tokens_per_req(batch))
         dm = self.dims
         self.embed(batch.input_ids)
-        for layer in range(dm.layers):
-            self._k1(layer, batch, shape)
-            self._k2(layer, batch, shape)
+        if self.one_launch:
+            self.runner.run(*self.step_launch(batch, shape))
+        else:
+            for layer in range(dm.layers):
+                self._k1(layer, batch, shape)
+                self._k2(layer, batch, shape)
         logits = torch.empty(shape.rows, self.vocab, dtype=torch.float32, device=self.device)
         bn = self.plan.head_bn
         head_kernel[(P.cdiv(self.vocab, bn),)](
@@ -190,6 +210,7 @@ class MonoForward:
         """Alter stages of ``layer`` (stage ids from ``kernels.plan``): skip their compute (they still publish),
         or make them never publish (fault injection). Eager steps only: a captured graph keeps its values."""
         self.debug_masks[layer] = sum(1 << s for s in skip) | sum(1 << (8 + s) for s in never_publish)
+        self.dbg[layer] = self.debug_masks[layer]  # the one-launch step reads its masks from the device
 
     def stage_name(self, layer: int, stage: int) -> str:
         names = P.STAGE_NAMES_MOE if self.dims.moe_layers[layer] else P.STAGE_NAMES_DENSE
@@ -206,8 +227,10 @@ class MonoForward:
         self._errors_seen = rec[1]
         layer, stage, awaited, item, kind = rec[3], rec[4], rec[5], rec[6], rec[7]
         progress = f"{item} items published" if kind == int(KIND_COUNT) else f"item {item} unpublished"
-        raise MonoStageTimeout(layer, self.stage_name(layer, stage), self.stage_name(layer, awaited), progress,
-                               self.options.deadline_ms)
+        # The one-launch step's QKV waits on the previous layer's last stage; every other wait is within a layer.
+        waited = (f"{self.stage_name(layer - 1, awaited)} of layer {layer - 1}" if stage == P.S_QKV and layer > 0
+                  else self.stage_name(layer, awaited))
+        raise MonoStageTimeout(layer, self.stage_name(layer, stage), waited, progress, self.options.deadline_ms)
 
     def _meta(self) -> dict[str, Any]:
         return {"DT": _TL_DTYPES[self.dtype], "PREC": self._prec, **self.runner.common_meta()}
@@ -262,50 +285,36 @@ class MonoForward:
         return name, kernel, {s: pl.items(s, shape, moe) for s in stages}, args, meta
 
 
+    def step_launch(self, b: ForwardBatch, shape: P.StepShape) -> tuple[str, Any, dict[int, int], tuple[Any, ...],
+                                                                       dict[str, Any]]:
+        """The one-launch step over every layer as ``(name, kernel, {}, args, meta)`` for ``StageRunner.run``
+        (persistent only: the stage-per-launch mode runs K1/K2)."""
+        dm, pl = self.dims, self.plan
+        r2t = self.kv_pool.req_to_token
+        head = (self.x, self.x_mid, self.q, self.attn_out, self.att_op, self.att_ml, self.qkv_part)
+        tail = (self.wtab, self.dbg, b.positions, b.out_cache_loc, self.cos, self.sin, b.seq_lens,
+                b.req_pool_indices, r2t, self.flags, self.counters, self.ctl, self.step,
+                shape.rows, shape.batch, shape.nsplit, r2t.stride(0), self.runner.deadline, dm.eps,
+                dm.head_dim ** -0.5 * math.log2(math.e))
+        meta = dict(L=dm.layers, H=dm.hidden, HQ=dm.heads, HKV=dm.kv_heads, D=dm.head_dim, TPR=shape.tpr,
+                    M_ATT=shape.m_att, BLOCK_S=pl.block_s, NSPLIT_MAX=pl.nsplit_max, BN_Q=pl.qkv.bn, BK_Q=pl.qkv.bk,
+                    KS=pl.qkv.ksplit, KCH=pl.qkv.kchunk, QK_NORM=dm.qk_norm, BN_O=pl.o.bn, BK_O=pl.o.bk,
+                    MAX_ITEMS=pl.max_items, PF_BYTES=self._pf_bytes(), COUNT=self.options.stage_counters,
+                    **self._meta())
+        if dm.any_moe:
+            assert pl.router and pl.eup and pl.edown
+            args = (*head, self.router_logits, self.act_moe, self.slot_e, self.slot_w, *tail)
+            meta |= dict(E=dm.experts, E_P2=P.next_pow2(dm.experts), TOPK=dm.topk, NORM_TOPK=dm.norm_topk,
+                         IM=dm.moe_inter, BN_R=pl.router.bn, BK_R=pl.router.bk, BN_EU=pl.eup.bn, BK_EU=pl.eup.bk,
+                         BN_ED=pl.edown.bn, BK_ED=pl.edown.bk)
+            return "step_moe", step_moe_kernel, {}, args, meta
+        assert pl.gu and pl.down
+        meta |= dict(INTER=dm.inter, BN_GU=pl.gu.bn, BK_GU=pl.gu.bk, BN_D=pl.down.bn, BK_D=pl.down.bk)
+        return "step_dense", step_dense_kernel, {}, (*head, self.act, *tail), meta
+
+
 def _tokens_per_req(batch: ForwardBatch) -> int | None:
     """New tokens per request: the batch's uniform count (a DECODE batch without it has 1)."""
     if batch.tokens_per_req:
         return batch.tokens_per_req
     return 1 if batch.forward_mode is ForwardMode.DECODE else None
-
-
-def _bind_weights(params: dict[str, torch.Tensor], dm: P.Dims, dtype: torch.dtype) -> dict[str, Any]:
-    """Look up and check every parameter the kernels read (names and layouts of the general model)."""
-
-    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name not in params:
-            raise ValueError(f"amd_mono needs parameter {name!r} {list(shape)}; it is missing from the loaded model")
-        t = params[name]
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"parameter {name!r} is {list(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); "
-                             f"amd_mono needs a contiguous {list(shape)} {dtype}")
-        return t
-
-    h, d = dm.hidden, dm.head_dim
-    embed = get("model.embed_tokens.weight", (params["model.embed_tokens.weight"].shape[0], h)
-                if "model.embed_tokens.weight" in params else (dm.vocab, h))
-    lm_name = "lm_head.weight" if "lm_head.weight" in params else "model.embed_tokens.weight"
-    lm = get(lm_name, (params[lm_name].shape[0], h) if lm_name in params else (dm.vocab, h))
-    if lm.shape[0] < dm.vocab:
-        raise ValueError(f"{lm_name} has {lm.shape[0]} rows, fewer than vocab_size={dm.vocab} (amd_mono runs tp 1)")
-    layers = []
-    for i in range(dm.layers):
-        p = f"model.layers.{i}."
-        lw = {"ln1": get(p + "input_layernorm.weight", (h,)),
-              "qkv": get(p + "self_attn.qkv_proj.weight", (dm.qkv_rows, h)),
-              "o": get(p + "self_attn.o_proj.weight", (h, dm.heads * d)),
-              "ln2": get(p + "post_attention_layernorm.weight", (h,))}
-        if dm.qk_norm:
-            lw["q_norm"] = get(p + "self_attn.q_norm.weight", (d,))
-            lw["k_norm"] = get(p + "self_attn.k_norm.weight", (d,))
-        else:
-            lw["q_norm"] = lw["k_norm"] = lw["ln1"]  # unread when QK_NORM is off
-        if dm.moe_layers[i]:
-            lw["router"] = get(p + "mlp.gate.weight", (dm.experts, h))
-            lw["w13"] = get(p + "mlp.experts.w13_weight", (dm.experts, 2 * dm.moe_inter, h))
-            lw["w2"] = get(p + "mlp.experts.w2_weight", (dm.experts, h, dm.moe_inter))
-        else:
-            lw["gate_up"] = get(p + "mlp.gate_up_proj.weight", (2 * dm.inter, h))
-            lw["down"] = get(p + "mlp.down_proj.weight", (h, dm.inter))
-        layers.append(lw)
-    return {"embed": embed, "lm_head": lm, "norm": get("model.norm.weight", (h,)), "layers": layers}

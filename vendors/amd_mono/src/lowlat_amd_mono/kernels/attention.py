@@ -22,8 +22,9 @@ from lowlat_amd_mono.kernels.gemv import as_operand, rnd
 def attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, NSPLIT,
                    scale_log2, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, TPR: tl.constexpr,
                    M_ATT: tl.constexpr, BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr, DT: tl.constexpr,
-                   INTERP: tl.constexpr, PREC: tl.constexpr):
-    """One (request, kv head, split) item: partial attention of its query rows over its share of the keys."""
+                   INTERP: tl.constexpr, PREC: tl.constexpr, QXC: tl.constexpr):
+    """One (request, kv head, split) item: partial attention of its query rows over its share of the keys.
+    ``QXC`` is the cache modifier of the q and K/V loads (``.cg`` when the same launch wrote them)."""
     G: tl.constexpr = HQ // HKV
     b = i // (HKV * NSPLIT)
     kvh = (i // NSPLIT) % HKV
@@ -34,7 +35,7 @@ def attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stri
     d = tl.arange(0, D)
     tok = b * TPR + j
     q = tl.load(q_ptr + tok[:, None] * (HQ * D) + (kvh * G + r % G)[:, None] * D + d[None, :],
-                mask=rvalid[:, None], other=0.0)
+                mask=rvalid[:, None], other=0.0, cache_modifier=QXC)
     q = as_operand(q, DT, INTERP)
     seq = tl.load(seq_ptr + b).to(tl.int32)
     req = tl.load(req_ptr + b).to(tl.int64)
@@ -49,7 +50,8 @@ def attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stri
         s = s0 + tl.arange(0, BLOCK_S)
         smask = s < s_hi
         slot = tl.load(r2t_ptr + req * r2t_stride + s, mask=smask, other=0).to(tl.int64)
-        kt = tl.load(kc_ptr + slot[None, :] * (HKV * D) + kvh * D + d[:, None], mask=smask[None, :], other=0.0)
+        kt = tl.load(kc_ptr + slot[None, :] * (HKV * D) + kvh * D + d[:, None], mask=smask[None, :], other=0.0,
+                     cache_modifier=QXC)
         sc = tl.dot(q, as_operand(kt, DT, INTERP), input_precision=PREC) * scale_log2
         sc = tl.where(smask[None, :] & (s[None, :] <= last[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -57,7 +59,8 @@ def attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stri
         p = tl.exp2(sc - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(vc_ptr + slot[:, None] * (HKV * D) + kvh * D + d[None, :], mask=smask[:, None], other=0.0)
+        v = tl.load(vc_ptr + slot[:, None] * (HKV * D) + kvh * D + d[None, :], mask=smask[:, None], other=0.0,
+                    cache_modifier=QXC)
         pv = tl.dot(as_operand(p, DT, INTERP), as_operand(v, DT, INTERP), input_precision=PREC)
         acc = acc * alpha[:, None] + pv
         m_i = m_new

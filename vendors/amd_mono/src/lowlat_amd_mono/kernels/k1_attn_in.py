@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv_loop, l2_prefetch, load_w, rnd, row_rstd
-from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_if
+from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_all_if, wait_if
 
 try:  # PDL helpers (triton >= 3.5); absent ones are only referenced under USE_PDL, which the host leaves off
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -77,6 +77,77 @@ def _rope_head(hh, T, part_ptr, q_ptr, kc_ptr, vc_ptr, qnw_ptr, knw_ptr, pos_ptr
         tl.store(dst + HALF, o2.to(DT), mask=m2)
 
 
+@triton.jit
+def qkv_stage(alive, pid, nprog, T, layer, deadline, debug_mask, eps, x_ptr, part_ptr, lnw_ptr, wqkv_ptr,
+              flags_ptr, prev_flags_ptr, prev_cnt_ptr, n_prev, ctl_ptr, step_ptr,
+              H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
+              WAIT_PREV: tl.constexpr, PREV_STAGE: tl.constexpr, USE_PDL: tl.constexpr, DT: tl.constexpr,
+              INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, AXC: tl.constexpr,
+              MAXW: tl.constexpr, COUNT: tl.constexpr):
+    """S_QKV: items (column tile, K split) of ``Wqkv``; float32 partials ``part[ks, t, n]``, one flag per item.
+
+    Each program requests its first weight chunk, then (once, before its first item) waits: for the previous
+    launch (PDL), or with ``WAIT_PREV`` for the ``n_prev`` items of the previous layer's last stage (``prev_flags``
+    / ``prev_cnt``, stage ``PREV_STAGE``: the one-launch step), and computes the rows' RMSNorm while that chunk is
+    in flight. ``AXC`` is the cache modifier of the activation loads (``.cg`` when another program of the same
+    launch wrote ``x``)."""
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    NT: tl.constexpr = (NQKV + BN - 1) // BN
+    BM: tl.constexpr = 16
+    rstd = tl.zeros([BM], tl.float32)
+    tag = tl.full([], 0, tl.int32)
+    for i in range(pid, NT * KS, nprog):
+        nt = i // KS
+        k0 = (i % KS) * KCH
+        k1 = tl.minimum(k0 + KCH, H)
+        # Projection weights are requested before the norm (and before the previous layer ends).
+        w0 = load_w(wqkv_ptr, nt * BN, NQKV, H, k0, H, BN, BK, DT, INTERP)
+        l2_prefetch(wqkv_ptr, nt * BN, NQKV, H, k0 + BK, k1, PF_BYTES, BN, PF_L2)
+        if i == pid:  # the rows' RMSNorm, once per program, while the first chunk is in flight
+            if USE_PDL:
+                gdc_wait()
+            tag = tl.load(step_ptr)
+            if WAIT_PREV:
+                alive = wait_all_if(alive, prev_flags_ptr, prev_cnt_ptr, n_prev, tag, ctl_ptr, deadline, layer,
+                                    0, PREV_STAGE, MAXW, TIMER, True, COUNT)
+            rstd = row_rstd(x_ptr, H, T, H, eps, BM, BK, AXC)
+        if alive != 0:
+            if stage_runs(debug_mask, 0):
+                acc = tl.zeros([BM, BN], tl.float32)
+                acc = dot_chunk(acc, w0, x_ptr, H, T, k0, H, rstd, lnw_ptr, True, BM, BK, DT, INTERP, PREC, AXC)
+                acc = gemv_loop(acc, x_ptr, H, T, wqkv_ptr, H, nt * BN, NQKV, k0 + BK, k1, H, rstd, lnw_ptr, True,
+                                BM, BN, BK, DT, INTERP, PREC, AXC)
+                r = tl.arange(0, BM)
+                n = nt * BN + tl.arange(0, BN)
+                dst = part_ptr + (i % KS) * 8 * NQKV + r[:, None] * NQKV + n[None, :]
+                tl.store(dst, acc, mask=(r[:, None] < T) & (n[None, :] < NQKV))
+            publish(flags_ptr + _S_QKV * MAX_ITEMS + i, flags_ptr, tag, debug_mask, 0, False)  # waited per item
+    return alive
+
+
+@triton.jit
+def rope_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, part_ptr, q_ptr, kc_ptr, vc_ptr,
+               qnw_ptr, knw_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, flags_ptr, ctl_ptr,
+               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, KS: tl.constexpr,
+               QK_NORM: tl.constexpr, MAX_ITEMS: tl.constexpr, PERSISTENT: tl.constexpr, PUBLISH: tl.constexpr,
+               DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+    """S_ROPE: one item per head; waits for the QKV items covering it. With ``PUBLISH`` (the one-launch step,
+    where attention runs in the same launch) each head publishes its flag once its q or K/V rows are stored."""
+    for hh in range(pid, HQ + 2 * HKV, nprog):
+        lo = (hh * D) // BN * KS
+        hi = ((hh * D + D - 1) // BN + 1) * KS
+        alive = wait_if(alive, flags_ptr + _S_QKV * MAX_ITEMS, lo, hi, tag, ctl_ptr, deadline, layer,
+                        1, 0, MAXW, TIMER, PERSISTENT)
+        if alive != 0:
+            if stage_runs(debug_mask, 1):
+                _rope_head(hh, T, part_ptr, q_ptr, kc_ptr, vc_ptr, qnw_ptr, knw_ptr, pos_ptr, loc_ptr,
+                           cos_ptr, sin_ptr, eps, HQ, HKV, D, KS, QK_NORM, DT, INTERP, XC)
+            if PUBLISH:
+                publish(flags_ptr + _S_ROPE * MAX_ITEMS + hh, flags_ptr, tag, debug_mask, 1, False)
+    return alive
+
+
 @triton.jit(do_not_specialize=["T", "layer", "deadline", "debug_mask"])
 def k1_attn_in_kernel(
         x_ptr, q_ptr, part_ptr, kc_ptr, vc_ptr,
@@ -94,53 +165,23 @@ def k1_attn_in_kernel(
     ``part [KS, 8, (Hq+2Hkv)*D]`` float32, ``kc``/``vc`` this layer's ``[slots, Hkv, D]``, ``flags`` this layer's
     ``[8, MAX_ITEMS]`` int32, ``ctl`` the error record, ``step`` the device step tag."""
     PERSISTENT: tl.constexpr = STAGE < 0
-    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    NT: tl.constexpr = (NQKV + BN - 1) // BN
-    BM: tl.constexpr = 16
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     alive = tl.full([], 1, tl.int32)
     if USE_PDL and PDL_EARLY:
         gdc_launch_dependents()
     if PERSISTENT or STAGE == 0:
-        rstd = tl.zeros([BM], tl.float32)
-        tag = tl.full([], 0, tl.int32)
-        for i in range(pid, NT * KS, nprog):
-            nt = i // KS
-            k0 = (i % KS) * KCH
-            k1 = tl.minimum(k0 + KCH, H)
-            # Projection weights are requested before the norm (and, with PDL, before the previous layer ends).
-            w0 = load_w(wqkv_ptr, nt * BN, NQKV, H, k0, H, BN, BK, DT, INTERP)
-            l2_prefetch(wqkv_ptr, nt * BN, NQKV, H, k0 + BK, k1, PF_BYTES, BN, PF_L2)
-            if i == pid:  # the rows' RMSNorm, once per program, while the first chunk is in flight
-                if USE_PDL:
-                    gdc_wait()
-                tag = tl.load(step_ptr)
-                rstd = row_rstd(x_ptr, H, T, H, eps, BM, BK, "")
-            if stage_runs(debug_mask, 0):
-                acc = tl.zeros([BM, BN], tl.float32)
-                acc = dot_chunk(acc, w0, x_ptr, H, T, k0, H, rstd, lnw_ptr, True, BM, BK, DT, INTERP, PREC, "")
-                acc = gemv_loop(acc, x_ptr, H, T, wqkv_ptr, H, nt * BN, NQKV, k0 + BK, k1, H, rstd, lnw_ptr, True,
-                                BM, BN, BK, DT, INTERP, PREC, "")
-                r = tl.arange(0, BM)
-                n = nt * BN + tl.arange(0, BN)
-                dst = part_ptr + (i % KS) * 8 * NQKV + r[:, None] * NQKV + n[None, :]
-                tl.store(dst, acc, mask=(r[:, None] < T) & (n[None, :] < NQKV))
-            publish(flags_ptr + _S_QKV * MAX_ITEMS + i, flags_ptr, tag, debug_mask, 0, False)  # waited per item
+        alive = qkv_stage(alive, pid, nprog, T, layer, deadline, debug_mask, eps, x_ptr, part_ptr, lnw_ptr, wqkv_ptr,
+                          flags_ptr, flags_ptr, flags_ptr, 0, ctl_ptr, step_ptr, H, HQ, HKV, D, BN, BK, KS, KCH,
+                          MAX_ITEMS, PF_BYTES, False, 0, USE_PDL, DT, INTERP, TIMER, PF_L2, PREC, "", MAXW, False)
     if PERSISTENT or STAGE == 1:
         if USE_PDL:
             if not PDL_EARLY:
                 gdc_launch_dependents()
             gdc_wait()
         tag = tl.load(step_ptr)
-        for hh in range(pid, HQ + 2 * HKV, nprog):
-            lo = (hh * D) // BN * KS
-            hi = ((hh * D + D - 1) // BN + 1) * KS
-            alive = wait_if(alive, flags_ptr + _S_QKV * MAX_ITEMS, lo, hi, tag, ctl_ptr, deadline, layer,
-                            1, 0, MAXW, TIMER, PERSISTENT)
-            if alive != 0:
-                if stage_runs(debug_mask, 1):
-                    _rope_head(hh, T, part_ptr, q_ptr, kc_ptr, vc_ptr, qnw_ptr, knw_ptr, pos_ptr, loc_ptr,
-                               cos_ptr, sin_ptr, eps, HQ, HKV, D, KS, QK_NORM, DT, INTERP, XC)
+        alive = rope_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, part_ptr, q_ptr, kc_ptr,
+                           vc_ptr, qnw_ptr, knw_ptr, pos_ptr, loc_ptr, cos_ptr, sin_ptr, flags_ptr, ctl_ptr, HQ, HKV,
+                           D, BN, KS, QK_NORM, MAX_ITEMS, PERSISTENT, False, DT, INTERP, TIMER, XC, MAXW)
     if USE_PDL:
         gdc_wait()  # every program waits once, so this launch ends only after the previous one has

@@ -26,6 +26,7 @@ try:
 except ImportError:  # pragma: no cover - older triton; only referenced under USE_PDL
     gdc_launch_dependents = gdc_wait = None
 
+_S_ROPE = tl.constexpr(1)
 _S_ATTN = tl.constexpr(2)
 _S_COMB = tl.constexpr(3)
 _S_OPROJ = tl.constexpr(4)
@@ -37,20 +38,35 @@ _RUNTIME_INTS = ["T", "B", "NSPLIT", "layer", "deadline", "debug_mask"]
 
 
 @triton.jit
-def _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2,
+def attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2,
                       q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
                       flags_ptr, cnt_ptr, ctl_ptr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                       TPR: tl.constexpr, M_ATT: tl.constexpr, BLOCK_S: tl.constexpr, NSPLIT_MAX: tl.constexpr,
                       MAX_ITEMS: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
                       TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr,
-                      COUNT: tl.constexpr):
+                      COUNT: tl.constexpr, WAIT_KV: tl.constexpr):
+    """S_ATTN and S_COMB. With ``WAIT_KV`` (the one-launch step: the RoPE stage ran in this launch) an attention
+    item first waits for its kv head's RoPE items (its q heads, its k head and its v head) and reads q and K/V
+    with ``XC``; otherwise the launch boundary after K1 already made them visible."""
     PERSISTENT: tl.constexpr = STAGE < 0
+    G: tl.constexpr = HQ // HKV
     if PERSISTENT or STAGE == 2:
         for i in range(pid, B * HKV * NSPLIT, nprog):
-            if stage_runs(debug_mask, 2):
-                attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr,
-                               NSPLIT, scale_log2, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, DT, INTERP, PREC)
-            publish(flags_ptr + _S_ATTN * MAX_ITEMS + i, cnt_ptr, tag, debug_mask, 2, False)  # waited per item
+            if WAIT_KV:
+                kvh = (i // NSPLIT) % HKV
+                rope = flags_ptr + _S_ROPE * MAX_ITEMS
+                alive = wait_if(alive, rope, kvh * G, kvh * G + G, tag, ctl_ptr, deadline, layer, 2, 1, MAXW, TIMER,
+                                PERSISTENT)
+                alive = wait_if(alive, rope, HQ + kvh, HQ + kvh + 1, tag, ctl_ptr, deadline, layer, 2, 1, MAXW, TIMER,
+                                PERSISTENT)
+                alive = wait_if(alive, rope, HQ + HKV + kvh, HQ + HKV + kvh + 1, tag, ctl_ptr, deadline, layer, 2, 1,
+                                MAXW, TIMER, PERSISTENT)
+            if alive != 0:
+                if stage_runs(debug_mask, 2):
+                    attention_item(i, q_ptr, kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr,
+                                   NSPLIT, scale_log2, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, DT, INTERP, PREC,
+                                   XC if WAIT_KV else "")
+                publish(flags_ptr + _S_ATTN * MAX_ITEMS + i, cnt_ptr, tag, debug_mask, 2, False)  # waited per item
     if PERSISTENT or STAGE == 3:
         for i in range(pid, B * HKV, nprog):
             alive = wait_if(alive, flags_ptr + _S_ATTN * MAX_ITEMS, i * NSPLIT, (i + 1) * NSPLIT, tag, ctl_ptr,
@@ -64,7 +80,7 @@ def _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_
 
 
 @triton.jit
-def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr, wo_ptr,
+def oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr, wo_ptr,
                  flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
                  PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
@@ -88,7 +104,7 @@ def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_pt
                 r = tl.arange(0, BM)
                 n = i * BN + tl.arange(0, BN)
                 m = (r[:, None] < T) & (n[None, :] < H)
-                x = tl.load(x_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC).to(tl.float32)
                 xm = rnd(x + rnd(acc, DT, INTERP), DT, INTERP)
                 tl.store(xmid_ptr + r[:, None] * H + n[None, :], xm.to(DT), mask=m)
             publish(flags_ptr + _S_OPROJ * MAX_ITEMS + i, cnt_ptr + _S_OPROJ * CNT, tag, debug_mask, 4, COUNT)
@@ -96,7 +112,7 @@ def _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_pt
 
 
 @triton.jit
-def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
+def dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
                       ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, INTER: tl.constexpr,
                       N_OPROJ: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr,
                       BK_D: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr,
@@ -153,6 +169,8 @@ def _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, ep
                     xm = tl.load(xmid_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC)
                     res = rnd(xm.to(tl.float32) + rnd(acc, DT, INTERP), DT, INTERP)
                     tl.store(x_ptr + r[:, None] * H + n[None, :], res.to(DT), mask=m)
+                # the next layer's QKV waits on these in the one-launch step
+                publish(flags_ptr + _S_MLP2 * MAX_ITEMS + i, cnt_ptr + _S_MLP2 * CNT, tag, debug_mask, 6, COUNT)
     return alive
 
 
@@ -190,17 +208,17 @@ def k2_dense_kernel(
     nprog = tl.num_programs(0)
     tag = _k2_prologue(wo_ptr, H, HQ * D, BN_O, PF_BYTES, step_ptr, USE_PDL, PDL_EARLY, PF_L2)
     alive = tl.full([], 1, tl.int32)
-    alive = _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
+    alive = attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
                               kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
                               flags_ptr, cnt_ptr, ctl_ptr, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, MAX_ITEMS,
-                              STAGE, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
+                              STAGE, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT, False)
     if PERSISTENT or STAGE == 4:
-        alive = _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
+        alive = oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
                              wo_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES,
                              PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
     if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the MLP
         gdc_launch_dependents()
-    alive = _dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
+    alive = dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
                               ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, INTER, (H + BN_O - 1) // BN_O,
                               BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC,
                               MAXW, COUNT)
@@ -228,12 +246,12 @@ def k2_moe_kernel(
     nprog = tl.num_programs(0)
     tag = _k2_prologue(wo_ptr, H, HQ * D, BN_O, PF_BYTES, step_ptr, USE_PDL, PDL_EARLY, PF_L2)
     alive = tl.full([], 1, tl.int32)
-    alive = _attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
+    alive = attention_stages(alive, pid, nprog, tag, B, NSPLIT, layer, deadline, debug_mask, scale_log2, q_ptr,
                               kc_ptr, vc_ptr, seq_ptr, req_ptr, r2t_ptr, r2t_stride, op_ptr, ml_ptr, ao_ptr,
                               flags_ptr, cnt_ptr, ctl_ptr, HQ, HKV, D, TPR, M_ATT, BLOCK_S, NSPLIT_MAX, MAX_ITEMS,
-                              STAGE, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
+                              STAGE, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT, False)
     if PERSISTENT or STAGE == 4:
-        alive = _oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
+        alive = oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
                              wo_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES,
                              PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
     if PERSISTENT or STAGE == 5:

@@ -3,7 +3,9 @@
 Mode selection: the stage-per-launch mode is used under the Triton interpreter (whose programs run one after
 another, so a spinning wait would deadlock), on CPU, and when ``LOWLAT_MONO_STAGED=1`` (GPU debugging).
 Otherwise a kernel runs once over a persistent grid of ``programs_per_sm`` x SMs programs, after the residency
-check (``residency.check_grid``) of its compiled variant.
+check (``residency.check_grid``) of its compiled variant. Tests may also run the persistent kernels under the
+interpreter over a grid of one program (``MonoOptions(staged=False)`` passed directly), where every wait finds
+its flags already published by the program itself.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class MonoOptions:
 
     Attributes:
         staged: run each stage as its own launch (no cross-workgroup waits). Forced under the interpreter.
+        one_launch: run every decoder layer of a step in one persistent launch (``kernels.step``: three launches
+            per step with the embedding and the LM head); False runs two persistent launches per layer (K1, K2),
+            for comparison. A model that mixes dense and MoE layers always runs two per layer.
         deadline_ms: how long a cross-workgroup wait may spin before the launch aborts (milliseconds).
         programs_per_sm: persistent programs per SM/CU (the grid is this times the SM/CU count); 0 picks 2 for
             a model with MoE layers and 1 otherwise (the faster on the H200, docs/design.md).
@@ -63,6 +68,7 @@ class MonoOptions:
     """
 
     staged: bool = False
+    one_launch: bool = True
     deadline_ms: float = 100.0
     programs_per_sm: int = 0
     pdl: bool = False
@@ -128,7 +134,8 @@ class MonoOptions:
         pdl = opts.pdl and sm90 and not staged
         # Cooperative launch is the default only without PDL (the two launch attributes are not combined here).
         cooperative = bool(vals.get("cooperative", not pdl)) and cuda and not staged
-        return cls(staged=staged, deadline_ms=opts.deadline_ms, programs_per_sm=opts.programs_per_sm, pdl=pdl,
+        return cls(staged=staged, one_launch=opts.one_launch, deadline_ms=opts.deadline_ms,
+                   programs_per_sm=opts.programs_per_sm, pdl=pdl,
                    cooperative=cooperative, pdl_early=opts.pdl_early,
                    l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
                    stage_counters=opts.stage_counters, gemv_prefetch=opts.gemv_prefetch,
@@ -146,7 +153,7 @@ class StageRunner:
         self.nprog = nprog
         is_hip = torch.version.hip is not None
         cuda = device.type == "cuda" and not is_hip and not interpret
-        self.timer = TIMER_SPIN if options.staged else (TIMER_HIP if is_hip else TIMER_CUDA)
+        self.timer = TIMER_SPIN if options.staged or interpret else (TIMER_HIP if is_hip else TIMER_CUDA)
         self.deadline = int(options.deadline_ms * {TIMER_SPIN: 1e3, TIMER_CUDA: 1e6, TIMER_HIP: 1e5}[self.timer])
         self.xc = ".cg" if cuda and not options.staged else ""
         self.occupancy: dict[str, Occupancy] = {}
@@ -183,7 +190,7 @@ class StageRunner:
             return
         grid = (self.nprog,)
         key = (name, tuple(sorted((k, str(v)) for k, v in meta.items())))
-        if key not in self._checked:
+        if key not in self._checked and not self.interpret:  # (an interpreted grid is one program)
             compiled = kernel.warmup(*args, grid=grid, STAGE=-1, **meta, **self._persistent_kw)
             occ = kernel_occupancy(compiled, self.device)
             check_grid(name, self.nprog, occ)

@@ -7,9 +7,9 @@ ascending expert id: slot ``u`` in ``[0, n_unique)`` is the ``u``-th chosen expe
 once for all tokens (tokens that did not choose it get routing weight 0 in the combine).
 
 Stages: router (items: expert tiles of ``Wg [E, H]``); expert gate/up (items ``(u, tile)`` of
-``w13[e_u] [2 I, H]``; items with ``u >= n_unique`` do nothing; routed weights are loaded only after routing
-is known); expert down (items: hidden tiles of ``w2[e] [H, I]``; each waits for the chosen slots' gate/up
-tiles, then streams every chosen expert's rows in one pipelined loop and adds the residual).
+``w13[e_u] [2 I, H]``; items with ``u >= n_unique`` compute nothing and only publish; routed weights are loaded
+only after routing is known); expert down (items: hidden tiles of ``w2[e] [H, I]``; each waits for every gate/up
+item, then streams every chosen expert's rows in one pipelined loop and adds the residual).
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
                     n = nt * BN + tl.arange(0, BN)
                     dst = actm_ptr + u * (8 * IM) + r[:, None] * IM + n[None, :]
                     tl.store(dst, act.to(DT), mask=(r[:, None] < T) & (n[None, :] < IM))
-                publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, COUNT)
+            # Every item publishes, also the unused slots >= n_unique: it read the routing and x_mid, which the
+            # next layer overwrites in the one-launch step, so the down stage waits for the whole stage.
+            publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, COUNT)
     return alive
 
 
@@ -159,7 +161,7 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
             alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * CNT, N_ROUTER, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT, COUNT)
             w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
-            alive = wait_all_if(alive, flags_ptr + S_UP * MAX_ITEMS, cnt_ptr + S_UP * CNT, n_unique * NT_UP, tag,
+            alive = wait_all_if(alive, flags_ptr + S_UP * MAX_ITEMS, cnt_ptr + S_UP * CNT, T * TOPK * NT_UP, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_UP, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
             out = tl.zeros([BM, BN], tl.float32)
@@ -177,4 +179,6 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
             xm = tl.load(xmid_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC)
             res = rnd(xm.to(tl.float32) + rnd(out, DT, INTERP), DT, INTERP)
             tl.store(x_ptr + r[:, None] * H + n[None, :], res.to(DT), mask=m)
+            # the next layer's QKV waits on these in the one-launch step
+            publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, COUNT)
     return alive
