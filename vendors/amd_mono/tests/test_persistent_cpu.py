@@ -25,6 +25,7 @@ PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 def _mono(s, **opts) -> MonoForward:
     # One program never waits for another, so a wait that spins at all is a bug: 1000 polls fail it fast.
     opts.setdefault("deadline_ms", 1.0)
+    opts.setdefault("one_launch", True)
     return MonoForward(model_config=s.cfg, params=s.binding.params, dtype=s.dtype, device=s.device,
                        alloc_workspace=s.binding.alloc_workspace, max_context_len=MAX_CTX,
                        options=MonoOptions(staged=False, **opts))

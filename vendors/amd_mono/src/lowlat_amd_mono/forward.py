@@ -1,7 +1,7 @@
 """MonoForward: a decode/verify step as embedding, persistent launches for the decoder layers, and the LM head.
 
 Per step: ``embed_kernel`` (also bumps the device step tag), then the decoder layers: one persistent launch for
-all of them (``kernels.step``, option ``one_launch``, the default) or, per layer, K1 (``k1_attn_in``) and K2
+all of them (``kernels.step``, option ``one_launch``) or, per layer (the default), K1 (``k1_attn_in``) and K2
 (``k2_attn_out_mlp``); then ``head_kernel``. The residual stream lives in the workspace ``x [8, H]`` between
 launches. Everything a launch reads comes from device tensors, so a captured CUDA graph replays correctly
 with new inputs and a new tag. A missed deadline inside a launch is reported by ``check_errors`` (eager steps
