@@ -53,7 +53,10 @@ def _wptr(row_ptr, col: tl.constexpr, DT: tl.constexpr):
     return tl.multiple_of(tl.load(row_ptr + col).to(tl.pointer_type(DT)), 16)
 
 
-@triton.jit
+# The two halves of a layer are separate (noinline) functions: inlined into the layer loop, loop-invariant index
+# tensors of every stage were hoisted out of the loop and stayed live across all of it (255 registers and a
+# stack, against 182 and none this way, at llama-3.2-1b's sm90 build; docs/design.md, "One launch per step").
+@triton.jit(noinline=True)
 def _attn_block(alive, pid, nprog, tag, T, B, NSPLIT, layer, deadline, dbg, eps, scale_log2, x_ptr, xmid_ptr, q_ptr,
                 ao_ptr, op_ptr, ml_ptr, part_ptr, w, pos_ptr, loc_ptr, cos_ptr, sin_ptr, seq_ptr, req_ptr, r2t_ptr,
                 r2t_stride, fl, cn, prev_fl, prev_cn, n_prev, ctl_ptr, step_ptr, H: tl.constexpr, HQ: tl.constexpr,
@@ -81,6 +84,41 @@ def _attn_block(alive, pid, nprog, tag, T, B, NSPLIT, layer, deadline, dbg, eps,
                         _wptr(w, W_O, DT), fl, cn, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES, True, DT,
                         INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
     return alive
+
+
+@triton.jit(noinline=True)
+def _dense_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr, ln2_ptr, wgu_ptr,
+               wdn_ptr, fl, cn, ctl_ptr, H: tl.constexpr, INTER: tl.constexpr, N_OPROJ: tl.constexpr,
+               BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+               MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr,
+               INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr,
+               MAXW: tl.constexpr, COUNT: tl.constexpr):
+    """One dense layer's MLP half (``k2_attn_out_mlp.dense_mlp_stages``)."""
+    return dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr, ln2_ptr,
+                            wgu_ptr, wdn_ptr, fl, cn, ctl_ptr, H, INTER, N_OPROJ, BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS,
+                            PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+
+
+@triton.jit(noinline=True)
+def _moe_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, rl_ptr, actm_ptr, slot_e_ptr,
+             slot_w_ptr, w, fl, cn, ctl_ptr, H: tl.constexpr, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr,
+             NORM_TOPK: tl.constexpr, IM: tl.constexpr, N_ROUTER: tl.constexpr, N_OPROJ: tl.constexpr,
+             BN_R: tl.constexpr, BK_R: tl.constexpr, BN_EU: tl.constexpr, BK_EU: tl.constexpr, BN_ED: tl.constexpr,
+             BK_ED: tl.constexpr, MAX_ITEMS: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
+             TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+    """One layer's MoE half: router, expert gate/up, expert down + combine + residual."""
+    ln2 = _wptr(w, W_LN2, DT)
+    alive = router_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, xmid_ptr, ln2, _wptr(w, W_MLP_A, DT),
+                         rl_ptr, fl, cn, ctl_ptr, H, E, N_OPROJ, BN_R, BK_R, MAX_ITEMS, 4, 5, True, DT, INTERP,
+                         TIMER, PREC, XC, MAXW, COUNT)
+    alive = expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, xmid_ptr, ln2, _wptr(w, W_MLP_B, DT),
+                            rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, fl, cn, ctl_ptr, H, E, E_P2, TOPK, NORM_TOPK,
+                            IM, N_ROUTER, BN_EU, BK_EU, MAX_ITEMS, 5, 6, True, DT, INTERP, TIMER, PREC, XC, MAXW,
+                            COUNT)
+    return expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, x_ptr, xmid_ptr, _wptr(w, W_MLP_C, DT),
+                             rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, fl, cn, ctl_ptr, H, E, E_P2, TOPK, NORM_TOPK,
+                             IM, N_ROUTER, (IM + BN_EU - 1) // BN_EU, BN_ED, BK_ED, MAX_ITEMS, 5, 6, 7, True, DT,
+                             INTERP, TIMER, PREC, XC, MAXW, COUNT)
 
 
 @triton.jit
@@ -127,7 +165,7 @@ def step_dense_kernel(
                             tl.where(layer > 0, N_DOWN, 0), ctl_ptr, step_ptr, H, HQ, HKV, D, TPR, M_ATT, BLOCK_S,
                             NSPLIT_MAX, BN_Q, BK_Q, KS, KCH, QK_NORM, BN_O, BK_O, MAX_ITEMS, PF_BYTES, _S_MLP2, DT,
                             INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
-        alive = dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr,
+        alive = _dense_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr,
                                  _wptr(w, W_LN2, DT), _wptr(w, W_MLP_A, DT), _wptr(w, W_MLP_B, DT), fl, cn, ctl_ptr,
                                  H, INTER, (H + BN_O - 1) // BN_O, BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, -1,
                                  DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
@@ -170,17 +208,9 @@ def step_moe_kernel(
                             tl.where(layer > 0, N_DOWN, 0), ctl_ptr, step_ptr, H, HQ, HKV, D, TPR, M_ATT, BLOCK_S,
                             NSPLIT_MAX, BN_Q, BK_Q, KS, KCH, QK_NORM, BN_O, BK_O, MAX_ITEMS, PF_BYTES, _S_MLP3, DT,
                             INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
-        ln2 = _wptr(w, W_LN2, DT)
-        alive = router_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, xmid_ptr, ln2,
-                             _wptr(w, W_MLP_A, DT), rl_ptr, fl, cn, ctl_ptr, H, E, (H + BN_O - 1) // BN_O, BN_R, BK_R,
-                             MAX_ITEMS, 4, 5, True, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
-        alive = expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, xmid_ptr, ln2,
-                                _wptr(w, W_MLP_B, DT), rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, fl, cn, ctl_ptr, H,
-                                E, E_P2, TOPK, NORM_TOPK, IM, N_ROUTER, BN_EU, BK_EU, MAX_ITEMS, 5, 6, True, DT,
-                                INTERP, TIMER, PREC, XC, MAXW, COUNT)
-        alive = expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, x_ptr, xmid_ptr,
-                                  _wptr(w, W_MLP_C, DT), rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, fl, cn, ctl_ptr, H,
-                                  E, E_P2, TOPK, NORM_TOPK, IM, N_ROUTER, (IM + BN_EU - 1) // BN_EU, BN_ED, BK_ED,
-                                  MAX_ITEMS, 5, 6, 7, True, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
+        alive = _moe_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, rl_ptr, actm_ptr,
+                         slot_e_ptr, slot_w_ptr, w, fl, cn, ctl_ptr, H, E, E_P2, TOPK, NORM_TOPK, IM, N_ROUTER,
+                         (H + BN_O - 1) // BN_O, BN_R, BK_R, BN_EU, BK_EU, BN_ED, BK_ED, MAX_ITEMS, DT, INTERP, TIMER,
+                         PREC, XC, MAXW, COUNT)
     if USE_PDL:
         gdc_launch_dependents()
