@@ -41,9 +41,9 @@ class MonoOptions:
         staged: run each stage as its own launch (no cross-workgroup waits). Forced under the interpreter.
         one_launch: run every decoder layer of a step in one persistent launch (``kernels.step``: three launches
             per step with the embedding and the LM head) instead of two persistent launches per layer (K1, K2).
-            Off by default: on the H200 it is 3-7% slower per layer (llama-3.2-1b 76.4 against 73.5 µs at one
-            row, qwen3-30b-a3b 140.3 against 130.5; docs/design.md, "One launch per step"). A model that mixes
-            dense and MoE layers always runs two per layer.
+            Off by default: on the H200 it is even on llama-3.2-1b (74.4 against 74.1 µs per layer at one row)
+            and 4-6% slower on qwen3-30b-a3b (137.7 against 131.8; docs/design.md, "One launch per step"). A model
+            that mixes dense and MoE layers always runs two per layer.
         deadline_ms: how long a cross-workgroup wait may spin before the launch aborts (milliseconds).
         programs_per_sm: persistent programs per SM/CU (the grid is this times the SM/CU count); 0 picks 2 for
             a model with MoE layers and 1 otherwise (the faster on the H200, docs/design.md).
