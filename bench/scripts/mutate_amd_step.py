@@ -46,6 +46,9 @@ M = [  # (name, file, original text, mutated text)
     ("pointer table not filled", F, "                self.wtab.copy_(table)", "                pass"),
     ("KV columns swapped", W, "S.COL_KC: k_buffers[i], S.COL_VC: v_buffers[i]",
      "S.COL_KC: v_buffers[i], S.COL_VC: k_buffers[i]"),
+    ("alignment not checked", W, "if t.data_ptr() % 16:", "if t.data_ptr() % 16 > 99:"),
+    ("a model mixing dense and MoE layers takes the one launch", F, "not (dm.any_moe and dm.any_dense)",
+     "not (dm.any_moe and dm.any_dense and False)"),
     ("error names this layer for a cross-layer wait", F, "if stage == P.S_QKV and layer > 0", "if False"),
 ]
 

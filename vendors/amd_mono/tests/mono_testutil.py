@@ -142,3 +142,24 @@ def bf16_logits_problem(got: torch.Tensor, want: torch.Tensor, near_ties: dict[i
                 f"{allowed} allowed; router near-tie rows {near_ties}); mean {mean:.4g} over the other rows, bound "
                 f"{BF16_MEAN_REL * scale:.4g} (scale {scale:.4g})"), excused
     return None, excused
+
+
+def empty_params(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Uninitialized tensors of every parameter amd_mono binds (their values are never read here)."""
+    from lowlat_amd_mono.kernels import plan as P  # here: the kernels must be imported after TRITON_INTERPRET is read
+
+    dm = P.Dims.from_config(cfg)
+    h, d = dm.hidden, dm.head_dim
+    out = {"model.embed_tokens.weight": (dm.vocab, h), "model.norm.weight": (h,)}
+    for i in range(dm.layers):
+        p = f"model.layers.{i}."
+        out |= {p + "input_layernorm.weight": (h,), p + "self_attn.qkv_proj.weight": (dm.qkv_rows, h),
+                p + "self_attn.o_proj.weight": (h, dm.heads * d), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if dm.moe_layers[i]:
+            out |= {p + "mlp.gate.weight": (dm.experts, h),
+                    p + "mlp.experts.w13_weight": (dm.experts, 2 * dm.moe_inter, h),
+                    p + "mlp.experts.w2_weight": (dm.experts, h, dm.moe_inter)}
+        else:
+            out |= {p + "mlp.gate_up_proj.weight": (2 * dm.inter, h), p + "mlp.down_proj.weight": (h, dm.inter)}
+    return {k: torch.empty(v, dtype=dtype) for k, v in out.items()}

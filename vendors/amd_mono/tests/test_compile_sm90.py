@@ -21,29 +21,10 @@ from lowlat.loader.presets import get_preset, with_layers  # noqa: E402
 from lowlat_amd_mono.forward import MonoForward  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
-from mono_testutil import MAX_CTX, Setup, make_pool, new_requests, step_batch  # noqa: E402
+from mono_testutil import MAX_CTX, Setup, empty_params, make_pool, new_requests, step_batch  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("_sm90_compile.py")
 _DT = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
-
-
-def _params(cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Uninitialized tensors of every parameter amd_mono binds (their values are never read here)."""
-    dm = P.Dims.from_config(cfg)
-    h, d = dm.hidden, dm.head_dim
-    out = {"model.embed_tokens.weight": (dm.vocab, h), "model.norm.weight": (h,)}
-    for i in range(dm.layers):
-        p = f"model.layers.{i}."
-        out |= {p + "input_layernorm.weight": (h,), p + "self_attn.qkv_proj.weight": (dm.qkv_rows, h),
-                p + "self_attn.o_proj.weight": (h, dm.heads * d), p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-        if dm.moe_layers[i]:
-            out |= {p + "mlp.gate.weight": (dm.experts, h),
-                    p + "mlp.experts.w13_weight": (dm.experts, 2 * dm.moe_inter, h),
-                    p + "mlp.experts.w2_weight": (dm.experts, h, dm.moe_inter)}
-        else:
-            out |= {p + "mlp.gate_up_proj.weight": (2 * dm.inter, h), p + "mlp.down_proj.weight": (h, dm.inter)}
-    return {k: torch.empty(v, dtype=dtype) for k, v in out.items()}
 
 
 def _describe(name: str, kernel, args: tuple, meta: dict) -> dict:
@@ -76,7 +57,7 @@ def _describe(name: str, kernel, args: tuple, meta: dict) -> dict:
 def test_persistent_kernels_compile_for_sm90(preset: str, tmp_path: Path) -> None:
     cfg = dataclasses.replace(with_layers(get_preset(preset), 2), vocab_size=512)
     dtype, dev = torch.bfloat16, torch.device("cpu")
-    fwd = MonoForward(model_config=cfg, params=_params(cfg, dtype), dtype=dtype, device=dev,
+    fwd = MonoForward(model_config=cfg, params=empty_params(cfg, dtype), dtype=dtype, device=dev,
                       alloc_workspace=lambda n, s, d: torch.zeros(s, dtype=d), max_context_len=MAX_CTX,
                       options=MonoOptions(staged=False, one_launch=True))
     fwd.plan = P.MonoPlan.build(fwd.dims, 132 * (2 if fwd.dims.any_moe else 1))  # the H200's grid and tiles

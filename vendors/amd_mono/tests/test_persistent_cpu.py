@@ -6,6 +6,7 @@ Run with TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -14,10 +15,21 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set before triton is imported)", allow_module_level=True)
 
+from lowlat.loader.presets import get_preset, with_layers  # noqa: E402
 from lowlat_amd_mono.forward import MonoForward, MonoStageTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from lowlat_amd_mono.kernels.launch import MonoOptions  # noqa: E402
-from mono_testutil import MAX_CTX, clone_pool, make_pool, make_setup, new_requests, step_batch  # noqa: E402
+from lowlat_amd_mono.kernels.step import COL_O  # noqa: E402
+from mono_testutil import (  # noqa: E402
+    MAX_CTX,
+    Setup,
+    clone_pool,
+    empty_params,
+    make_pool,
+    make_setup,
+    new_requests,
+    step_batch,
+)
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"]
 
@@ -120,3 +132,33 @@ def test_attention_waits_for_exactly_its_kv_heads_rope_items(missing: str) -> No
     with pytest.raises(MonoStageTimeout, match=rf"layer 1, stage k2\.attention waited .* for "
                                                rf"k1\.qk_norm_rope_kv_write \(item {first} unpublished\)"):
         _step(s, fwd, [5, 9], 1)
+
+
+def _bare(cfg, params=None, **opts) -> MonoForward:
+    """A MonoForward over uninitialized weights (for the launch-mode choice; no step runs)."""
+    return MonoForward(model_config=cfg, params=params or empty_params(cfg, torch.bfloat16), dtype=torch.bfloat16,
+                       device=torch.device("cpu"), alloc_workspace=lambda n, s, d: torch.zeros(s, dtype=d),
+                       max_context_len=MAX_CTX, options=MonoOptions(**opts))
+
+
+def test_launch_mode_falls_back_by_name_where_one_launch_cannot_run() -> None:
+    """The one launch needs layers of one kind and 16-byte aligned tensors; otherwise two launches per layer, and
+    ``launch_note`` says why. Staged options (the interpreter's default) run one launch per stage."""
+    cfg = with_layers(get_preset("tiny-qwen3-moe"), 2)
+    assert _bare(cfg, staged=False, one_launch=True).launch_note == "one persistent launch for all layers"
+    mixed = dataclasses.replace(cfg, mlp_only_layers=(0,))
+    fwd = _bare(mixed, staged=False, one_launch=True)
+    assert not fwd.one_launch and fwd.launch_note == "two persistent launches per layer"
+    assert _bare(cfg, staged=True, one_launch=True).launch_note == "one launch per stage"
+    assert _bare(cfg, staged=False).launch_note == "two persistent launches per layer"  # the default
+    params = empty_params(cfg, torch.bfloat16)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    flat = torch.empty(params[name].numel() + 1, dtype=torch.bfloat16)
+    params[name] = flat[1:].view(params[name].shape)  # contiguous, 2 bytes past an aligned address
+    fwd = _bare(cfg, params, staged=False, one_launch=True)
+    assert fwd.one_launch  # decided when the KV pool (and with it every pointer) is known
+    fwd.attach_kv_pool(make_pool(Setup(cfg, None, None, torch.bfloat16, torch.device("cpu")), num_pages=8,
+                                 fill_seed=None))
+    assert not fwd.one_launch
+    assert fwd.launch_note == ("two persistent launches per layer (layer 1's tensor for pointer-table column "
+                               f"{COL_O} is not 16-byte aligned)")
