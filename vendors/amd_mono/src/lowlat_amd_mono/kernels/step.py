@@ -166,9 +166,9 @@ def step_dense_kernel(
                             NSPLIT_MAX, BN_Q, BK_Q, KS, KCH, QK_NORM, BN_O, BK_O, MAX_ITEMS, PF_BYTES, _S_MLP2, DT,
                             INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
         alive = _dense_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr,
-                                 _wptr(w, W_LN2, DT), _wptr(w, W_MLP_A, DT), _wptr(w, W_MLP_B, DT), fl, cn, ctl_ptr,
-                                 H, INTER, (H + BN_O - 1) // BN_O, BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, -1,
-                                 DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                           _wptr(w, W_LN2, DT), _wptr(w, W_MLP_A, DT), _wptr(w, W_MLP_B, DT), fl, cn, ctl_ptr, H,
+                           INTER, (H + BN_O - 1) // BN_O, BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, -1, DT,
+                           INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
     if USE_PDL:
         gdc_launch_dependents()
 
