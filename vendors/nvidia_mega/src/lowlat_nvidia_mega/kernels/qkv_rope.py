@@ -40,8 +40,8 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     load_tile,
     load_x_nw,
     make_plan,
-    norm_rows,
     prefetch_act_enabled,
+    prefetched_rows,
     rnd,
     row_rstd,
     to_act,
@@ -144,11 +144,9 @@ def _qkv_rope_kernel(
         kl_mask = kl < k_end
         wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
         wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
-        if PREFETCH_ACT:  # normalize the chunk loaded one iteration ago while the next one is in flight
-            xr, nwr = x_nx, nw_nx
-            kn = kl + BLOCK_K
-            x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
-            xl = norm_rows(xr, rstd, nwr)
+        if PREFETCH_ACT:
+            xl, x_nx, nw_nx = prefetched_rows(x_nx, nw_nx, rstd, x_ptr, stride_xm, offs_m, m_mask, kl, k_end, nw_ptr,
+                                              BLOCK_K)
         else:
             xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
         lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)

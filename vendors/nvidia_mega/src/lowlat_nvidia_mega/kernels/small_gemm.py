@@ -24,7 +24,8 @@ Triton):
   arithmetic on the same values, so results are bit-identical to the plain loop.
 
 Shared device helpers (``to_act``, ``rnd``, ``load_tile``, ``row_rstd``, ``load_rows``, ``load_x_nw``,
-``norm_rows``, ``dot_acc``) are reused by ``qkv_rope.py`` (``to_act`` and ``dot_acc`` by the other kernels too).
+``norm_rows``, ``prefetched_rows``, ``dot_acc``) are reused by ``qkv_rope.py`` (``to_act`` and ``dot_acc`` by the
+other kernels too).
 """
 
 from __future__ import annotations
@@ -142,6 +143,17 @@ def load_x_nw(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, nw_ptr):
 
 
 @triton.jit
+def prefetched_rows(x_nx, nw_nx, rstd, x_ptr, stride_xm, offs_m, m_mask, kl, k_end, nw_ptr, BLOCK_K: tl.constexpr):
+    """One step of a prefetch loop at chunk ``kl``: request the next chunk's raw x and norm weights, and
+    RMS-normalize the chunk loaded one iteration ago (``x_nx``, ``nw_nx``; same values and arithmetic as
+    ``load_rows``) while the next one is in flight; past ``k_end`` the mask is empty and nothing is read.
+    Returns (normalized rows of this chunk, the next chunk's x, its weights)."""
+    kn = kl + BLOCK_K
+    x_next, nw_next = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
+    return norm_rows(x_nx, rstd, nw_nx), x_next, nw_next
+
+
+@triton.jit
 def _gemm_epilogue(acc, acc_u, offs_m, offs_n, mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE: tl.constexpr):
     dt = out_ptr.dtype.element_ty
     if EPILOGUE == 1:
@@ -202,12 +214,8 @@ def _small_gemm_kernel(
         kl_mask = kl < k_end
         w = load_tile(w_rows + kl[None, :], n_mask, kl_mask, EVEN_K)
         if PREFETCH:
-            # Normalize the chunk loaded one iteration ago (same values, same arithmetic as load_rows) while the
-            # next one is in flight; past k_end the mask is empty and nothing is read.
-            xr, nwr = x_nx, nw_nx
-            kn = kl + BLOCK_K
-            x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
-            xl = norm_rows(xr, rstd, nwr)
+            xl, x_nx, nw_nx = prefetched_rows(x_nx, nw_nx, rstd, x_ptr, stride_xm, offs_m, m_mask, kl, k_end, nw_ptr,
+                                              BLOCK_K)
         else:
             xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)
         acc = dot_acc(xl, tl.trans(w), acc, DOT_F32)
