@@ -120,12 +120,7 @@ class LayerBench:
 
         def layers() -> None:
             embed()
-            if fwd.one_launch:  # every layer in one persistent launch (kernels/step.py)
-                fwd.runner.run(*fwd.step_launch(b, shape))
-                return
-            for i in range(self.cfg.num_hidden_layers):
-                fwd._k1(i, b, shape)
-                fwd._k2(i, b, shape)
+            fwd.run_layers(b, shape)
 
         full = graph_median_us(layers)
         fwd.check_errors()

@@ -92,8 +92,7 @@ class MonoForward:
         self.w = bind_weights(params, dm, dtype)
         # One launch for all layers, unless staged or the model mixes dense and MoE layers (one kernel per kind).
         self.one_launch = self.options.one_launch and not self.options.staged and not (dm.any_moe and dm.any_dense)
-        self.launch_note = ("one persistent launch for all layers" if self.one_launch else
-                            "two persistent launches per layer" if not self.options.staged else "one launch per stage")
+        self._two_launch_reason = ""  # why attach_kv_pool turned one_launch off
         self.vocab = dm.vocab
         g, mi = dm.group, self.plan.max_items
         alloc = alloc_workspace
@@ -127,6 +126,15 @@ class MonoForward:
         self.kv_pool: Any = None
         self.debug_masks = [0] * dm.layers  # per layer: skip (bits 0-7) / never publish (bits 8-15) per stage
 
+    @property
+    def launch_note(self) -> str:
+        """How the decoder layers of a step launch, and why one launch is not used when it was asked for."""
+        if self.options.staged:
+            return "one launch per stage"
+        if self.one_launch:
+            return "one persistent launch for all layers"
+        return "two persistent launches per layer" + self._two_launch_reason
+
     # ----- plugin API -------------------------------------------------------------------------------------
     def attach_kv_pool(self, kv_pool: Any) -> None:
         """Bind the engine's KV pool (``binding.on_kv_pool_ready`` callback). Raises ValueError on a mismatch."""
@@ -141,7 +149,7 @@ class MonoForward:
         if self.one_launch:
             table, why = layer_pointers(self.w, kv_pool.k_buffers, kv_pool.v_buffers, self.dims.any_moe)
             if table is None:
-                self.one_launch, self.launch_note = False, f"two persistent launches per layer ({why})"
+                self.one_launch, self._two_launch_reason = False, f" ({why})"
             else:
                 self.wtab.copy_(table)
 
@@ -170,12 +178,7 @@ class MonoForward:
         shape = self.plan.step_shape(batch.num_tokens, _tokens_per_req(batch))
         dm = self.dims
         self.embed(batch.input_ids)
-        if self.one_launch:
-            self.runner.run(*self.step_launch(batch, shape))
-        else:
-            for layer in range(dm.layers):
-                self._k1(layer, batch, shape)
-                self._k2(layer, batch, shape)
+        self.run_layers(batch, shape)
         logits = torch.empty(shape.rows, self.vocab, dtype=torch.float32, device=self.device)
         bn = self.plan.head_bn
         head_kernel[(P.cdiv(self.vocab, bn),)](
@@ -204,6 +207,16 @@ class MonoForward:
         embed_kernel[(input_ids.shape[0],)](input_ids, self.w["embed"], self.x, self.step, self.counters,
                                             H=self.dims.hidden, BH=min(1024, P.next_pow2(self.dims.hidden)),
                                             N_CNT=self.n_counters if self.options.stage_counters else 0)
+
+    def run_layers(self, batch: ForwardBatch, shape: P.StepShape) -> None:
+        """Every decoder layer of the step over ``x`` (after ``embed``): the one-launch step, or K1 and K2 per
+        layer."""
+        if self.one_launch:
+            self.runner.run(*self.step_launch(batch, shape))
+            return
+        for layer in range(self.dims.layers):
+            self._k1(layer, batch, shape)
+            self._k2(layer, batch, shape)
 
     # ----- test and benchmark hooks ---------------------------------------------------------------------------
     def set_debug(self, layer: int, *, skip: tuple[int, ...] = (), never_publish: tuple[int, ...] = ()) -> None:
@@ -283,7 +296,6 @@ class MonoForward:
             meta |= dict(INTER=dm.inter, BN_GU=pl.gu.bn, BK_GU=pl.gu.bk, BN_D=pl.down.bn, BK_D=pl.down.bk)
             kernel, stages, name = k2_dense_kernel, P.K2_DENSE_STAGES, "k2_attn_out_mlp"
         return name, kernel, {s: pl.items(s, shape, moe) for s in stages}, args, meta
-
 
     def step_launch(self, b: ForwardBatch, shape: P.StepShape) -> tuple[str, Any, dict[int, int], tuple[Any, ...],
                                                                        dict[str, Any]]:

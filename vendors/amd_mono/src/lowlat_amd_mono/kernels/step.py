@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.k1_attn_in import qkv_stage, rope_stage
 from lowlat_amd_mono.kernels.k2_attn_out_mlp import attention_stages, dense_mlp_stages, oproj_stage
 from lowlat_amd_mono.kernels.moe import expert_down_stage, expert_up_stage, router_stage
@@ -36,13 +37,14 @@ except ImportError:  # pragma: no cover - older triton; only referenced under US
 
 # Columns of the pointer table (host: weights.layer_pointers), and the same as constexprs for the kernels.
 COL_LN1, COL_QKV, COL_QNORM, COL_KNORM, COL_O, COL_LN2, COL_MLP_A, COL_MLP_B, COL_MLP_C, COL_KC, COL_VC = range(11)
-(W_LN1, W_QKV, W_QNORM, W_KNORM, W_O, W_LN2, W_MLP_A, W_MLP_B, W_MLP_C, W_KC,
- W_VC) = (tl.constexpr(i) for i in range(11))
+W_LN1, W_QKV, W_QNORM, W_KNORM, W_O, W_LN2, W_MLP_A, W_MLP_B, W_MLP_C, W_KC, W_VC = map(
+    tl.constexpr, (COL_LN1, COL_QKV, COL_QNORM, COL_KNORM, COL_O, COL_LN2, COL_MLP_A, COL_MLP_B, COL_MLP_C, COL_KC,
+                   COL_VC))
 WTAB_COLS = 16
 _COLS = tl.constexpr(WTAB_COLS)
-_NUM_STAGES = tl.constexpr(8)
-_S_MLP2 = tl.constexpr(6)
-_S_MLP3 = tl.constexpr(7)
+_NUM_STAGES = tl.constexpr(P.NUM_STAGES)
+_S_MLP2 = tl.constexpr(P.S_MLP2)
+_S_MLP3 = tl.constexpr(P.S_MLP3)
 _RUNTIME_INTS = ["T", "B", "NSPLIT", "deadline"]
 
 
@@ -122,14 +124,23 @@ def _moe_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_p
 
 
 @triton.jit
-def _layer_sync(flags_ptr, cnt_ptr, layer, MAX_ITEMS: tl.constexpr, PREV_STAGE: tl.constexpr):
-    """This layer's flags and counters, and the previous layer's last stage's (layer 0's own, unread: n_prev 0)."""
+def _step_start(step_ptr, USE_PDL: tl.constexpr):
+    """``(pid, nprog, tag, alive)`` at the start of a step kernel, after the embedding launch (PDL)."""
+    if USE_PDL:
+        gdc_wait()  # the embedding launch
+    return tl.program_id(0), tl.num_programs(0), tl.load(step_ptr), tl.full([], 1, tl.int32)
+
+
+@triton.jit
+def _layer_start(wtab_ptr, dbg_ptr, flags_ptr, cnt_ptr, layer, MAX_ITEMS: tl.constexpr, PREV_STAGE: tl.constexpr):
+    """Layer ``layer``'s pointer-table row, debug mask, flags and counters, and the previous layer's last stage's
+    flags and counter (layer 0's own, unread: its QKV waits for 0 items)."""
     fl = flags_ptr + layer * (_NUM_STAGES * MAX_ITEMS)
     cn = cnt_ptr + layer * (_NUM_STAGES * CNT)
     prev = tl.maximum(layer - 1, 0)
     prev_fl = flags_ptr + prev * (_NUM_STAGES * MAX_ITEMS) + PREV_STAGE * MAX_ITEMS
     prev_cn = cnt_ptr + prev * (_NUM_STAGES * CNT) + PREV_STAGE * CNT
-    return fl, cn, prev_fl, prev_cn
+    return wtab_ptr + layer * _COLS, tl.load(dbg_ptr + layer), fl, cn, prev_fl, prev_cn
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -148,17 +159,11 @@ def step_dense_kernel(
     output on exit; ``wtab [L, 16]`` int64 the per-layer pointers (columns ``COL_*``); ``dbg [L]`` int32 the
     per-layer debug masks (``sync``); the other buffers as in K1/K2. Persistent only (``STAGE`` -1)."""
     tl.static_assert(STAGE < 0, "the one-launch step has no stage-per-launch mode (use K1/K2)")
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if USE_PDL:
-        gdc_wait()  # the embedding launch
-    tag = tl.load(step_ptr)
-    alive = tl.full([], 1, tl.int32)
+    pid, nprog, tag, alive = _step_start(step_ptr, USE_PDL)
     N_DOWN: tl.constexpr = (H + BN_D - 1) // BN_D
     for layer in range(0, L):
-        w = wtab_ptr + layer * _COLS
-        dbg = tl.load(dbg_ptr + layer)
-        fl, cn, prev_fl, prev_cn = _layer_sync(flags_ptr, cnt_ptr, layer, MAX_ITEMS, _S_MLP2)
+        w, dbg, fl, cn, prev_fl, prev_cn = _layer_start(wtab_ptr, dbg_ptr, flags_ptr, cnt_ptr, layer, MAX_ITEMS,
+                                                        _S_MLP2)
         alive = _attn_block(alive, pid, nprog, tag, T, B, NSPLIT, layer, deadline, dbg, eps, scale_log2, x_ptr,
                             xmid_ptr, q_ptr, ao_ptr, op_ptr, ml_ptr, part_ptr, w, pos_ptr, loc_ptr, cos_ptr, sin_ptr,
                             seq_ptr, req_ptr, r2t_ptr, r2t_stride, fl, cn, prev_fl, prev_cn,
@@ -190,18 +195,12 @@ def step_moe_kernel(
     """All ``L`` sparse-MoE decoder layers of one step (Qwen3-MoE); buffers as in ``step_dense_kernel`` and
     ``k2_moe_kernel``. Persistent only (``STAGE`` -1)."""
     tl.static_assert(STAGE < 0, "the one-launch step has no stage-per-launch mode (use K1/K2)")
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    if USE_PDL:
-        gdc_wait()  # the embedding launch
-    tag = tl.load(step_ptr)
-    alive = tl.full([], 1, tl.int32)
+    pid, nprog, tag, alive = _step_start(step_ptr, USE_PDL)
     N_ROUTER: tl.constexpr = (E + BN_R - 1) // BN_R
     N_DOWN: tl.constexpr = (H + BN_ED - 1) // BN_ED
     for layer in range(0, L):
-        w = wtab_ptr + layer * _COLS
-        dbg = tl.load(dbg_ptr + layer)
-        fl, cn, prev_fl, prev_cn = _layer_sync(flags_ptr, cnt_ptr, layer, MAX_ITEMS, _S_MLP3)
+        w, dbg, fl, cn, prev_fl, prev_cn = _layer_start(wtab_ptr, dbg_ptr, flags_ptr, cnt_ptr, layer, MAX_ITEMS,
+                                                        _S_MLP3)
         alive = _attn_block(alive, pid, nprog, tag, T, B, NSPLIT, layer, deadline, dbg, eps, scale_log2, x_ptr,
                             xmid_ptr, q_ptr, ao_ptr, op_ptr, ml_ptr, part_ptr, w, pos_ptr, loc_ptr, cos_ptr, sin_ptr,
                             seq_ptr, req_ptr, r2t_ptr, r2t_stride, fl, cn, prev_fl, prev_cn,
