@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     platform = detect_platform(args.device)
     engine = EngineConfig(device=args.device, dtype=args.dtype or "auto", tp_size=args.tp, page_size=args.page_size)
     model = _model(args.model)
-    report = collect(registry, platform, engine, model, args.explain)
+    report = collect(registry, platform, engine, model)
     if args.explain:
         return _explain(report, args.explain, args.json)
     if args.json:
@@ -50,7 +50,7 @@ def _model(name: str | None) -> ModelConfig | None:
 
 
 def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None,
-            model: ModelConfig | None, architecture: str | None = None) -> dict[str, Any]:
+            model: ModelConfig | None) -> dict[str, Any]:
     """Everything ``lowlat plugins`` shows, as JSON-ready data.
 
     Each spec is evaluated for a model of its own architecture: against ``model`` when it is one, else with the
