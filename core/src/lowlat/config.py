@@ -285,10 +285,15 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
-    def resolved_dtype(self, model: ModelConfig) -> torch.dtype:
-        """The compute dtype: explicit, else float32 on CPU (whatever the checkpoint's), else the checkpoint's."""
+    def fixed_dtype(self, cpu: bool | None = None) -> torch.dtype | None:
+        """The compute dtype where it does not depend on the model (explicit, or float32 on CPU); else None.
+        ``cpu``: whether the engine runs on a CPU (default: ``resolved_device``; the plugin guard, without a model,
+        passes the platform it evaluates for)."""
         if self.dtype != "auto":
             return DTYPES[self.dtype]
-        if self.resolved_device == "cpu":
-            return torch.float32
-        return DTYPES.get(model.torch_dtype, torch.bfloat16)
+        on_cpu = self.resolved_device == "cpu" if cpu is None else cpu
+        return torch.float32 if on_cpu else None
+
+    def resolved_dtype(self, model: ModelConfig) -> torch.dtype:
+        """The compute dtype: explicit, else float32 on CPU (whatever the checkpoint's), else the checkpoint's."""
+        return self.fixed_dtype() or DTYPES.get(model.torch_dtype, torch.bfloat16)

@@ -142,12 +142,11 @@ def _engine(
         return [RequirementResult(n, SKIP, "no engine configuration given") for n in ("dtype", "tp_size", "page_size",
                                                                                       "features")]
     out = []
-    if model is None and engine.dtype == "auto" and platform.kind != "cpu":
+    fixed = engine.fixed_dtype(cpu=platform.kind == "cpu")
+    if model is None and fixed is None:
         out.append(RequirementResult("dtype", SKIP, "dtype auto depends on the model"))
     else:
-        # dtype auto is float32 on a CPU whatever the model (EngineConfig.resolved_dtype)
-        dtype = (engine.dtype if engine.dtype != "auto" else
-                 "float32" if model is None else _dtype_name(engine.resolved_dtype(model)))
+        dtype = _dtype_name(fixed if model is None else engine.resolved_dtype(model))
         auto = ", what --dtype auto computes in on a CPU" if engine.dtype == "auto" and model is None else ""
         ok = dtype in req.dtypes
         out.append(RequirementResult(
