@@ -130,3 +130,14 @@ def test_conditioning_floors_max_and_mean_apart() -> None:
     assert tol.check(got, want, "logits") is None
     got[2] += 0.1  # every element off by 0.1 more: max 3.7 still inside, mean 0.16 past FACTOR x 1/64 and the dtype
     assert tol.check(got, want, "logits") is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_suite_and_lowlat_run_compare_use_the_same_bounds(dtype: str) -> None:
+    """One source (core's ``lowlat.plugin.tolerance``): a copy in the suite or in ``--compare`` that drifts fails."""
+    from lowlat.cli.compare import NEAR_TIE_REL
+    from lowlat.plugin.tolerance import MAX_REL, MEAN_REL
+
+    t = TOLERANCES[dtype]
+    assert (t.max_rel, t.mean_rel) == (MAX_REL[dtype], MEAN_REL[dtype])
+    assert NEAR_TIE_REL[getattr(torch, dtype)] == t.max_rel

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from lowlat.plugin import tolerance as _tol
 
 TINY_PRESETS = {"LlamaForCausalLM": "tiny-llama", "Qwen3ForCausalLM": "tiny-qwen3",
                 "Qwen3MoeForCausalLM": "tiny-qwen3-moe"}
@@ -27,17 +28,8 @@ class ContractSetupError(Exception):
     """The command line or the plugin cannot produce a runnable case (becomes a pytest usage error)."""
 
 
-ROUNDINGS = 26
-"""Rounding points between the embedding and the logits of a tiny preset's general forward: 12 per decoder layer
-(input norm, q/k/v, q/k norm + RoPE, attention, o_proj, residual, post norm, gate/up, activation x up, down,
-residual) x 2 layers, plus the final norm and the lm_head."""
-
-UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -9, "float16": 2.0 ** -11}
-"""u = eps / 2 of each dtype: the relative error of one rounding to nearest."""
-
-FP32_REDUCTION = 4096
-"""The longest dot product of the real presets (hidden or intermediate size): float32 paths differ by summation
-order only, which is at most n*u per reduction (Higham's gamma_n) and typically sqrt(n)*u."""
+# The bounds' values are core's (lowlat.plugin.tolerance: `lowlat run --compare` uses them too); re-exported here.
+ROUNDINGS, UNIT_ROUNDOFF, FP32_REDUCTION = _tol.ROUNDINGS, _tol.UNIT_ROUNDOFF, _tol.FP32_REDUCTION
 
 
 @dataclass(frozen=True)
@@ -52,7 +44,8 @@ class Tolerance:
     errors add up (``max_rel = R * u``); on average they are independent with random sign and add in
     quadrature (``mean_rel = sqrt(R) * u``). float32: both paths compute in float32 and differ only by
     summation order: ``max_rel = R * sqrt(n) * u``, ``mean_rel = sqrt(R * n) * u`` with n = FP32_REDUCTION.
-    That gives bfloat16 5.08e-2 / 9.96e-3, float16 1.27e-2 / 2.49e-3, float32 9.9e-5 / 1.9e-5.
+    That gives bfloat16 5.08e-2 / 9.96e-3, float16 1.27e-2 / 2.49e-3, float32 9.92e-5 / 1.95e-5
+    (the values: ``lowlat.plugin.tolerance``, shared with ``lowlat run --compare``).
 
     No row is excused for being a row: the only exception (``low_precision`` dtypes only) is ``excused_rows``,
     the MoE rows whose expert selection differs between the two paths (``router_ties.routing_excuses``): one
@@ -66,12 +59,8 @@ class Tolerance:
 
     @classmethod
     def for_dtype(cls, dtype: str) -> Tolerance:
-        import math
-
-        u, r = UNIT_ROUNDOFF[dtype], ROUNDINGS
-        if dtype == "float32":
-            return cls(dtype, r * math.sqrt(FP32_REDUCTION) * u, math.sqrt(r * FP32_REDUCTION) * u, False)
-        return cls(dtype, r * u, math.sqrt(r) * u, True)
+        max_rel, mean_rel = _tol.bounds(dtype)
+        return cls(dtype, max_rel, mean_rel, dtype != "float32")
 
     @property
     def allow_outlier_rows(self) -> bool:

@@ -18,11 +18,17 @@ import torch
 
 from lowlat.config import EngineConfig
 from lowlat.platform import triton_interpreter_enabled
+from lowlat.plugin.tolerance import MAX_REL
 
-# The contract's per-element bound relative to max(1, max |logits|) (docs/contract.md, "Tolerances"): a greedy
-# divergence is a near-tie when the general path's logit of its token exceeds that of the plugin's token by at
-# most this much.
-NEAR_TIE_REL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1.25e-2}
+# The contract's per-element bound relative to max(1, max |logits|) (docs/contract.md, "Tolerances"; the values
+# are lowlat.plugin.tolerance's, which the contract suite checks with): a greedy divergence is a near-tie when the
+# general path's logit of its token exceeds that of the plugin's token by at most this much.
+NEAR_TIE_REL = {getattr(torch, name): rel for name, rel in MAX_REL.items()}
+
+
+def near_tie_rel(dtype: torch.dtype) -> float:
+    """``dtype``'s near-tie bound; a dtype the contract has no bound for gets bfloat16's."""
+    return NEAR_TIE_REL.get(dtype, NEAR_TIE_REL[torch.bfloat16])
 
 
 @dataclass
@@ -58,7 +64,7 @@ class CompareReport:
     def lines(self) -> list[str]:
         """Human-readable report lines: the verdict with the token counts and the tolerance, divergences, speed."""
         g, p = self.general, self.plugin
-        rel = NEAR_TIE_REL.get(g.dtype, 5e-2)
+        rel = near_tie_rel(g.dtype)
         dtype = str(g.dtype).removeprefix("torch.")
         n = len(g.token_ids)
         out = [f"tokens identical: {'yes' if self.identical else 'NO'} ({self.tokens_compared} tokens compared over "
@@ -67,8 +73,8 @@ class CompareReport:
                f"largest |logit difference| over matching steps: {self.max_abs_logit_diff:.4g} ({self.logit_rows} "
                f"logits rows compared; reported, not judged)",
                f"near-tie tolerance at a differing token: the general path's logit of its token exceeds that of the "
-               f"plugin's by <= {rel:g} x max(1, max |logit|) ({dtype}: docs/contract.md's per-element bound, "
-               f"rounded); a label only, any differing token exits 1"]
+               f"plugin's by <= {rel:.3g} x max(1, max |logit|) ({dtype}: docs/contract.md's per-element bound); "
+               f"a label only, any differing token exits 1"]
         for i, d in enumerate(self.first_divergence):
             if d is None:
                 continue
@@ -98,12 +104,12 @@ def near_tie(report: CompareReport, i: int, d: int) -> str:
     a, b = g.token_ids[i][d], p.token_ids[i][d]
     lg, lp = g.logits[i][d], p.logits[i][d]
     top2 = torch.topk(lg, 2).values
-    rel = NEAR_TIE_REL.get(g.dtype, 5e-2)
+    rel = near_tie_rel(g.dtype)
     scale = max(1.0, float(lg.abs().max()))
     gap, bound = float(lg[a] - lg[b]), rel * scale
-    verdict = (f"a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} <= {rel:g} x scale {scale:.4g} = "
+    verdict = (f"a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} <= {rel:.3g} x scale {scale:.4g} = "
                f"{bound:.4f} (docs/contract.md)" if gap <= bound else
-               f"NOT a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} > {rel:g} x scale {scale:.4g} = "
+               f"NOT a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} > {rel:.3g} x scale {scale:.4g} = "
                f"{bound:.4f}")
     return (f"general logits: {a}={float(lg[a]):.4f} {b}={float(lg[b]):.4f} (top-2 gap "
             f"{float(top2[0] - top2[1]):.4f}); plugin logits: {a}={float(lp[a]):.4f} {b}={float(lp[b]):.4f}; "
