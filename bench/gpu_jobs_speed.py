@@ -40,7 +40,7 @@ def gpt_fast(o: Options) -> list[Step]:
     each general_impl, and nvidia_mega; ``GPT_FAST_PATHS`` overrides) per model, then one table (``x gpt-fast``:
     gpt-fast's decode-only ms over the overlapped TPOT; issue 17: >= 0.91). Models: those of ``--models`` among
     llama-3.2-1b and qwen3-8b, both when none is. gpt-fast's files travel as the ignored ``.peers/gpt-fast``
-    (``GPT_FAST_DIR``) named in the device call's ``carry`` (docs/benchmarks.md, "gpt-fast", shows how to make
+    (``GPT_FAST_DIR``) named in the device call's ``carry`` (docs/benchmark-e2e.md, "gpt-fast", shows how to make
     it). Each generate.py run compiles its own decode graph (its KV cache is sized by prompt + new tokens, so
     the second run's shapes differ from the first's: 78-129 s per compile on llama-3.2-1b, H200). One device
     call for llama-3.2-1b (400 + 90 + 30 s); qwen3-8b's peer alone takes one (``GPT_FAST_STEPS=peer``: 560 s),

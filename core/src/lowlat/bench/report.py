@@ -1,6 +1,6 @@
 """Render a results dict (the ``results.json`` of ``lowlat bench``) as a markdown section or a console table.
 
-``lowlat bench --report results.json`` prints ``render_markdown``: the section docs/benchmarks.md's "Latest H200
+``lowlat bench --report results.json`` prints ``render_markdown``: the section docs/benchmark-results.md's "Latest H200
 results" is made of (header lines, one table, the notes under it, the skipped rows' reasons).
 """
 
