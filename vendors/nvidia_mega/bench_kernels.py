@@ -210,8 +210,7 @@ class Case:
         plan = gemm_plan(n, k, self.dt, self.dev, gated=gated)
         if not split:  # the same tiles without split-K
             plan = make_plan(k, block_n=plan.block_n, block_k=plan.block_k, split_k=1, num_warps=plan.num_warps,
-                             num_stages=plan.num_stages, weight_rows=(2 if gated else 1) * plan.block_n,
-                             swap_ab=plan.swap_ab)
+                             num_stages=plan.num_stages, weight_rows=(2 if gated else 1) * plan.block_n)
         plan_plain = gemm_plan(ws[0].shape[0], k, self.dt, self.dev)
         assert splitk_workspace_numel(plan, n, gated=gated) <= self.gemm_ws.numel()
         x_in = self.x if gated else (self.attn if which == "o_proj" else self.act)

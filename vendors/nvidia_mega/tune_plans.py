@@ -3,13 +3,11 @@ chain for the per-launch floor.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/tune_plans.py [--models ...] [--rows 1,8]
 
-Each candidate plan (BLOCK_N, split-K, BLOCK_K, warps, stages, swap AB) is timed as ``bench_kernels.py`` times
-a kernel: one CUDA graph launching it once per distinct weight copy (more bytes than 4x the L2), median replay
-time per launch. Stage 1 sweeps (BLOCK_N, split-K) at the production BLOCK_K / warps / stages; stage 2 sweeps
-BLOCK_K and warps around the two best, then swap AB for the three best (and its warps), then stages around the
-best. The same weights through ``F.linear`` alone (cuBLAS, none of the fusions) are timed as a reference. It
-prints the production plan (``tuned_plans``: the measured table, else the heuristic), the best found and the
-ratio; ``--json`` keeps every candidate's time. Add
+Each candidate plan (BLOCK_N, split-K, BLOCK_K, warps, stages) is timed as ``bench_kernels.py`` times a kernel:
+one CUDA graph launching it once per distinct weight copy (more bytes than 4x the L2), median replay time per
+launch. Stage 1 sweeps (BLOCK_N, split-K) at the production BLOCK_K / warps / stages; stage 2 sweeps BLOCK_K
+and warps around the two best, then stages around the best. It prints the production plan (``tuned_plans``: the
+measured table, else the heuristic), the best found and the ratio; ``--json`` keeps every candidate's time. Add
 a winner to ``tuned_plans.TUNED`` only from such a run. ``--smoke`` runs a few candidates at tiny shapes on the
 CPU (``TRITON_INTERPRET=1``) to check the script.
 """
@@ -88,20 +86,6 @@ class Tuner:
             return len(ws)
         return chain
 
-    def cublas_chain(self, kernel: str):
-        """The same weights through ``F.linear`` alone (cuBLAS on a GPU): the GEMM without its fusions, the
-        general path's projection, as the reference the tuned plan is read against."""
-        c = self.c
-        ws = {"qkv_rope": c.wqkv, "o_proj": c.wo, "gate_up": c.wgu, "down": c.wd}[kernel]
-        x_in = {"qkv_rope": c.x, "o_proj": c.attn, "gate_up": c.x, "down": c.act}[kernel]
-        out = torch.empty(c.t, ws[0].shape[0], dtype=c.dt, device=c.dev)
-
-        def chain() -> int:
-            for w in ws:
-                torch.nn.functional.linear(x_in, w, out=out)
-            return len(ws)
-        return chain
-
     def qkv_chain(self, plan: GemmPlan):
         c, s = self.c, self.c.s
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
@@ -165,32 +149,21 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
                 if bkk * p.split_k <= 2 * k:
                     measure(make_plan(k, weight_rows=rows_of(p.block_n), block_n=p.block_n, split_k=p.split_k,
                                       block_k=bkk, num_warps=nw, num_stages=p.num_stages))
-    # swap AB (weights as the MMA's M side) for the three best so far, then its own warps around the best of it
-    for _, p in sorted(((us, GemmPlan(*key)) for key, us in results.items()), key=lambda r: r[0])[:3]:
-        measure(dataclasses.replace(p, swap_ab=True))
-    swapped = [(us, GemmPlan(*key)) for key, us in results.items() if GemmPlan(*key).swap_ab]
-    if swapped:
-        sp = min(swapped, key=lambda r: r[0])[1]
-        for nw in ([4] if smoke else [4, 8]):
-            measure(dataclasses.replace(sp, num_warps=nw))
     top = GemmPlan(*min(results.items(), key=lambda kv: kv[1])[0])
     for ns in ([2] if smoke else [2, 3, 4, 5]):
         measure(dataclasses.replace(top, num_stages=ns))
     best_key, t_best = min(results.items(), key=lambda kv: kv[1])
     best = GemmPlan(*best_key)
-    t_cublas = tuner.time(tuner.cublas_chain(kernel))
     row = dict(kernel=kernel, rows=c.t, default=dataclasses.asdict(default), default_us=t_default,
-               best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas, candidates=len(results),
+               best=dataclasses.asdict(best), best_us=t_best, candidates=len(results),
                all=sorted(([_fmt(GemmPlan(*key)), us] for key, us in results.items()), key=lambda r: r[1]))
     print(f"  {kernel:9} rows {c.t}: default {t_default:7.2f} us {_fmt(default)} | best {t_best:7.2f} us "
-          f"{_fmt(best)} ({t_default / t_best:.2f}x, {len(results)} plans) | torch F.linear alone {t_cublas:7.2f} us "
-          f"(best / F.linear {t_best / t_cublas:.2f})", flush=True)
+          f"{_fmt(best)} ({t_default / t_best:.2f}x, {len(results)} plans)", flush=True)
     return row
 
 
 def _fmt(p: GemmPlan) -> str:
-    return f"bn{p.block_n} sk{p.split_k} bk{p.block_k} w{p.num_warps} s{p.num_stages} pre{p.pre_k}" + \
-        (" swap" if p.swap_ab else "")
+    return f"bn{p.block_n} sk{p.split_k} bk{p.block_k} w{p.num_warps} s{p.num_stages} pre{p.pre_k}"
 
 
 def main() -> None:

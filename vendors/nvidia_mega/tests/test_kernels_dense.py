@@ -6,8 +6,6 @@ Runs on CPU under ``TRITON_INTERPRET=1`` (tiny shapes) and, unchanged, on a CUDA
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,18 +52,16 @@ GEMM_CASES = [  # (rows, epilogue, with norm, split_k, block_k): every row count
 ]
 
 
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["x_as_m", "swap_ab"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,epilogue,with_norm,split_k,block_k", GEMM_CASES)
 def test_small_gemm_matches_torch(dtype: torch.dtype, rows: int, epilogue: str, with_norm: bool, split_k: int,
-                                  block_k: int | None, swap_ab: bool) -> None:
+                                  block_k: int | None) -> None:
     k, n = 192, 80  # K not a multiple of BLOCK_K (bf16), N not a multiple of BLOCK_N: masks exercised
     gated = epilogue == "silu_mul"
     x = _randn(rows, k, dtype=dtype, seed=1)
     w = _randn(2 * n if gated else n, k, dtype=dtype, seed=2, scale=0.1)
     nw = (torch.rand(k, generator=_gen(3)) + 0.5).to(dtype=dtype, device=DEV) if with_norm else None
-    plan = dataclasses.replace(plan_gemm(n, k, dtype, 4, gated=gated, block_n=32, split_k=split_k, block_k=block_k),
-                               swap_ab=swap_ab)
+    plan = plan_gemm(n, k, dtype, 4, gated=gated, block_n=32, split_k=split_k, block_k=block_k)
     assert plan.split_k > 1 or split_k == 1
     ws = torch.zeros(max(1, splitk_workspace_numel(plan, n, gated=gated)), device=DEV)
     cnt = torch.zeros(plan.n_tiles(n), dtype=torch.int32, device=DEV)
@@ -213,12 +209,10 @@ def _qkv_reference(x, nw, w, qn, kn, positions, rotary, dtype):  # type: ignore[
 QKV_CASES = [(1, False, 1, LLAMA3), (3, True, 2, None), (8, False, 2, LLAMA3), (8, True, 1, None)]
 
 
-@pytest.mark.parametrize("swap_ab", [False, True], ids=["x_as_m", "swap_ab"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,qk_norm,split_k,rope_scaling", QKV_CASES)
 def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype, rows: int, qk_norm: bool,
-                                                              split_k: int, rope_scaling: dict | None,
-                                                              swap_ab: bool) -> None:
+                                                              split_k: int, rope_scaling: dict | None) -> None:
     x = _randn(rows, HID, dtype=dtype, seed=10)
     nw = (torch.rand(HID, generator=_gen(11)) + 0.5).to(dtype=dtype, device=DEV)
     w = _randn((HQ + 2 * HKV) * D, HID, dtype=dtype, seed=12, scale=0.2)
@@ -227,7 +221,7 @@ def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype
     positions = torch.randint(0, MAX_POS, (rows,), generator=_gen(15)).to(DEV)
     loc = (torch.randperm(SLOTS - 1, generator=_gen(16))[:rows] + 1).to(DEV)
     cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, rope_scaling, DEV)
-    plan = dataclasses.replace(plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=split_k, block_k=16), swap_ab=swap_ab)
+    plan = plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=split_k, block_k=16)
     assert split_k > 1 or plan.pre_k < plan.k_per_split  # the K loop after the pre-wait tile runs
     assert plan.split_k == split_k
     ws = torch.zeros(max(1, qkv_workspace_numel(plan, HQ, HKV, D)), device=DEV)

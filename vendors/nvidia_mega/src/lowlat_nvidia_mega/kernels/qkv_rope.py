@@ -32,16 +32,14 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
     MAX_ROWS,
     GemmPlan,
-    acc_rows,
-    acc_zeros,
     default_block_k,
+    dot_acc,
     dot_in_f32,
     grow_split,
     load_rows,
     load_tile,
     load_x_nw,
     make_plan,
-    mma_rows,
     prefetch_act_enabled,
     prefetched_rows,
     rnd,
@@ -113,7 +111,7 @@ def _qkv_rope_kernel(
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
 ):
     head = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -139,8 +137,8 @@ def _qkv_rope_kernel(
     if PREFETCH_ACT:  # the loop's first raw activation chunk and norm weights (see small_gemm.py)
         kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
         x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
-    lo = mma_rows(xk, wl0, acc_zeros(BLOCK_M, HALF, SWAP_AB), SWAP_AB, DOT_F32)
-    hi = mma_rows(xk, wh0, acc_zeros(BLOCK_M, HALF, SWAP_AB), SWAP_AB, DOT_F32)
+    lo = dot_acc(xk, tl.trans(wl0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
+    hi = dot_acc(xk, tl.trans(wh0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
     for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
         kl = k0 + tl.arange(0, BLOCK_K)
         kl_mask = kl < k_end
@@ -151,10 +149,8 @@ def _qkv_rope_kernel(
                                               BLOCK_K)
         else:
             xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
-        lo = mma_rows(xl, wl, lo, SWAP_AB, DOT_F32)
-        hi = mma_rows(xl, wh, hi, SWAP_AB, DOT_F32)
-    lo = acc_rows(lo, SWAP_AB)
-    hi = acc_rows(hi, SWAP_AB)
+        lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)
+        hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
 
     if SPLIT_K == 1:
         _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, loc, cs, sn, nw_lo, nw_hi, q_ptr, stride_qt, k_ptr,
@@ -288,7 +284,7 @@ def qkv_rope(
         HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
-        PREFETCH_ACT=bool(prefetch), SWAP_AB=plan.swap_ab,
+        PREFETCH_ACT=bool(prefetch),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

@@ -85,37 +85,6 @@ def dot_acc(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def mma_rows(x, w, acc, SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += x @ w^T for activation rows ``x`` [BLOCK_M, BLOCK_K] and a weight tile ``w`` [BLOCK_N, BLOCK_K].
-
-    ``SWAP_AB``: computed as ``w @ x^T`` into a transposed ``acc`` [BLOCK_N, BLOCK_M], so the weight tile is the
-    MMA's M side (64 or 128 rows, which sm90's wgmma needs) and the 16 padded rows its N side (vLLM's and
-    TensorRT-LLM's "swap AB" for skinny GEMMs); ``acc_rows`` turns it back. Without it the MMA is [16, BLOCK_N]."""
-    if SWAP_AB:
-        return dot_acc(w, tl.trans(x), acc, DOT_F32)
-    else:
-        return dot_acc(x, tl.trans(w), acc, DOT_F32)
-
-
-@triton.jit
-def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
-    """The fp32 accumulator ``mma_rows`` adds into: [BLOCK_N, BLOCK_M] with ``SWAP_AB``, else [BLOCK_M, BLOCK_N]."""
-    if SWAP_AB:
-        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-
-
-@triton.jit
-def acc_rows(acc, SWAP_AB: tl.constexpr):
-    """``acc`` as [BLOCK_M, BLOCK_N] (transposed back when ``SWAP_AB``)."""
-    if SWAP_AB:
-        return tl.trans(acc)
-    else:
-        return acc
-
-
-@triton.jit
 def load_tile(ptrs, row_mask, k_mask, EVEN_K: tl.constexpr):
     """A [rows, BLOCK_K] weight tile. With ``EVEN_K`` the K mask is dropped, so the mask is constant along K
     and the loads stay 16-byte vectors."""
@@ -207,7 +176,7 @@ def _small_gemm_kernel(
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, HAS_NORM: tl.constexpr,
     EPILOGUE: tl.constexpr, NPART: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, SWAP_AB: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
 ):
     GATED: tl.constexpr = EPILOGUE == 1
     PREFETCH: tl.constexpr = PREFETCH_ACT and HAS_NORM
@@ -236,10 +205,10 @@ def _small_gemm_kernel(
     if PREFETCH:  # the loop's first activation chunk (raw) and norm weights, in flight during the first dot
         kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
         x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
-    acc = mma_rows(xk, w0, acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB), SWAP_AB, DOT_F32)
-    acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP_AB)
+    acc = dot_acc(xk, tl.trans(w0), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if GATED:
-        acc_u = mma_rows(xk, w0u, acc_u, SWAP_AB, DOT_F32)
+        acc_u = dot_acc(xk, tl.trans(w0u), acc_u, DOT_F32)
     for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
         kl = k0 + tl.arange(0, BLOCK_K)
         kl_mask = kl < k_end
@@ -249,12 +218,10 @@ def _small_gemm_kernel(
                                               BLOCK_K)
         else:
             xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)
-        acc = mma_rows(xl, w, acc, SWAP_AB, DOT_F32)
+        acc = dot_acc(xl, tl.trans(w), acc, DOT_F32)
         if GATED:
             wu = load_tile(w_rows + N * stride_wn + kl[None, :], n_mask, kl_mask, EVEN_K)
-            acc_u = mma_rows(xl, wu, acc_u, SWAP_AB, DOT_F32)
-    acc = acc_rows(acc, SWAP_AB)
-    acc_u = acc_rows(acc_u, SWAP_AB)
+            acc_u = dot_acc(xl, tl.trans(wu), acc_u, DOT_F32)
 
     o_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
@@ -291,7 +258,6 @@ class GemmPlan:
     num_warps: int
     num_stages: int
     pre_k: int  # K elements of the weight tile(s) loaded before gdc_wait (a multiple of block_k)
-    swap_ab: bool = False  # weight tile as the MMA's M side (``mma_rows``): wgmma on sm90 when block_n >= 64
 
     def n_tiles(self, n: int) -> int:
         return triton.cdiv(n, self.block_n)
@@ -336,13 +302,12 @@ def grow_split(tiles: int, k: int, block_k: int, sms: int) -> int:
 
 
 def make_plan(k: int, *, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
-              weight_rows: int, swap_ab: bool = False) -> GemmPlan:
+              weight_rows: int) -> GemmPlan:
     """The plan for these tiles over a reduction of ``k``: K per split rounded up to whole blocks, no empty split;
     ``weight_rows`` = weight rows one program holds (sizes the tile loaded before the PDL wait)."""
     kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     return GemmPlan(block_n=block_n, block_k=block_k, split_k=triton.cdiv(k, kps), k_per_split=kps,
-                    num_warps=num_warps, num_stages=num_stages, pre_k=pre_wait_k(k, kps, block_k, weight_rows),
-                    swap_ab=swap_ab)
+                    num_warps=num_warps, num_stages=num_stages, pre_k=pre_wait_k(k, kps, block_k, weight_rows))
 
 
 PRE_WAIT_ELEMENTS = 16384  # weight elements a program holds in registers while it waits (32 KB of bf16)
@@ -444,7 +409,6 @@ def small_gemm(
         EVEN_K=(k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl, PREFETCH_ACT=bool(prefetch) and norm_weight is not None,
-        SWAP_AB=plan.swap_ab,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return out

@@ -6,8 +6,7 @@ launches over more weight bytes than the L2, 1 row); any other (GPU, shape) uses
 at build, never at capture.
 
 Key: (``torch.cuda.get_device_name()``, kind, N, K, dtype), kind ``"qkv"`` (N = (Hq + 2 Hkv) * D, K = hidden),
-``"gemm"`` or ``"gated"`` (N = output width, K = reduction). Value: (BLOCK_N, BLOCK_K, split-K, warps, stages), and
-optionally a sixth ``swap_ab`` (weights as the MMA's M side, ``small_gemm.mma_rows``; False when absent).
+``"gemm"`` or ``"gated"`` (N = output width, K = reduction). Value: (BLOCK_N, BLOCK_K, split-K, warps, stages).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, make_plan, num_sms, 
 
 # tune_plans.py on an H200, 2026-11-30 (bench/results/2026-11-30-nvidia-mega-tuning/tune_1row.txt):
 # default heuristic -> tuned, us per launch at 1 row.
-TUNED: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
+TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
     ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"): (64, 256, 4, 4, 3),     # llama-3.2-1b   13.07 -> 9.45
     ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 64, 8, 4, 2),     # qwen3-30b-a3b  17.71 -> 11.11
     ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"): (64, 64, 8, 2, 2),     # llama o_proj    6.00 -> 5.21
@@ -48,9 +47,9 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
     hit = _tuned("gated" if gated else "gemm", n, k, dtype, device)
     if hit is None:
         return plan_gemm(n, k, dtype, num_sms(device), gated=gated)
-    bn, bk, s, w, st, *swap = hit
+    bn, bk, s, w, st = hit
     return make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
-                     weight_rows=(2 if gated else 1) * bn, swap_ab=bool(swap and swap[0]))
+                     weight_rows=(2 if gated else 1) * bn)
 
 
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
@@ -59,6 +58,6 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
     hit = _tuned("qkv", (num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, device)
     if hit is None or hit[0] != head_dim:
         return plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
-    _, bk, s, w, st, *swap = hit
+    _, bk, s, w, st = hit
     return make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
-                     weight_rows=head_dim, swap_ab=bool(swap and swap[0]))
+                     weight_rows=head_dim)
