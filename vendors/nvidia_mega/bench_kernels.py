@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import apply_rotary
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel, plan_splits
+from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
@@ -220,17 +221,16 @@ class Case:
         def chain() -> int:
             for i in range(len(ws)):
                 if gated and fused:
-                    small_gemm(x_in, ws[i], self.act, plan=plan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
-                               eps=EPS, workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl,
-                               prefetch_act=prefetch)
+                    gemm(x_in, ws[i], self.act, plan=plan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
+                         eps=EPS, workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
                 elif gated:
                     small_gemm(rms_norm(x_in, self.norm[i % 8], EPS), ws[i], tmp, plan=plan_plain,
                                workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl)
                     g, u = tmp.chunk(2, -1)
                     self.act.copy_(F.silu(g) * u)
                 elif fused:
-                    small_gemm(x_in, ws[i], resid, plan=plan, epilogue="residual", residual=resid,
-                               workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl)
+                    gemm(x_in, ws[i], resid, plan=plan, epilogue="residual", residual=resid, workspace=self.gemm_ws,
+                         counters=self.counters, use_pdl=pdl)
                 else:
                     small_gemm(x_in, ws[i], tmp, plan=plan, workspace=self.gemm_ws, counters=self.counters,
                                use_pdl=pdl)
@@ -283,10 +283,10 @@ class Case:
                 paged_decode_attention(self.q, self.kb[i], self.vb[i], self.rtt, rpi, seq, self.attn, rows_per_req=1,
                                        sm_scale=d ** -0.5, num_splits=splits, o_partial=o_p, lse_partial=l_p,
                                        use_pdl=pdl)
-                small_gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
-                small_gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
-                           eps=EPS, prefetch_act=prefetch, **kw)
-                small_gemm(self.act, self.wd[i], x, plan=dplan, epilogue="residual", residual=x, **kw)
+                gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
+                gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
+                     eps=EPS, prefetch_act=prefetch, **kw)
+                gemm(self.act, self.wd[i], x, plan=dplan, epilogue="residual", residual=x, **kw)
             return n_layers
 
         def torch_layer() -> int:

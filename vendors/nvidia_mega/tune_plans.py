@@ -6,7 +6,8 @@ chain for the per-launch floor.
 Each candidate plan (BLOCK_N, split-K, BLOCK_K, warps, stages) is timed as ``bench_kernels.py`` times a kernel:
 one CUDA graph launching it once per distinct weight copy (more bytes than 4x the L2), median replay time per
 launch. Stage 1 sweeps (BLOCK_N, split-K) at the production BLOCK_K / warps / stages; stage 2 sweeps BLOCK_K
-and warps around the two best, then stages around the best. It prints the production plan (``tuned_plans``: the
+and warps around the two best, then stages around the best; the same weights through ``F.linear`` alone (cuBLAS,
+none of the fusions) are timed as a reference. It prints the production plan (``tuned_plans``: the
 measured table, else the heuristic), the best found and the ratio; ``--json`` keeps every candidate's time. Add
 a winner to ``tuned_plans.TUNED`` only from such a run. ``--smoke`` runs a few candidates at tiny shapes on the
 CPU (``TRITON_INTERPRET=1``) to check the script.
@@ -26,9 +27,10 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
+from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, make_plan, small_gemm, splitk_workspace_numel  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan  # noqa: E402
 
 
@@ -78,11 +80,25 @@ class Tuner:
         def chain() -> int:
             for i, w in enumerate(ws):
                 if gated:
-                    small_gemm(x_in, w, c.act, plan=plan, epilogue="silu_mul", norm_weight=c.norm[i % 8], eps=bk.EPS,
-                               workspace=self.ws, counters=c.counters, use_pdl=self.pdl)
+                    gemm(x_in, w, c.act, plan=plan, epilogue="silu_mul", norm_weight=c.norm[i % 8], eps=bk.EPS,
+                         workspace=self.ws, counters=c.counters, use_pdl=self.pdl)
                 else:
-                    small_gemm(x_in, w, resid, plan=plan, epilogue="residual", residual=resid, workspace=self.ws,
-                               counters=c.counters, use_pdl=self.pdl)
+                    gemm(x_in, w, resid, plan=plan, epilogue="residual", residual=resid, workspace=self.ws,
+                         counters=c.counters, use_pdl=self.pdl)
+            return len(ws)
+        return chain
+
+    def cublas_chain(self, kernel: str):
+        """The same weights through ``F.linear`` alone (cuBLAS on a GPU): the GEMM without its fusions, the
+        general path's projection, as the reference the tuned plan is read against."""
+        c = self.c
+        ws = {"qkv_rope": c.wqkv, "o_proj": c.wo, "gate_up": c.wgu, "down": c.wd}[kernel]
+        x_in = {"qkv_rope": c.x, "o_proj": c.attn, "gate_up": c.x, "down": c.act}[kernel]
+        out = torch.empty(c.t, ws[0].shape[0], dtype=c.dt, device=c.dev)
+
+        def chain() -> int:
+            for w in ws:
+                torch.nn.functional.linear(x_in, w, out=out)
             return len(ws)
         return chain
 
@@ -103,8 +119,9 @@ class Tuner:
         return chain
 
 
-def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
-    """Default plan vs the best of the two-stage sweep for one kernel; returns a result row."""
+def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> dict:
+    """Default plan vs the best of the two-stage sweep for one kernel; returns a result row. ``row1_only``: only
+    the one-row GEMV's sweep against the production plan (no small_gemm sweep)."""
     c, s = tuner.c, tuner.c.s
     h, d = s["hidden"], s["head_dim"]
     if kernel == "qkv_rope":
@@ -117,7 +134,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
         k = {"o_proj": s["heads"] * d, "gate_up": h, "down": s["inter"]}[kernel]
         gated = kernel == "gate_up"
         rows_of = (lambda bn: 2 * bn) if gated else (lambda bn: bn)
-        default = gemm_plan(n, k, c.dt, c.dev, gated=gated)
+        default = dataclasses.replace(gemm_plan(n, k, c.dt, c.dev, gated=gated), row1=None)  # small_gemm alone
         make = lambda p: tuner.gemm_chain(kernel, p)  # noqa: E731
         block_ns = [16, 32] if smoke else [16, 32, 64, 128]
     results: dict[tuple, float] = {}
@@ -130,6 +147,11 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
         return results[key]
 
     t_default = measure(default)
+    if row1_only:
+        r1 = {}
+        if kernel != "qkv_rope" and c.t == 1:
+            r1 = row1_sweep(tuner, kernel, k, gated, dataclasses.replace(default, row1=None), t_default, smoke)
+        return dict(kernel=kernel, rows=c.t, n=n, k=k, default=dataclasses.asdict(default), default_us=t_default, **r1)
     splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
     stage1 = []
     for bn in block_ns:
@@ -154,12 +176,43 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
         measure(dataclasses.replace(top, num_stages=ns))
     best_key, t_best = min(results.items(), key=lambda kv: kv[1])
     best = GemmPlan(*best_key)
+    r1 = {}
+    if kernel != "qkv_rope" and c.t == 1:
+        r1 = row1_sweep(tuner, kernel, k, gated, dataclasses.replace(best, row1=None), t_best, smoke)
+    t_cublas = tuner.time(tuner.cublas_chain(kernel))
     row = dict(kernel=kernel, rows=c.t, default=dataclasses.asdict(default), default_us=t_default,
-               best=dataclasses.asdict(best), best_us=t_best, candidates=len(results),
+               best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas, candidates=len(results), n=n, k=k,
+               **r1,
                all=sorted(([_fmt(GemmPlan(*key)), us] for key, us in results.items()), key=lambda r: r[1]))
     print(f"  {kernel:9} rows {c.t}: default {t_default:7.2f} us {_fmt(default)} | best {t_best:7.2f} us "
-          f"{_fmt(best)} ({t_default / t_best:.2f}x, {len(results)} plans)", flush=True)
+          f"{_fmt(best)} ({t_default / t_best:.2f}x, {len(results)} plans) | torch F.linear alone {t_cublas:7.2f} us "
+          f"(best / F.linear {t_best / t_cublas:.2f})", flush=True)
     return row
+
+
+def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t_best: float, smoke: bool) -> dict:
+    """The one-row GEMV (``GemmPlan.row1``) over rows per program, K chunk, warps and stages, against ``best``
+    (small_gemm's best plan, ``t_best`` µs) at 1 row; prints the fastest and the ratio, returns them as a dict
+    (empty when no candidate fits)."""
+    results = []
+    for bn in ([4] if smoke else [2, 4, 8]):
+        for bkk in ([64] if smoke else [1024, 2048]):
+            for nw in ([4] if smoke else [4, 8]):
+                if bkk > triton.next_power_of_2(k) or bn * bkk * (2 if gated else 1) > 4096 * nw:
+                    continue
+                r1 = GemvPlan(block_n=bn, block_k=bkk, num_warps=nw, num_stages=1)
+                results.append((tuner.time(tuner.gemm_chain(kernel, dataclasses.replace(best, row1=r1))), r1))
+    if not results:
+        return {}
+    t1, r1 = min(results, key=lambda r: r[0])
+    r3 = dataclasses.replace(r1, num_stages=3)
+    results.append((tuner.time(tuner.gemm_chain(kernel, dataclasses.replace(best, row1=r3))), r3))
+    t1, r1 = min(results, key=lambda r: r[0])
+    print(f"  {kernel:9} rows 1: one-row GEMV best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
+          f"s{r1.num_stages} ({len(results)} plans) | small_gemm best {t_best:7.2f} us "
+          f"(GEMV / small_gemm {t1 / t_best:.2f})", flush=True)
+    return dict(row1_best=dataclasses.asdict(r1), row1_us=t1,
+                row1_all=[[dataclasses.asdict(p), us] for us, p in results])
 
 
 def _fmt(p: GemmPlan) -> str:
@@ -174,6 +227,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", default=None, help="write the result rows here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few plans, CPU interpreter")
+    ap.add_argument("--row1-only", action="store_true",
+                    help="only sweep the one-row GEMV against the production plan (at --rows 1)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows_out = []
@@ -192,7 +247,7 @@ def main() -> None:
             for kern in args.kernels.split(","):
                 if kern in ("gate_up", "down") and not case.s["inter"]:
                     continue
-                rows_out.append(dict(model=m, **sweep(tuner, kern, args.smoke)))
+                rows_out.append(dict(model=m, **sweep(tuner, kern, args.smoke, args.row1_only)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)

@@ -6,17 +6,27 @@ Runs on CPU under ``TRITON_INTERPRET=1`` (tiny shapes) and, unchanged, on a CUDA
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from lowlat.layers.attention import decode_attention_torch
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
+from lowlat_nvidia_mega.kernels import gemv as gemv_mod
 from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels import small_gemm as small_gemm_mod
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import plan_gemm, prefetch_act_enabled, small_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.small_gemm import (
+    GemvPlan,
+    plan_gemm,
+    prefetch_act_enabled,
+    small_gemm,
+    splitk_workspace_numel,
+)
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
@@ -345,3 +355,74 @@ def test_pdl_is_off_under_the_interpreter_and_by_env(monkeypatch: pytest.MonkeyP
     if pdl.interpreting():
         monkeypatch.setenv("LOWLAT_MEGA_PDL", "1")
         assert not pdl.pdl_enabled(DEV)
+
+
+# ---------------------------------------------------------------- one-row GEMV
+
+GEMV_CASES = [  # (epilogue, with norm, K, BLOCK_N, BLOCK_K): every epilogue; K in one chunk, several, a partial one
+    ("none", True, 192, 4, 64),
+    ("silu_mul", True, 192, 8, 256),
+    ("residual", False, 200, 2, 64),
+    ("silu_mul", True, 136, 4, 32),
+    ("none", False, 256, 16, 256),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("epilogue,with_norm,k,block_n,block_k", GEMV_CASES)
+def test_one_row_gemv_matches_torch(dtype: torch.dtype, epilogue: str, with_norm: bool, k: int, block_n: int,
+                                    block_k: int) -> None:
+    """``gemv.gemm`` at one row with ``plan.row1`` runs the GEMV kernel, against the same torch reference as
+    ``small_gemm`` (N = 80: not a multiple of BLOCK_N 16, so the column mask is exercised)."""
+    n = 80
+    gated = epilogue == "silu_mul"
+    x = _randn(1, k, dtype=dtype, seed=51)
+    w = _randn(2 * n if gated else n, k, dtype=dtype, seed=52, scale=0.1)
+    nw = (torch.rand(k, generator=_gen(53)) + 0.5).to(dtype=dtype, device=DEV) if with_norm else None
+    plan = dataclasses.replace(plan_gemm(n, k, dtype, 4, gated=gated, block_n=32, split_k=1),
+                               row1=GemvPlan(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2))
+    launched = []
+    real = gemv_mod._gemv_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launched.append(grid)
+            return real[grid]
+
+    buf = torch.full((2, n), float("nan"), dtype=dtype, device=DEV)
+    res = _randn(1, n, dtype=dtype, seed=54)
+    if epilogue == "residual":
+        buf[:1] = res
+    out = buf[:1]
+    h = rms_norm(x, nw, EPS) if nw is not None else x
+    y = F.linear(h, w)
+    ref = F.silu(y[:, :n]) * y[:, n:] if gated else (res + y if epilogue == "residual" else y)
+    gemv_mod._gemv_kernel = _Spy()  # type: ignore[assignment]
+    try:
+        gemv_mod.gemm(x, w, out, plan=plan, epilogue=epilogue, norm_weight=nw, eps=EPS,
+                      residual=out if epilogue == "residual" else None)
+    finally:
+        gemv_mod._gemv_kernel = real
+    assert launched == [(triton.cdiv(n, block_n),)], "one row with plan.row1 must run the GEMV kernel"
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+    assert torch.isnan(buf[1:].float()).all(), "rows beyond T were written"
+
+
+def test_gemm_runs_small_gemm_unless_one_row_with_a_row1_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice is by shape alone: 2+ rows, or no ``row1``, run ``small_gemm``; bad input is refused the same
+    way on both paths."""
+    calls: list[str] = []
+    monkeypatch.setattr(gemv_mod, "small_gemm", lambda *a, **kw: calls.append("small_gemm"))
+    k, n = 64, 32
+    plain = plan_gemm(n, k, torch.float32, 4, split_k=1)
+    row1 = dataclasses.replace(plain, row1=GemvPlan(block_n=4, block_k=64, num_warps=4, num_stages=1))
+    w = _randn(n, k, dtype=torch.float32, seed=60)
+    gemv_mod.gemm(_randn(2, k, dtype=torch.float32, seed=61), w, torch.empty(2, n, device=DEV), plan=row1)
+    gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=62), w, torch.empty(1, n, device=DEV), plan=plain)
+    assert calls == ["small_gemm", "small_gemm"]
+    with pytest.raises(ValueError, match="w must be"):
+        gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=63), w[:, :32], torch.empty(1, n, device=DEV),
+                      plan=row1)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=64), w, torch.empty(1, n, device=DEV), plan=row1,
+                      epilogue="residual")

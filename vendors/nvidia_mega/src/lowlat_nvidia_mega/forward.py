@@ -25,11 +25,12 @@ import torch
 from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, plan_splits
+from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import moe_forward
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan, small_gemm
+from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
 
 MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
 
@@ -179,16 +180,16 @@ class MegaForward:
                                    batch.req_pool_indices, batch.seq_lens, attn, rows_per_req=rows,
                                    sm_scale=self.sm_scale, num_splits=splits, o_partial=ws.o_partial,
                                    lse_partial=ws.lse_partial, use_pdl=use_pdl)
-            small_gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
+            gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
                        workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)
             if lw.is_moe:
                 self._moe(x, lw, use_pdl)
             else:
                 assert lw.gate_up is not None and lw.down is not None and ws.act is not None
                 act = ws.act[:t]
-                small_gemm(x, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=lw.post_norm,
+                gemm(x, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=lw.post_norm,
                            eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
-                small_gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
+                gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
                            workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
         # A fresh output per step (inside a CUDA graph it comes from the graph's pool), so logits or ids a caller
         # keeps are never overwritten by the next step.

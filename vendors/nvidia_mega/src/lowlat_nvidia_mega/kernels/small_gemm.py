@@ -248,8 +248,21 @@ def _small_gemm_kernel(
 
 
 @dataclass(frozen=True)
+class GemvPlan:
+    """Launch configuration of the one-row GEMV (``gemv.py``) for one shape: rows per program, K chunk."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
 class GemmPlan:
-    """Launch configuration of one small GEMM shape (chosen by ``plan_gemm``, never autotuned at capture)."""
+    """Launch configuration of one small GEMM shape (chosen by ``plan_gemm``, never autotuned at capture).
+
+    ``row1``: the one-row GEMV's plan, used instead of this kernel when a step has one row (``gemv.gemm``);
+    None: one row runs this kernel too."""
 
     block_n: int
     block_k: int
@@ -258,6 +271,7 @@ class GemmPlan:
     num_warps: int
     num_stages: int
     pre_k: int  # K elements of the weight tile(s) loaded before gdc_wait (a multiple of block_k)
+    row1: GemvPlan | None = None
 
     def n_tiles(self, n: int) -> int:
         return triton.cdiv(n, self.block_n)
@@ -361,6 +375,36 @@ def small_gemm(
     Raises:
         ValueError: on a shape, stride, dtype or device mismatch, naming the argument.
     """
+    t, k, n, gated = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
+                                     residual=residual, workspace=workspace, counters=counters)
+    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
+    res = residual if residual is not None else out
+    dummy = out
+    grid = (plan.n_tiles(n), plan.split_k)
+    _small_gemm_kernel[grid](
+        x, x.stride(0), w, w.stride(0), norm_weight if norm_weight is not None else dummy, res, res.stride(0),
+        out, out.stride(0), workspace if workspace is not None else dummy, counters if counters is not None else dummy,
+        t, n, k, plan.k_per_split, eps,
+        NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512),
+        PRE_K=plan.pre_k, HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], NPART=2 if gated else 1,
+        SPLIT_K=plan.split_k,
+        EVEN_K=(k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
+        BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+        DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl, PREFETCH_ACT=bool(prefetch) and norm_weight is not None,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
+    )
+    return out
+
+
+def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str,
+                    norm_weight: torch.Tensor | None, residual: torch.Tensor | None, workspace: torch.Tensor | None,
+                    counters: torch.Tensor | None) -> tuple[int, int, int, bool]:
+    """The checks of ``small_gemm``'s arguments (shared with ``gemv.gemm``); returns (T, K, N, gated).
+
+    Raises:
+        ValueError: on a shape, stride, dtype or device mismatch, naming the argument.
+    """
     if epilogue not in EPILOGUES:
         raise ValueError(f"epilogue must be one of {sorted(EPILOGUES)}, got {epilogue!r}")
     gated = epilogue == "silu_mul"
@@ -394,24 +438,7 @@ def small_gemm(
             raise ValueError(f"split-K={plan.split_k} needs an fp32 workspace of >= {need} elements")
         if counters is None or counters.dtype != torch.int32 or counters.numel() < plan.n_tiles(n):
             raise ValueError(f"split-K={plan.split_k} needs int32 zero counters of >= {plan.n_tiles(n)} elements")
-    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
-    prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
-    res = residual if residual is not None else out
-    dummy = out
-    grid = (plan.n_tiles(n), plan.split_k)
-    _small_gemm_kernel[grid](
-        x, x.stride(0), w, w.stride(0), norm_weight if norm_weight is not None else dummy, res, res.stride(0),
-        out, out.stride(0), workspace if workspace is not None else dummy, counters if counters is not None else dummy,
-        t, n, k, plan.k_per_split, eps,
-        NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512),
-        PRE_K=plan.pre_k, HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], NPART=2 if gated else 1,
-        SPLIT_K=plan.split_k,
-        EVEN_K=(k % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
-        BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
-        DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl, PREFETCH_ACT=bool(prefetch) and norm_weight is not None,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
-    )
-    return out
+    return t, k, n, gated
 
 
 def prefetch_act_enabled() -> bool:

@@ -11,10 +11,13 @@ Key: (``torch.cuda.get_device_name()``, kind, N, K, dtype), kind ``"qkv"`` (N = 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import triton
 
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, make_plan, num_sms, plan_gemm
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
 
 # tune_plans.py on an H200, 2026-11-30 (bench/results/2026-11-30-nvidia-mega-tuning/tune_1row.txt):
 # default heuristic -> tuned, us per launch at 1 row.
@@ -33,6 +36,27 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 }
 
 
+# The one-row GEMV (kernels/gemv.py) at 1 row, (BLOCK_N, BLOCK_K, warps, stages); key as TUNED's ("gemm" /
+# "gated" kinds only). tune_plans.py --row1-only on an H200, 2026-12-02 (bench/results/2026-12-02-h200-mega-gemv):
+# small_gemm's tuned plan -> the GEMV, µs per launch at 1 row.
+TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, int, int, int]] = {
+    ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"): (8, 2048, 8, 1),    # llama o_proj     5.26 -> 3.71
+    ("NVIDIA H200", "gated", 8192, 2048, "bfloat16"): (2, 1024, 4, 3),   # llama gate_up   22.42 -> 19.66
+    ("NVIDIA H200", "gemm", 2048, 8192, "bfloat16"): (8, 2048, 8, 1),    # llama down      12.04 -> 10.61
+    ("NVIDIA H200", "gemm", 4096, 4096, "bfloat16"): (8, 1024, 8, 1),    # qwen3-8b o      11.86 -> 10.19
+    ("NVIDIA H200", "gated", 12288, 4096, "bfloat16"): (4, 1024, 4, 3),  # qwen3-8b gu     59.98 -> 51.07
+    ("NVIDIA H200", "gemm", 4096, 12288, "bfloat16"): (2, 1024, 4, 1),   # qwen3-8b down   29.38 -> 27.03
+}
+
+
+def default_row1(k: int, *, gated: bool) -> GemvPlan:
+    """The one-row GEMV's plan for a shape without a ``TUNED_ROW1`` entry: within 5% of the best at each of the six
+    shapes measured above (all of which it beat small_gemm at), K chunk at most 1024 (and at most K)."""
+    bk = min(1024, triton.next_power_of_2(k))
+    return GemvPlan(block_n=4, block_k=bk, num_warps=4, num_stages=3) if gated else \
+        GemvPlan(block_n=8, block_k=bk, num_warps=8, num_stages=1)
+
+
 def device_name(device: torch.device) -> str:
     """The CUDA device's name (the table's first key), or ``"cpu"``."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -43,13 +67,18 @@ def _tuned(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) 
 
 
 def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
-    """The plan for ``[<=8, k] @ [n (2n when gated), k]^T`` on ``device``: tuned entry, else ``plan_gemm``."""
-    hit = _tuned("gated" if gated else "gemm", n, k, dtype, device)
+    """The plan for ``[<=8, k] @ [n (2n when gated), k]^T`` on ``device``: tuned entry, else ``plan_gemm``; with
+    the one-row GEMV's plan as ``row1`` (``TUNED_ROW1``, else ``default_row1``)."""
+    kind = "gated" if gated else "gemm"
+    hit = _tuned(kind, n, k, dtype, device)
     if hit is None:
-        return plan_gemm(n, k, dtype, num_sms(device), gated=gated)
-    bn, bk, s, w, st = hit
-    return make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
-                     weight_rows=(2 if gated else 1) * bn)
+        plan = plan_gemm(n, k, dtype, num_sms(device), gated=gated)
+    else:
+        bn, bk, s, w, st = hit
+        plan = make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+                         weight_rows=(2 if gated else 1) * bn)
+    row1 = TUNED_ROW1.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
+    return dataclasses.replace(plan, row1=GemvPlan(*row1) if row1 else default_row1(k, gated=gated))
 
 
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
