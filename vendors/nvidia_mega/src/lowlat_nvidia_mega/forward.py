@@ -8,6 +8,9 @@ Per decoder layer (dense)::
     gate_up    act = silu(g) * u of rmsnorm(x) @ Wgu^T (small GEMM, norm prologue, SwiGLU epilogue)
     down       x += act @ Wd^T                        (small GEMM, split-K, residual epilogue, in place)
 
+At one row (a batch-1 DECODE step) the three projections run the one-row GEMV (``kernels.gemv``) where the
+shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row count alone.
+
 A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
 The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits), or, when the batch
 ``wants_ids`` (plugin API 3), with ``kernels.lm_head.lm_head_sample``: the same pass over the LM head fused with
