@@ -126,7 +126,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     h, d = s["hidden"], s["head_dim"]
     if kernel == "qkv_rope":
         n, k, gated, rows_of = (s["heads"] + 2 * s["kv_heads"]) * d, h, False, lambda bn: d
-        default = qkv_plan(s["heads"], s["kv_heads"], d, h, c.dt, c.dev)
+        default = dataclasses.replace(qkv_plan(s["heads"], s["kv_heads"], d, h, c.dt, c.dev), row1=None)
         make = tuner.qkv_chain
         block_ns = [d]
     else:
@@ -149,7 +149,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     t_default = measure(default)
     if row1_only:
         r1 = {}
-        if kernel != "qkv_rope" and c.t == 1:
+        if c.t == 1:
             r1 = row1_sweep(tuner, kernel, k, gated, dataclasses.replace(default, row1=None), t_default, smoke)
         return dict(kernel=kernel, rows=c.t, n=n, k=k, default=dataclasses.asdict(default), default_us=t_default, **r1)
     splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
@@ -177,7 +177,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     best_key, t_best = min(results.items(), key=lambda kv: kv[1])
     best = GemmPlan(*best_key)
     r1 = {}
-    if kernel != "qkv_rope" and c.t == 1:
+    if c.t == 1:
         r1 = row1_sweep(tuner, kernel, k, gated, dataclasses.replace(best, row1=None), t_best, smoke)
     t_cublas = tuner.time(tuner.cublas_chain(kernel))
     row = dict(kernel=kernel, rows=c.t, default=dataclasses.asdict(default), default_us=t_default,
@@ -195,7 +195,17 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
     (small_gemm's best plan, ``t_best`` µs) at 1 row; prints the fastest and the ratio, returns them as a dict
     (empty when no candidate fits)."""
     results = []
-    for bn in ([4] if smoke else [2, 4, 8]):
+    if kernel == "qkv_rope":  # one program per head and split: (K chunk, split-K, warps) within the registers
+        d = tuner.c.s["head_dim"]
+        for bkk in ([16] if smoke else [128, 256, 512]):
+            for sk in ([2] if smoke else [2, 4, 8]):
+                for nw in ([4] if smoke else [4, 8]):
+                    if d * bkk > 4096 * nw or bkk * sk > k:
+                        continue
+                    r1 = GemvPlan(block_n=d, block_k=bkk, num_warps=nw, num_stages=1, split_k=sk)
+                    chain = tuner.qkv_chain(dataclasses.replace(best, row1=r1))
+                    results.append((tuner.time(chain) if chain is not None else float("inf"), r1))
+    for bn in ([] if kernel == "qkv_rope" else [4] if smoke else [2, 4, 8]):
         for bkk in ([64] if smoke else [1024, 2048]):
             for nw in ([4] if smoke else [4, 8]):
                 if bkk > triton.next_power_of_2(k) or bn * bkk * (2 if gated else 1) > 4096 * nw:
@@ -206,11 +216,13 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
         return {}
     t1, r1 = min(results, key=lambda r: r[0])
     r3 = dataclasses.replace(r1, num_stages=3)
-    results.append((tuner.time(tuner.gemm_chain(kernel, dataclasses.replace(best, row1=r3))), r3))
+    chain = tuner.qkv_chain(dataclasses.replace(best, row1=r3)) if kernel == "qkv_rope" else \
+        tuner.gemm_chain(kernel, dataclasses.replace(best, row1=r3))
+    results.append((tuner.time(chain) if chain is not None else float("inf"), r3))
     t1, r1 = min(results, key=lambda r: r[0])
-    print(f"  {kernel:9} rows 1: one-row GEMV best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
-          f"s{r1.num_stages} ({len(results)} plans) | small_gemm best {t_best:7.2f} us "
-          f"(GEMV / small_gemm {t1 / t_best:.2f})", flush=True)
+    print(f"  {kernel:9} rows 1: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
+          f"s{r1.num_stages} sk{r1.split_k} ({len(results)} plans) | tl.dot plan {t_best:7.2f} us "
+          f"(FMA / tl.dot {t1 / t_best:.2f})", flush=True)
     return dict(row1_best=dataclasses.asdict(r1), row1_us=t1,
                 row1_all=[[dataclasses.asdict(p), us] for us, p in results])
 

@@ -32,7 +32,7 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     attention_block_m,
 )
 from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, make_plan  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -100,7 +100,24 @@ def test_qkv_rope_compiles_for_sm90(model: str, prefetch: bool, plans) -> None: 
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=prefetch), stages=plan.num_stages, warps=plan.num_warps))
+        PREFETCH_ACT=prefetch, ROW1=False), stages=plan.num_stages, warps=plan.num_warps))
+
+
+# qkv_rope's one-row FMA loop at the candidates tune_plans.py --row1-only sweeps: (K chunk, split-K, warps)
+QKV_ROW1 = [(128, 4, 4), (256, 4, 8), (256, 8, 4), (512, 2, 8)]
+
+
+@pytest.mark.parametrize("block_k,split_k,warps", QKV_ROW1)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_qkv_rope_one_row_loop_compiles_for_sm90(model: str, block_k: int, split_k: int, warps: int) -> None:
+    hid, hq, hkv, d, _, qk_norm = MODELS[model]
+    plan = make_plan(hid, block_n=d, block_k=block_k, split_k=split_k, num_warps=warps, num_stages=1, weight_rows=d)
+    ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
+        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
+        SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
+        PREFETCH_ACT=False, ROW1=True), stages=plan.num_stages, warps=plan.num_warps)
+    _assert_pdl(ptx)
+    assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

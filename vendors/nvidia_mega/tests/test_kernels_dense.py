@@ -17,6 +17,7 @@ from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat_nvidia_mega.kernels import gemv as gemv_mod
 from lowlat_nvidia_mega.kernels import pdl
+from lowlat_nvidia_mega.kernels import qkv_rope as qkv_mod
 from lowlat_nvidia_mega.kernels import small_gemm as small_gemm_mod
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
@@ -223,6 +224,28 @@ QKV_CASES = [(1, False, 1, LLAMA3), (3, True, 2, None), (8, False, 2, LLAMA3), (
 @pytest.mark.parametrize("rows,qk_norm,split_k,rope_scaling", QKV_CASES)
 def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype, rows: int, qk_norm: bool,
                                                               split_k: int, rope_scaling: dict | None) -> None:
+    _check_qkv_rope(dtype, rows, qk_norm, split_k, rope_scaling, None)
+
+
+# (qk_norm, row1 split-K, row1 K chunk): one row through the FMA loop, one split and several; at split 1 and chunk
+# 16 the loop runs 4 chunks after the 64 columns loaded before the wait, otherwise the pre-wait tile is the split
+QKV_ROW1_CASES = [(False, 1, 16), (True, 1, 16), (True, 2, 16), (True, 1, 64), (False, 4, 16)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm,r1_split,r1_block_k", QKV_ROW1_CASES)
+def test_qkv_rope_one_row_loop_matches_torch(dtype: torch.dtype, qk_norm: bool, r1_split: int,
+                                             r1_block_k: int) -> None:
+    """``plan.row1`` at one row: the FMA K loop (1-D x) at row1's own split and chunk, against the torch reference;
+    the kernel must run with ROW1 (at two rows the same plan runs the tl.dot loop: the rows=3 case)."""
+    row1 = GemvPlan(block_n=D, block_k=r1_block_k, num_warps=4, num_stages=1, split_k=r1_split)
+    assert _check_qkv_rope(dtype, 1, qk_norm, 1, LLAMA3, row1) == {"ROW1": True, "SPLIT_K": r1_split}
+    assert _check_qkv_rope(dtype, 3, qk_norm, 2, None, row1) == {"ROW1": False, "SPLIT_K": 2}
+
+
+def _check_qkv_rope(dtype: torch.dtype, rows: int, qk_norm: bool, split_k: int, rope_scaling: dict | None,
+                    row1: GemvPlan | None) -> dict:
+    """Runs qkv_rope against the torch reference; returns the launch's ROW1 and SPLIT_K constexprs."""
     x = _randn(rows, HID, dtype=dtype, seed=10)
     nw = (torch.rand(HID, generator=_gen(11)) + 0.5).to(dtype=dtype, device=DEV)
     w = _randn((HQ + 2 * HKV) * D, HID, dtype=dtype, seed=12, scale=0.2)
@@ -231,19 +254,33 @@ def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype
     positions = torch.randint(0, MAX_POS, (rows,), generator=_gen(15)).to(DEV)
     loc = (torch.randperm(SLOTS - 1, generator=_gen(16))[:rows] + 1).to(DEV)
     cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, rope_scaling, DEV)
-    plan = plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=split_k, block_k=16)
+    plan = dataclasses.replace(plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=split_k, block_k=16), row1=row1)
     assert split_k > 1 or plan.pre_k < plan.k_per_split  # the K loop after the pre-wait tile runs
     assert plan.split_k == split_k
-    ws = torch.zeros(max(1, qkv_workspace_numel(plan, HQ, HKV, D)), device=DEV)
+    ws = torch.zeros(max(1, qkv_workspace_numel(plan, HQ, HKV, D), 8 * HID * (HQ + 2 * HKV) * D), device=DEV)
     cnt = torch.zeros(HQ + 2 * HKV, dtype=torch.int32, device=DEV)
     sentinel = 7.0
     kb = torch.full((SLOTS, HKV, D), sentinel, dtype=dtype, device=DEV)
     vb = torch.full((SLOTS, HKV, D), sentinel, dtype=dtype, device=DEV)
     qbuf = torch.full((8, HQ * D), float("nan"), dtype=dtype, device=DEV)
 
-    qkv_rope(x, nw, w, num_heads=HQ, num_kv_heads=HKV, q_norm=qn, k_norm=kn, cos=cos, sin=sin, positions=positions,
-             out_cache_loc=loc, q_out=qbuf[:rows], k_buffer=kb, v_buffer=vb, eps=EPS, plan=plan, workspace=ws,
-             counters=cnt)
+    seen: dict = {}
+    real = qkv_mod._qkv_rope_kernel
+
+    class _Spy:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+                seen.update(ROW1=kwargs["ROW1"], SPLIT_K=kwargs["SPLIT_K"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    qkv_mod._qkv_rope_kernel = _Spy()  # type: ignore[assignment]
+    try:
+        qkv_rope(x, nw, w, num_heads=HQ, num_kv_heads=HKV, q_norm=qn, k_norm=kn, cos=cos, sin=sin,
+                 positions=positions, out_cache_loc=loc, q_out=qbuf[:rows], k_buffer=kb, v_buffer=vb, eps=EPS,
+                 plan=plan, workspace=ws, counters=cnt)
+    finally:
+        qkv_mod._qkv_rope_kernel = real
     rotary = RotaryEmbedding(D, 10000.0, rope_scaling, MAX_POS, device=DEV)
     q_ref, k_ref, v_ref = _qkv_reference(x, nw, w, qn, kn, positions, rotary, dtype)
     tol = _tol(dtype)
@@ -256,6 +293,7 @@ def test_qkv_rope_matches_torch_and_writes_only_out_cache_loc(dtype: torch.dtype
         "a slot outside out_cache_loc changed"
     assert torch.isnan(qbuf[rows:].float()).all(), "q rows beyond T were written"
     assert not cnt.any()
+    return seen
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +38,17 @@ def test_tuned_entry_wins_on_its_gpu_and_heuristic_elsewhere(monkeypatch: pytest
         tuned_plans.default_row1(8192, gated=True)
     q = tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu)
     assert q.block_n == 64 and q != plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
+
+
+def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:
+    """``tune_plans.py --smoke`` (CPU interpreter, tiny shapes) runs the plan sweeps, the one-row sweeps of all four
+    kernels and the F.linear reference, and writes its JSON; on a GPU the same code times them."""
+    script = Path(__file__).resolve().parents[1] / "tune_plans.py"
+    out = tmp_path / "tune.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, str(script), "--smoke", "--rows", "1", "--json", str(out)], check=True, env=env,
+                   capture_output=True, timeout=600)
+    rows = {r["kernel"]: r for r in json.loads(out.read_text()) if "kernel" in r}
+    assert set(rows) == {"qkv_rope", "o_proj", "gate_up", "down"}
+    for r in rows.values():
+        assert r["row1_best"]["split_k"] >= 1 and "cublas_us" in r and r["candidates"] >= 1

@@ -123,6 +123,8 @@ def gemm(
         return small_gemm(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight, eps=eps,
                           residual=residual, workspace=workspace, counters=counters, use_pdl=use_pdl,
                           prefetch_act=prefetch_act)
+    if row1.split_k != 1:
+        raise ValueError(f"the one-row GEMV never splits K; plan.row1.split_k is {row1.split_k}")
     _, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
                                  residual=residual, workspace=workspace, counters=counters)
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from lowlat.plugin import rope_tables
 
+from lowlat_nvidia_mega.kernels.gemv import _row_rstd, _x_chunk
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
@@ -104,6 +105,27 @@ def _qkv_epilogue(
 
 
 @triton.jit
+def _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K: tl.constexpr,
+                 RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row's [1, HALF] lo and hi projections over this split's K range, products reduced per chunk (the
+    FMA form of ``gemv.py``); ``wl0``/``wh0`` are the first ``PRE_K`` columns, loaded before the PDL wait."""
+    rstd = _row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    ks = k_start + tl.arange(0, PRE_K)
+    xk = _x_chunk(x_ptr, ks, ks < k_end, rstd, nw_ptr, True).to(tl.float32)[None, :]
+    lo = tl.sum(wl0.to(tl.float32) * xk, 1)
+    hi = tl.sum(wh0.to(tl.float32) * xk, 1)
+    for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
+        kl = k0 + tl.arange(0, BLOCK_K)
+        kl_mask = kl < k_end
+        wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
+        wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
+        xl = _x_chunk(x_ptr, kl, kl_mask, rstd, nw_ptr, True).to(tl.float32)[None, :]
+        lo += tl.sum(wl.to(tl.float32) * xl, 1)
+        hi += tl.sum(wh.to(tl.float32) * xl, 1)
+    return lo[None, :], hi[None, :]
+
+
+@triton.jit
 def _qkv_rope_kernel(
     x_ptr, stride_xm, w_ptr, stride_wn, nw_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, max_pos, pos_ptr, loc_ptr,
     q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, ws_ptr, cnt_ptr,
@@ -111,7 +133,7 @@ def _qkv_rope_kernel(
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, ROW1: tl.constexpr,
 ):
     head = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -132,25 +154,29 @@ def _qkv_rope_kernel(
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
 
-    rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
-    xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)
-    if PREFETCH_ACT:  # the loop's first raw activation chunk and norm weights (see small_gemm.py)
-        kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
-        x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
-    lo = dot_acc(xk, tl.trans(wl0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
-    hi = dot_acc(xk, tl.trans(wh0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
-    for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
-        kl = k0 + tl.arange(0, BLOCK_K)
-        kl_mask = kl < k_end
-        wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
-        wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
-        if PREFETCH_ACT:
-            xl, x_nx, nw_nx = prefetched_rows(x_nx, nw_nx, rstd, x_ptr, stride_xm, offs_m, m_mask, kl, k_end, nw_ptr,
-                                              BLOCK_K)
-        else:
-            xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
-        lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)
-        hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
+    if ROW1:  # one row on the FMA units (see gemv.py): x as a 1-D chunk, no padded rows
+        lo, hi = _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K, RSTD_BLOCK,
+                              PRE_K, BLOCK_K, EVEN_K)
+    else:
+        rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
+        xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)
+        if PREFETCH_ACT:  # the loop's first raw activation chunk and norm weights (see small_gemm.py)
+            kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
+            x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
+        lo = dot_acc(xk, tl.trans(wl0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
+        hi = dot_acc(xk, tl.trans(wh0), tl.zeros([BLOCK_M, HALF], dtype=tl.float32), DOT_F32)
+        for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
+            kl = k0 + tl.arange(0, BLOCK_K)
+            kl_mask = kl < k_end
+            wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
+            wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
+            if PREFETCH_ACT:
+                xl, x_nx, nw_nx = prefetched_rows(x_nx, nw_nx, rstd, x_ptr, stride_xm, offs_m, m_mask, kl, k_end,
+                                                  nw_ptr, BLOCK_K)
+            else:
+                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
+            lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)
+            hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
 
     if SPLIT_K == 1:
         _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, loc, cs, sn, nw_lo, nw_hi, q_ptr, stride_qt, k_ptr,
@@ -217,7 +243,9 @@ def qkv_rope(
         k_buffer, v_buffer: [num_slots, Hkv, D] contiguous, the layer's KV-pool buffers; only rows
             ``out_cache_loc`` are written.
         eps: RMSNorm epsilon (shared by input norm and q/k norm, as in HF).
-        plan: from ``plan_qkv``; workspace / counters as for ``small_gemm`` when ``plan.split_k > 1``.
+        plan: from ``plan_qkv``; workspace / counters as for ``small_gemm`` when ``plan.split_k > 1``. With
+            ``plan.row1`` a one-row step runs the K loop on the FMA units with x as a 1-D chunk (as ``gemv.py``),
+            at ``row1``'s K chunk, split-K, warps and stages (its split's workspace is checked the same way).
         use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
         prefetch_act: load each activation chunk one K chunk ahead (bit-identical results); default
             ``small_gemm.prefetch_act_enabled()``.
@@ -264,6 +292,11 @@ def qkv_rope(
         if idx.shape != (t,) or idx.dtype not in (torch.int32, torch.int64) or idx.device != x.device:
             raise ValueError(f"{name} must be an int32/int64 [{t}] tensor on {x.device}, got {tuple(idx.shape)} "
                              f"{idx.dtype}")
+    row1 = plan.row1 is not None and t == 1
+    if row1:  # the one-row FMA loop, with its own tiles and split (chosen by shape alone, like gemv.gemm)
+        r1 = plan.row1
+        plan = make_plan(hidden, block_n=d, block_k=r1.block_k, split_k=r1.split_k, num_warps=r1.num_warps,
+                         num_stages=r1.num_stages, weight_rows=d)
     if plan.split_k > 1:
         need = qkv_workspace_numel(plan, num_heads, num_kv_heads, d, rows=t)
         if workspace is None or workspace.dtype != torch.float32 or workspace.numel() < need:
@@ -283,8 +316,8 @@ def qkv_rope(
         NORM_K=hidden, RSTD_BLOCK=min(triton.next_power_of_2(hidden), 512), PRE_K=plan.pre_k,
         HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
-        BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
-        PREFETCH_ACT=bool(prefetch),
+        BLOCK_M=1 if row1 else BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
+        PREFETCH_ACT=bool(prefetch) and not row1, ROW1=row1,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

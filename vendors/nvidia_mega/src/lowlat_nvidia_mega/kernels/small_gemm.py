@@ -249,12 +249,14 @@ def _small_gemm_kernel(
 
 @dataclass(frozen=True)
 class GemvPlan:
-    """Launch configuration of the one-row GEMV (``gemv.py``) for one shape: rows per program, K chunk."""
+    """Launch configuration of a one-row kernel for one shape: the GEMV (``gemv.py``: rows per program, K chunk,
+    never split) or qkv_rope's one-row loop (``block_n`` unused: a program owns one head; ``split_k`` splits K)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 @dataclass(frozen=True)

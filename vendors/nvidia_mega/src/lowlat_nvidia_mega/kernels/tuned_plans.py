@@ -36,10 +36,12 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 }
 
 
-# The one-row GEMV (kernels/gemv.py) at 1 row, (BLOCK_N, BLOCK_K, warps, stages); key as TUNED's ("gemm" /
-# "gated" kinds only). tune_plans.py --row1-only on an H200, 2026-12-02 (bench/results/2026-12-02-h200-mega-gemv):
+# The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K]); key as TUNED's.
+# "gemm" / "gated": the GEMV (kernels/gemv.py; a default_row1 plan where absent). "qkv": qkv_rope's one-row FMA
+# loop (BLOCK_N = head_dim; the tl.dot loop where absent: not yet measured on any GPU).
+# tune_plans.py --row1-only on an H200, 2026-12-02 (bench/results/2026-12-02-h200-mega-gemv):
 # small_gemm's tuned plan -> the GEMV, µs per launch at 1 row.
-TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, int, int, int]] = {
+TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"): (8, 2048, 8, 1),    # llama o_proj     5.26 -> 3.71
     ("NVIDIA H200", "gated", 8192, 2048, "bfloat16"): (2, 1024, 4, 3),   # llama gate_up   22.42 -> 19.66
     ("NVIDIA H200", "gemm", 2048, 8192, "bfloat16"): (8, 2048, 8, 1),    # llama down      12.04 -> 10.61
@@ -83,10 +85,14 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
 
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
              device: torch.device) -> GemmPlan:
-    """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``."""
+    """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``; ``row1`` from a
+    ``TUNED_ROW1`` "qkv" entry (on a GPU with a ``TUNED`` entry for the shape), else None."""
     hit = _tuned("qkv", (num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, device)
     if hit is None or hit[0] != head_dim:
         return plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
     _, bk, s, w, st = hit
-    return make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+    plan = make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                      weight_rows=head_dim)
+    row1 = TUNED_ROW1.get((device_name(device), "qkv", (num_heads + 2 * num_kv_heads) * head_dim, hidden,
+                           str(dtype).removeprefix("torch.")))
+    return plan if row1 is None or row1[0] != head_dim else dataclasses.replace(plan, row1=GemvPlan(*row1))
