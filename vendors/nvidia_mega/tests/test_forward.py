@@ -8,6 +8,8 @@ build errors. CPU under ``TRITON_INTERPRET=1``, or a CUDA GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,8 +21,10 @@ from lowlat.layers.attention import decode_attention_torch
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat.plugin.binding import PluginBinding
+from lowlat_nvidia_mega import build as build_mod
 from lowlat_nvidia_mega.build import build
 from lowlat_nvidia_mega.kernels import pdl
+from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
@@ -157,6 +161,26 @@ STEPS = [  # (architecture, dtype, mode, prefix lengths, rows per request)
 @pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])
 def test_step_matches_reference_and_writes_only_out_cache_loc(arch: str, dtype: torch.dtype, mode: ForwardMode,
                                                               prefix_lens: list[int], rows: int) -> None:
+    _check_step(arch, dtype, mode, prefix_lens, rows)
+
+
+@pytest.mark.parametrize("arch,dtype", [("LlamaForCausalLM", torch.float32), ("Qwen3ForCausalLM", torch.bfloat16)])
+def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch-1 DECODE step: the projections through the one-row GEMV (every plan has ``row1`` by default) and,
+    here also qkv_rope through its one-row loop (split over K in 2), against the reference forward."""
+    real = build_mod.qkv_plan
+    seen = []
+
+    def with_row1(hq, hkv, d, hid, dt, dev):  # type: ignore[no-untyped-def]
+        seen.append(d)
+        return dataclasses.replace(real(hq, hkv, d, hid, dt, dev),
+                                   row1=GemvPlan(block_n=d, block_k=16, num_warps=4, num_stages=1, split_k=2))
+    monkeypatch.setattr(build_mod, "qkv_plan", with_row1)
+    _check_step(arch, dtype, ForwardMode.DECODE, [11], 1)
+    assert seen, "the build must take qkv_rope's plan from qkv_plan"
+
+
+def _check_step(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int], rows: int) -> None:
     mc = _config(arch)
     params = _params(mc, dtype)
     binding = _binding(mc, dtype, params)

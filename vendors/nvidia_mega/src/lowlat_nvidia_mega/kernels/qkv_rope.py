@@ -218,8 +218,11 @@ def plan_qkv(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
 
 def qkv_workspace_numel(plan: GemmPlan, num_heads: int, num_kv_heads: int, head_dim: int,
                         rows: int = MAX_ROWS) -> int:
-    """fp32 elements of split-K partials the fused QKV kernel needs (0 without split-K)."""
-    return 0 if plan.split_k == 1 else plan.split_k * rows * (num_heads + 2 * num_kv_heads) * head_dim
+    """fp32 elements of split-K partials the fused QKV kernel needs for up to ``rows`` rows (0 without split-K), the
+    one-row loop's own split included when ``plan.row1`` is set."""
+    ncol = (num_heads + 2 * num_kv_heads) * head_dim
+    row1 = plan.row1.split_k * ncol if plan.row1 is not None and plan.row1.split_k > 1 else 0
+    return max(0 if plan.split_k == 1 else plan.split_k * rows * ncol, row1)
 
 
 def qkv_rope(
