@@ -107,6 +107,15 @@ def mega_tune(o: Options) -> list[Step]:
                                      f"{os.environ.get('OUT', '/tmp/out')}/tune.json"], "tune.txt", r"best|plan")]
 
 
+def mega_row1(o: Options) -> list[Step]:
+    """nvidia_mega's one-row kernels (the GEMV and qkv_rope's one-row loop) against the production tl.dot plans at
+    one row, per model (winners go to ``tuned_plans.TUNED_ROW1``)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    return [Step(f"row1 {m}", 240, [PY, "vendors/nvidia_mega/tune_plans.py", "--models", m, "--rows", "1",
+                                    "--row1-only", "--json", f"{out}/row1_{m}.json"], f"row1_{m}.txt", r"FMA")
+            for m in o.models]
+
+
 def amd_layers(o: Options) -> list[Step]:
     """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants,
     ``AMD_SYNC_FLOOR=1`` times each with every stage's compute skipped too."""
@@ -219,7 +228,8 @@ def diag_alternating(o: Options) -> list[Step]:
 
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
-    "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "amd-layers": amd_layers,
+    "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "mega-row1": mega_row1,
+    "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "oot-vendor": oot_vendor, **SPEED_JOBS,
 }
