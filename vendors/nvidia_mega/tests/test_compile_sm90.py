@@ -4,7 +4,9 @@ The Triton interpreter runs kernels as Python, so it misses what only the compil
 variable whose shape changes, a non-constexpr where one is needed). This compiles each kernel to a cubin for
 ``GPUTarget("cuda", 90, 32)`` through ``triton.compile`` (ptxas ships with Triton) at the launch plans of
 llama-3.2-1b and qwen3-30b-a3b, with the 16-byte divisibility hints real launches get, and checks the PDL
-instructions are present. Run without ``TRITON_INTERPRET``:
+instructions are present. The one-row GEMV is compiled at every plan it runs in production (each ``TUNED_ROW1``
+entry, and ``default_row1`` at the sites above), with the constants its launcher passes. Run without
+``TRITON_INTERPRET``:
 
     LOWLAT_MEGA_COMPILE_CHECK=1 PYTHONPATH=core/src:vendors/nvidia_mega/src \\
         python -m pytest vendors/nvidia_mega/tests/test_compile_sm90.py -q
@@ -25,14 +27,21 @@ if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
     pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
                 allow_module_level=True)
 
-from lowlat_nvidia_mega.kernels import tuned_plans  # noqa: E402
+from lowlat_nvidia_mega.kernels import gemv, tuned_plans  # noqa: E402
 from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     _attn_merge_kernel,
     _attn_split_kernel,
     attention_block_m,
 )
 from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel, make_plan  # noqa: E402
+from lowlat_nvidia_mega.kernels.small_gemm import (  # noqa: E402
+    BLOCK_M,
+    GemmPlan,
+    GemvPlan,
+    _small_gemm_kernel,
+    make_plan,
+    splitk_workspace_numel,
+)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -41,6 +50,8 @@ NOT_DIVISIBLE = {"T", "eps", "max_pos", "scale_log2"}  # every other int and poi
 GEMM_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, stride_rm="i32",
                 out_ptr=BF, stride_om="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32", N="i32", K="i32",
                 K_PER_SPLIT="i32", eps="fp32")
+GEMV_SIG = dict(x_ptr=BF, w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, out_ptr=BF, N="i32", K="i32",
+                eps="fp32")
 QKV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, qn_ptr=BF, kn_ptr=BF,
                cos_ptr="*fp32", sin_ptr="*fp32", max_pos="i32", pos_ptr="*i64", loc_ptr="*i64", q_ptr=BF,
                stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32",
@@ -130,3 +141,89 @@ def test_attention_compiles_for_sm90(model: str, rows: int) -> None:
         warps=4 if bm * d <= 4096 else 8, stages=2))
     _assert_pdl(_compile(_attn_merge_kernel, MERGE_SIG, dict(
         HQ=hq, HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=64, NUM_SPLITS=32, USE_PDL=True)))
+
+
+# ---------------------------------------------------------------- one-row GEMV
+
+META = torch.device("meta")
+GEMV_KERNEL = gemv._gemv_kernel
+
+
+def _gemm_sites(model: str) -> list[tuple[str, int, int, str, bool]]:
+    """``MegaForward``'s dense GEMMs of ``model``: (site, N, K, epilogue, with norm); an MoE model has only o_proj."""
+    hid, hq, _, d, inter, _ = MODELS[model]
+    return [("o_proj", hid, hq * d, "residual", False)] + (
+        [("gate_up", inter, hid, "silu_mul", True), ("down", hid, inter, "residual", False)]
+        if model == "llama-3.2-1b" else [])
+
+
+class _CaptureGemv:
+    """Stands in for ``_gemv_kernel``: records ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], tuple[object, ...], dict[str, object]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
+
+
+def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue: str, norm: bool,
+                       plan: GemmPlan) -> None:
+    """Launch ``gemv.gemm`` at one row as the call site does (meta tensors, PDL on), then compile the captured
+    launch (GEMV_SIG's types, the launcher's constants and warps / stages) and check its PTX: PDL, and the weight
+    tile loaded before the wait as 16-byte vectors only, one per 8 weight elements a thread holds."""
+    gated = epilogue == "silu_mul"
+    cap = _CaptureGemv()
+    monkeypatch.setattr(gemv, "_gemv_kernel", cap)
+    bf = dict(dtype=torch.bfloat16, device=META)
+    out = torch.empty(1, n, **bf)
+    ws = torch.empty(max(1, splitk_workspace_numel(plan, n, gated=gated, rows=1)), device=META)
+    gemv.gemm(torch.empty(1, k, **bf), torch.empty(2 * n if gated else n, k, **bf), out, plan=plan,
+              epilogue=epilogue, norm_weight=torch.empty(k, **bf) if norm else None,
+              residual=out if epilogue == "residual" else None, workspace=ws,
+              counters=torch.empty(plan.n_tiles(n), dtype=torch.int32, device=META), use_pdl=True)
+    (grid, _, kwargs), = cap.calls
+    row1 = plan.row1
+    assert row1 is not None
+    assert grid == (triton.cdiv(n, row1.block_n),)
+    assert kwargs["EPILOGUE"] == (1 if gated else 2) and kwargs["HAS_NORM"] is norm and kwargs["USE_PDL"] is True
+    consts = {name: kwargs[name] for name in GEMV_KERNEL.arg_names if name in kwargs}
+    ptx = _compile(GEMV_KERNEL, GEMV_SIG, consts, warps=kwargs["num_warps"], stages=kwargs["num_stages"])
+    _assert_pdl(ptx)
+    pre_wait = ptx[:ptx.index("griddepcontrol.launch_dependents")]
+    loads = [ln.split()[1] for ln in pre_wait.splitlines() if "ld.global" in ln]
+    per_vector = 16 // torch.bfloat16.itemsize
+    tile = (2 if gated else 1) * row1.block_n * row1.block_k  # weight elements of the chunk(s) before the wait
+    assert loads and all(op.startswith("ld.global.v4") for op in loads), \
+        f"weight loads must be 16-byte vectors, got {sorted(set(loads))}"
+    assert len(loads) == tile // (per_vector * 32 * row1.num_warps), "each weight element loaded once per thread"
+    assert ptx.count("ld.global.v4") >= 2 * len(loads), "the K loop's weight loads must be 16-byte vectors too"
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_gemv_compiles_for_sm90(model: str, plans, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Every dense call site of ``MegaForward`` at one row: ``TUNED_ROW1``'s plan on the H200 where the table has
+    the shape, else ``default_row1``."""
+    for _, n, k, epilogue, norm in _gemm_sites(model):
+        gated = epilogue == "silu_mul"
+        plan = plans.gemm_plan(n, k, torch.bfloat16, CUDA, gated=gated)
+        key = (plans.device_name(CUDA), "gated" if gated else "gemm", n, k, "bfloat16")
+        assert plan.row1 == (GemvPlan(*plans.TUNED_ROW1[key]) if key in plans.TUNED_ROW1
+                             else plans.default_row1(k, gated=gated))
+        _compile_gemv_site(monkeypatch, n, k, epilogue, norm, plan)
+
+
+@pytest.mark.parametrize("plans", [True], ids=["tuned"], indirect=True)
+@pytest.mark.parametrize("key", sorted(k for k in tuned_plans.TUNED_ROW1 if k[1] in ("gemm", "gated")),
+                         ids=lambda key: f"{key[1]}-{key[2]}x{key[3]}")
+def test_gemv_tuned_row1_compiles_for_sm90(key: tuple[str, str, int, int, str], plans,  # type: ignore[no-untyped-def]
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GEMV entry of ``TUNED_ROW1`` (qwen3-8b's too; "qkv" entries are qkv_rope's), through ``gemm_plan`` on the
+    H200, with its call site's epilogue: gated = gate_up (SwiGLU, norm prologue), gemm = o_proj / down (residual, no
+    norm)."""
+    _, kind, n, k, dtype = key
+    assert dtype == "bfloat16"
+    gated = kind == "gated"
+    plan = plans.gemm_plan(n, k, torch.bfloat16, CUDA, gated=gated)
+    assert plan.row1 == GemvPlan(*plans.TUNED_ROW1[key])
+    _compile_gemv_site(monkeypatch, n, k, "silu_mul" if gated else "residual", gated, plan)
