@@ -1,0 +1,79 @@
+"""Mutation pass of nvidia_mega's one-row GEMV (kernels/gemv.py: the kernel and the ``gemm`` dispatcher): break it in
+one place, run its CPU tests, expect a failure.
+
+    PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_gemv.py   # from the root
+
+Each mutation is applied to the source, the GEMV tests of vendors/nvidia_mega/tests/test_kernels_dense.py
+(``-k "gemv or gemm_runs"``) run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
+failing test) or MISSED per mutation; exits 1 if any was missed. The PDL order (weights before ``gdc_wait``) and the
+16-byte weight loads are not visible on CPU: test_compile_sm90.py checks them in the compiled PTX.
+"""
+
+import os
+import pathlib
+import sys
+
+import mutation_runner  # same directory
+
+G = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemv.py")
+M = [  # (name, file, original text, mutated text)
+    # prologue: HF's RMSNorm, rounded where torch rounds
+    ("RMSNorm: x * rstd not rounded to the activation dtype", G,
+     "h = rnd(x.to(tl.float32) * rstd, x.dtype)", "h = x.to(tl.float32) * rstd"),
+    ("RMSNorm: normalized x not rounded before the dot", G,
+     "x = to_act(nw.to(tl.float32) * h, x.dtype)", "x = nw.to(tl.float32) * h"),
+    ("RMSNorm: norm weight not applied", G,
+     "x = to_act(nw.to(tl.float32) * h, x.dtype)", "x = to_act(h, x.dtype)"),
+    ("RMSNorm: mean over the block, not K", G, "tl.sum(ss, 0) / K + eps", "tl.sum(ss, 0) / BLOCK + eps"),
+    ("RMSNorm: row statistics read past K", G,
+     "x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)", "x = tl.load(x_ptr + ks).to(tl.float32)"),
+    ("x chunk read past K", G, "x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)", "x = tl.load(x_ptr + ks)"),
+    # weight loads and the K loop
+    ("K mask dropped when not EVEN_K", G,
+     "mask=n_mask[:, None] & k_mask[None, :], other=0.0)", "mask=n_mask[:, None], other=0.0)"),
+    ("first chunk's K mask ignores K", G, "k_mask = ks < K", "k_mask = ks < BLOCK_K"),
+    ("up rows of the first chunk at BLOCK_N, not N", G,
+     "w0u = _w_chunk(w_rows + N * stride_wn,", "w0u = _w_chunk(w_rows + BLOCK_N * stride_wn,"),
+    ("up rows of the loop one row early", G,
+     "wu = _w_chunk(w_rows + N * stride_wn,", "wu = _w_chunk(w_rows + (N - 1) * stride_wn,"),
+    ("up sum of the first chunk from the gate rows", G,
+     "acc_u = tl.sum(w0u.to(tl.float32) * xk, 1)", "acc_u = tl.sum(w0.to(tl.float32) * xk, 1)"),
+    ("loop from 0: first chunk counted twice", G,
+     "for k0 in range(BLOCK_K, K, BLOCK_K):", "for k0 in range(0, K, BLOCK_K):"),
+    ("loop step of two chunks", G,
+     "for k0 in range(BLOCK_K, K, BLOCK_K):", "for k0 in range(BLOCK_K, K, 2 * BLOCK_K):"),
+    ("loop stops a chunk early", G,
+     "for k0 in range(BLOCK_K, K, BLOCK_K):", "for k0 in range(BLOCK_K, K - BLOCK_K, BLOCK_K):"),
+    ("loop reuses the first chunk of x", G,
+     "xl = _x_chunk(x_ptr, kl, kl_mask,", "xl = _x_chunk(x_ptr, ks, k_mask,"),
+    # output rows and the epilogue
+    ("programs' rows overlap", G,
+     "offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)", "offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N)"),
+    ("column mask dropped on the store", G, "o_mask = n_mask[None, :]", "o_mask = (offs_n >= 0)[None, :]"),
+    ("gate and up swapped in the epilogue", G,
+     "_gemm_epilogue(acc[None, :], acc_u[None, :],", "_gemm_epilogue(acc_u[None, :], acc[None, :],"),
+    # launcher
+    ("launcher: residual pointer is out when a residual is given", G,
+     "residual if residual is not None else out, out, n, k, eps,", "out, out, n, k, eps,"),
+    ("launcher: eps not passed", G, "out, n, k, eps,", "out, n, k, 0.0,"),
+    ("launcher: grid floored", G,
+     "_gemv_kernel[(triton.cdiv(n, row1.block_n),)]", "_gemv_kernel[(n // row1.block_n,)]"),
+    ("launcher: EVEN_K from BLOCK_N", G, "EVEN_K=k % row1.block_k == 0", "EVEN_K=k % row1.block_n == 0"),
+    ("launcher: norm over one chunk", G,
+     "NORM_K=k if norm_weight is not None else 0", "NORM_K=row1.block_k if norm_weight is not None else 0"),
+    ("launcher: norm weight ignored", G, "HAS_NORM=norm_weight is not None", "HAS_NORM=False"),
+    ("launcher: epilogue ignored", G, "EPILOGUE=EPILOGUES[epilogue]", "EPILOGUE=0"),
+    # dispatcher
+    ("dispatcher: GEMV for 2 rows", G, "x.shape[0] != 1 or row1 is None", "x.shape[0] > 2 or row1 is None"),
+    ("dispatcher: GEMV without a row1 plan", G, "x.shape[0] != 1 or row1 is None", "x.shape[0] != 1"),
+    ("dispatcher: a row1 plan that splits K accepted", G, "    if row1.split_k != 1:\n", "    if False:\n"),
+    ("dispatcher: arguments not checked", G,
+     "_, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,\n"
+     "                                 residual=residual, workspace=workspace, counters=counters)",
+     "k, n = x.shape[1], out.shape[1]"),
+]
+
+if __name__ == "__main__":
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_dense.py", env,
+                                 pytest_args=("-k", "gemv or gemm_runs")))
