@@ -56,5 +56,6 @@ M = [  # (name, file, original text, mutated text)
      "    return alive\n\n\n@triton.jit\ndef expert_down_stage"),
     ("host: a counter timeout reported as an item", F, 'if kind == int(KIND_COUNT) else', 'if kind == -1 else'),
 ]
-env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-sys.exit(mutation_runner.run(M, "vendors/amd_mono/tests/test_kernels.py", env))
+if __name__ == "__main__":  # importing this file must not mutate the tree
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    sys.exit(mutation_runner.run(M, "vendors/amd_mono/tests/test_kernels.py", env))

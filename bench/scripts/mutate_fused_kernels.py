@@ -39,19 +39,26 @@ M = [  # (file, original text, mutated text)
      "        e = tl.load(ids_ptr + t).to(tl.int64)\n        wt"),
     ("moe_gemv.py", "for k0 in range(0, HIDDEN, BLOCK_K):", "for k0 in range(0, HIDDEN - BLOCK_K, BLOCK_K):"),
 ]
-env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
-missed = 0
-for f, old, new in M:
-    p = K / f
-    src = p.read_text()
-    assert old in src, (f, old)
-    p.write_text(src.replace(old, new, 1))
-    try:
-        r = subprocess.run([".venv/bin/python", "-m", "pytest", "-q", "-x", "core/tests/test_kernels_fused.py"],
-                           capture_output=True, text=True, env=env)
-        last = r.stdout.strip().splitlines()[-1]
-        missed += r.returncode == 0
-        print(("CAUGHT " if r.returncode else "MISSED ") + f + ": " + new[:70] + " -> " + last, flush=True)
-    finally:
-        p.write_text(src)
-sys.exit(1 if missed else 0)
+
+
+def main() -> int:
+    env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+    missed = 0
+    for f, old, new in M:
+        p = K / f
+        src = p.read_text()
+        assert old in src, (f, old)
+        p.write_text(src.replace(old, new, 1))
+        try:
+            r = subprocess.run([".venv/bin/python", "-m", "pytest", "-q", "-x", "core/tests/test_kernels_fused.py"],
+                               capture_output=True, text=True, env=env)
+            last = r.stdout.strip().splitlines()[-1]
+            missed += r.returncode == 0
+            print(("CAUGHT " if r.returncode else "MISSED ") + f + ": " + new[:70] + " -> " + last, flush=True)
+        finally:
+            p.write_text(src)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":  # importing this file must not mutate the tree
+    sys.exit(main())

@@ -519,3 +519,6 @@ def test_gemm_runs_small_gemm_unless_one_row_with_a_row1_plan(monkeypatch: pytes
     split = dataclasses.replace(plain, row1=dataclasses.replace(row1.row1, split_k=2))
     with pytest.raises(ValueError, match="never splits K"):
         gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=65), w, torch.empty(1, n, device=DEV), plan=split)
+    monkeypatch.setenv("LOWLAT_MEGA_PREFETCH_ACT", "maybe")  # a typo is refused on the GEMV path too
+    with pytest.raises(ValueError, match="LOWLAT_MEGA_PREFETCH_ACT"):
+        gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=66), w, torch.empty(1, n, device=DEV), plan=row1)

@@ -52,3 +52,10 @@ def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:
     assert set(rows) == {"qkv_rope", "o_proj", "gate_up", "down"}
     for r in rows.values():
         assert r["row1_best"]["split_k"] >= 1 and "cublas_us" in r and r["candidates"] >= 1
+
+
+@pytest.mark.parametrize("fields", [(3, 1024, 4, 1), (8, 1000, 4, 1), (8, 1024, 6, 1), (8, 1024, 4, 0),
+                                    (8, 1024, 4, 1, 0), (0, 1024, 4, 1)])
+def test_gemv_plan_refuses_tiles_triton_cannot_build(fields: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="GemvPlan"):
+        GemvPlan(*fields)

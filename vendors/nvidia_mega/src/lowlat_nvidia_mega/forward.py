@@ -184,16 +184,16 @@ class MegaForward:
                                    sm_scale=self.sm_scale, num_splits=splits, o_partial=ws.o_partial,
                                    lse_partial=ws.lse_partial, use_pdl=use_pdl)
             gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
-                       workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)
+                 workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)
             if lw.is_moe:
                 self._moe(x, lw, use_pdl)
             else:
                 assert lw.gate_up is not None and lw.down is not None and ws.act is not None
                 act = ws.act[:t]
                 gemm(x, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=lw.post_norm,
-                           eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
+                     eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
                 gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
-                           workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
+                     workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
         # A fresh output per step (inside a CUDA graph it comes from the graph's pool), so logits or ids a caller
         # keeps are never overwritten by the next step.
         if batch.wants_ids:

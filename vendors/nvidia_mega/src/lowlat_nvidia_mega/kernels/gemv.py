@@ -27,6 +27,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     GemmPlan,
     _gemm_epilogue,
     check_gemm_args,
+    prefetch_act_enabled,
     rnd,
     small_gemm,
     to_act,
@@ -125,6 +126,8 @@ def gemm(
                           prefetch_act=prefetch_act)
     if row1.split_k != 1:
         raise ValueError(f"the one-row GEMV never splits K; plan.row1.split_k is {row1.split_k}")
+    if prefetch_act is None:
+        prefetch_act_enabled()  # a bad LOWLAT_MEGA_PREFETCH_ACT is refused at every row count
     _, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
                                  residual=residual, workspace=workspace, counters=counters)
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl

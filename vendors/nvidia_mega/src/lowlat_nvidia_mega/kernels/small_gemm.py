@@ -258,6 +258,15 @@ class GemvPlan:
     num_stages: int
     split_k: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GemvPlan.{name} must be a power of two >= 1, got {v}")
+        if self.num_stages < 1 or self.split_k < 1:
+            raise ValueError(f"GemvPlan needs num_stages >= 1 and split_k >= 1, got {self.num_stages}, "
+                             f"{self.split_k}")
+
 
 @dataclass(frozen=True)
 class GemmPlan:
