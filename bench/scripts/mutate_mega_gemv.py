@@ -45,7 +45,7 @@ M = [  # (name, file, original text, mutated text)
     ("loop stops a chunk early", G,
      "for k0 in range(BLOCK_K, K, BLOCK_K):", "for k0 in range(BLOCK_K, K - BLOCK_K, BLOCK_K):"),
     ("loop reuses the first chunk of x", G,
-     "xl = _x_chunk(x_ptr, kl, kl_mask,", "xl = _x_chunk(x_ptr, ks, k_mask,"),
+     "xl = one_row_x(x_ptr, kl, kl_mask,", "xl = one_row_x(x_ptr, ks, k_mask,"),
     # output rows and the epilogue
     ("programs' rows overlap", G,
      "offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)", "offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N)"),

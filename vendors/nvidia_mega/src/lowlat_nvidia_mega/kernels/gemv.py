@@ -43,7 +43,7 @@ def _w_chunk(w_rows, ks, n_mask, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _x_chunk(x_ptr, ks, k_mask, rstd, nw_ptr, HAS_NORM: tl.constexpr):
+def one_row_x(x_ptr, ks, k_mask, rstd, nw_ptr, HAS_NORM: tl.constexpr):
     """x[ks] (1-D, input dtype), RMS-normalized and scaled by ``nw[ks]`` in HF's order when ``HAS_NORM``."""
     x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
     if HAS_NORM:
@@ -54,7 +54,7 @@ def _x_chunk(x_ptr, ks, k_mask, rstd, nw_ptr, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(x_ptr, K: tl.constexpr, eps, BLOCK: tl.constexpr):
+def one_row_rstd(x_ptr, K: tl.constexpr, eps, BLOCK: tl.constexpr):
     """fp32 ``rsqrt(mean(x^2) + eps)`` of one row; unrolled so its loads are in flight together."""
     ss = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK):
@@ -85,8 +85,8 @@ def _gemv_kernel(
 
     rstd = 1.0
     if HAS_NORM:
-        rstd = _row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
-    xk = _x_chunk(x_ptr, ks, k_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+        rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    xk = one_row_x(x_ptr, ks, k_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
     acc = tl.sum(w0.to(tl.float32) * xk, 1)
     acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
     if GATED:
@@ -97,7 +97,7 @@ def _gemv_kernel(
         w = _w_chunk(w_rows, kl, n_mask, kl_mask, EVEN_K)
         if GATED:
             wu = _w_chunk(w_rows + N * stride_wn, kl, n_mask, kl_mask, EVEN_K)
-        xl = _x_chunk(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+        xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
         acc += tl.sum(w.to(tl.float32) * xl, 1)
         if GATED:
             acc_u += tl.sum(wu.to(tl.float32) * xl, 1)

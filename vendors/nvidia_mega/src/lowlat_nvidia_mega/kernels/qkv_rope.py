@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from lowlat.plugin import rope_tables
 
-from lowlat_nvidia_mega.kernels.gemv import _row_rstd, _x_chunk
+from lowlat_nvidia_mega.kernels.gemv import one_row_rstd, one_row_x
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
@@ -109,9 +109,9 @@ def _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps
                  RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """One row's [1, HALF] lo and hi projections over this split's K range, products reduced per chunk (the
     FMA form of ``gemv.py``); ``wl0``/``wh0`` are the first ``PRE_K`` columns, loaded before the PDL wait."""
-    rstd = _row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
     ks = k_start + tl.arange(0, PRE_K)
-    xk = _x_chunk(x_ptr, ks, ks < k_end, rstd, nw_ptr, True).to(tl.float32)[None, :]
+    xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, True).to(tl.float32)[None, :]
     lo = tl.sum(wl0.to(tl.float32) * xk, 1)
     hi = tl.sum(wh0.to(tl.float32) * xk, 1)
     for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
@@ -119,7 +119,7 @@ def _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps
         kl_mask = kl < k_end
         wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
         wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
-        xl = _x_chunk(x_ptr, kl, kl_mask, rstd, nw_ptr, True).to(tl.float32)[None, :]
+        xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, True).to(tl.float32)[None, :]
         lo += tl.sum(wl.to(tl.float32) * xl, 1)
         hi += tl.sum(wh.to(tl.float32) * xl, 1)
     return lo[None, :], hi[None, :]
