@@ -4,8 +4,9 @@ one place, run its CPU tests, expect a failure.
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_gemv.py   # from the root
 
 Each mutation is applied to the source, the GEMV tests of vendors/nvidia_mega/tests/test_kernels_dense.py
-(``-k "gemv or gemm_runs"``) run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
-failing test) or MISSED per mutation; exits 1 if any was missed. The PDL order (weights before ``gdc_wait``) and the
+(``-k "gemv or gemm_runs or qkv_rope_one_row"``, the last for qkv_rope's one-row loop) run under TRITON_INTERPRET=1,
+and the source is restored. Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was
+missed. The PDL order (weights before ``gdc_wait``) and the
 16-byte weight loads are not visible on CPU: test_compile_sm90.py checks them in the compiled PTX.
 """
 
@@ -16,6 +17,7 @@ import sys
 import mutation_runner  # same directory
 
 G = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemv.py")
+Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
 M = [  # (name, file, original text, mutated text)
     # prologue: HF's RMSNorm, rounded where torch rounds
     ("RMSNorm: x * rstd not rounded to the activation dtype", G,
@@ -71,9 +73,28 @@ M = [  # (name, file, original text, mutated text)
      "_, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,\n"
      "                                 residual=residual, workspace=workspace, counters=counters)",
      "k, n = x.shape[1], out.shape[1]"),
+    # qkv_rope's one-row K loop (same helpers; its tests are test_qkv_rope_one_row_loop_*)
+    ("qkv row1: loop accumulator overwritten", Q,
+     "        lo += tl.sum(wl.to(tl.float32) * xl, 1)", "        lo = tl.sum(wl.to(tl.float32) * xl, 1)"),
+    ("qkv row1: first chunk not normalized", Q,
+     "xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, True)",
+     "xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, False)"),
+    ("qkv row1: hi half from the lo rows", Q,
+     "        hi += tl.sum(wh.to(tl.float32) * xl, 1)", "        hi += tl.sum(wl.to(tl.float32) * xl, 1)"),
+    ("qkv row1: each split's loop starts at column PRE_K, not its own start", Q,
+     "    for k0 in range(k_start + PRE_K, k_end, BLOCK_K):\n        kl = k0 + tl.arange(0, BLOCK_K)\n"
+     "        kl_mask = kl < k_end\n        wl = load_tile(w_lo",
+     "    for k0 in range(PRE_K, k_end, BLOCK_K):\n        kl = k0 + tl.arange(0, BLOCK_K)\n"
+     "        kl_mask = kl < k_end\n        wl = load_tile(w_lo"),
+    ("qkv launcher: one-row loop at 2+ rows", Q,
+     "row1 = plan.row1 is not None and t == 1", "row1 = plan.row1 is not None and t <= 3"),
+    ("qkv launcher: row1's split ignored", Q,
+     "split_k=r1.split_k, num_warps=r1.num_warps", "split_k=1, num_warps=r1.num_warps"),
+    ("qkv workspace: row1's split not counted", Q,
+     "row1 = plan.row1.split_k * ncol if plan.row1 is not None and plan.row1.split_k > 1 else 0", "row1 = 0"),
 ]
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_dense.py", env,
-                                 pytest_args=("-k", "gemv or gemm_runs")))
+                                 pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row")))
