@@ -231,3 +231,20 @@ def test_readme_bench_examples_say_where_they_run():
         assert "--device cpu" in command or "(GPU" in comment, (command, comment)
     variants = next(c for cmd, c in examples if "general-compiled" in cmd)
     assert "On a CPU" in variants and "hf is skipped" in variants
+
+
+def test_a_row_whose_repeat_disagrees_is_named_under_the_table(bench_run):
+    """A cold start inside the timed steps (one CPU run of general-compiled: median 88.7 ms, repeat 1.41 ms) must
+    not pass as a figure: the row is named, with both medians; rows within UNSTABLE_PCT are not."""
+    from lowlat.bench import report
+
+    _, results, _ = bench_run
+    rows = [dict(r) for r in results["rows"] if r["status"] == "ok"][:2]
+    rows[0].update(noise_pct=6189.0, step_ms={**rows[0]["step_ms"], "median": 88.67},
+                   repeat_ms={**rows[0]["repeat_ms"], "median": 1.41})
+    rows[1].update(noise_pct=report.UNSTABLE_PCT)  # at the bound: not flagged
+    faked = {**results, "rows": rows}
+    notes = report.unstable_notes(faked)
+    assert len(notes) == 1 and "88.6700 ms" in notes[0] and "1.4100 ms" in notes[0] and "6189%" in notes[0]
+    assert notes[0] in report.render_markdown(faked)
+    assert report.unstable_notes({**results, "rows": rows[1:]}) == []

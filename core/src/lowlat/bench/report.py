@@ -89,6 +89,23 @@ def per_layer_notes(results: dict[str, Any]) -> list[str]:
     return [f"{m} {p} ({', '.join(steps)}): {note}" for (m, p, note), steps in groups.items()]
 
 
+UNSTABLE_PCT = 25.0
+"""A row whose timed run and repeat differ by more than this (% of the median) is named under the table."""
+
+
+def unstable_notes(results: dict[str, Any]) -> list[str]:
+    """"model path step: ..." for measured rows whose timed run and its repeat (the same configuration timed again)
+    differ by more than ``UNSTABLE_PCT`` of the median: a cold start (compilation, autotuning) or a loaded machine
+    inside the timed steps, which the row's ratios then carry."""
+    out = []
+    for r in results["rows"]:
+        noise = r.get("noise_pct")
+        if r["status"] == "ok" and noise is not None and noise > UNSTABLE_PCT:
+            out.append(f"{r['model']} {r['path']} {step_label(r)}: median {r['step_ms']['median']:.4f} ms, repeat "
+                       f"{r['repeat_ms']['median']:.4f} ms ({noise:.0f}% apart); rerun before reading this row")
+    return out
+
+
 def dtype_line(dtype: str, cpu: bool) -> str:
     """"dtype D (weights, activations, KV)"; on a CPU, when D is not float32, also that it is not what
     ``lowlat run`` computes in there (its ``--dtype auto`` is float32 on a CPU; the bench keeps bfloat16)."""
@@ -131,6 +148,9 @@ def render_markdown(results: dict[str, Any]) -> str:
     note = verify_note(results)
     if note:
         lines += ["", f"Note: {note}."]
+    unstable = unstable_notes(results)
+    if unstable:
+        lines += ["", "Unstable rows (the timed run and its repeat disagree):", ""] + [f"- {n}" for n in unstable]
     layer = per_layer_notes(results)
     if layer:
         lines += ["", "No per-layer figure (us/layer -):", ""] + [f"- {n}" for n in layer]
@@ -142,8 +162,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def print_table(results: dict[str, Any]) -> None:
     """Print the figures with rich as two tables (latency; roofline, per-layer and ratios), header lines above, the
-    notes (what a verify row's tok/s/req counts, rows without a per-layer figure) and the skipped rows' reasons
-    below. Output that is not a terminal gets 160 columns, so tables are not squeezed."""
+    notes (what a verify row's tok/s/req counts, unstable rows, rows without a per-layer figure) and the skipped
+    rows' reasons below. Output that is not a terminal gets 160 columns, so tables are not squeezed."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -166,6 +186,8 @@ def print_table(results: dict[str, Any]) -> None:
     note = verify_note(results)
     if note:
         console.print(Text(note))
+    for n in unstable_notes(results):
+        console.print(Text(f"unstable: {n}", style="bold"))
     for n in per_layer_notes(results):
         console.print(Text(f"us/layer -: {n}", style="dim"))
     for n in skipped(results):

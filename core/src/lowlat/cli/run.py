@@ -49,7 +49,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
                    help="run DECODE steps one after another, reading each step's tokens before scheduling the "
                         "next (default: overlapped on CUDA, lowlat.runtime.overlap)")
     p.add_argument("--plugin", default="auto",
-                   help="auto (first plugin whose guard passes), none (general path only) or a plugin name "
+                   help="auto (the plugins whose guard passes, those made for this platform first, then by name), "
+                        "none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
     p.add_argument("--step-timeout", type=float, default=None, metavar="S",
                    help="deadline of one step in seconds; a step that misses it stops the engine with an error "
