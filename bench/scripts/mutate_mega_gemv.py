@@ -71,8 +71,10 @@ M = [  # (name, file, original text, mutated text)
     ("dispatcher: a row1 plan that splits K accepted", G, "    if row1.split_k != 1:\n", "    if False:\n"),
     ("dispatcher: arguments not checked", G,
      "_, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,\n"
-     "                                 residual=residual, workspace=workspace, counters=counters)",
+     "                                 residual=residual, workspace=workspace, counters=counters, split_k=False)",
      "k, n = x.shape[1], out.shape[1]"),
+    ("dispatcher: the GEMV asks for a split-K workspace", G, "counters=counters, split_k=False)",
+     "counters=counters, split_k=True)"),
     # qkv_rope's one-row K loop (same helpers; its tests are test_qkv_rope_one_row_loop_*)
     ("qkv row1: loop accumulator overwritten", Q,
      "        lo += tl.sum(wl.to(tl.float32) * xl, 1)", "        lo = tl.sum(wl.to(tl.float32) * xl, 1)"),

@@ -519,6 +519,16 @@ def test_gemm_runs_small_gemm_unless_one_row_with_a_row1_plan(monkeypatch: pytes
     split = dataclasses.replace(plain, row1=dataclasses.replace(row1.row1, split_k=2))
     with pytest.raises(ValueError, match="never splits K"):
         gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=65), w, torch.empty(1, n, device=DEV), plan=split)
+    k2 = 256
+    w2 = _randn(n, k2, dtype=torch.float32, seed=67)
+    split_plan = dataclasses.replace(plan_gemm(n, k2, torch.float32, 4, split_k=2), row1=row1.row1)
+    assert split_plan.split_k == 2
+    with pytest.raises(ValueError, match="workspace"):  # two rows: small_gemm splits K and needs its workspace
+        small_gemm(_randn(2, k2, dtype=torch.float32, seed=68), w2, torch.empty(2, n, device=DEV), plan=split_plan)
+    out1 = torch.empty(1, n, device=DEV)  # one row: the GEMV splits nothing, so none is asked for
+    x1 = _randn(1, k2, dtype=torch.float32, seed=69)
+    gemv_mod.gemm(x1, w2, out1, plan=split_plan)
+    torch.testing.assert_close(out1, F.linear(x1, w2), atol=1e-4, rtol=1e-4)
     monkeypatch.setenv("LOWLAT_MEGA_PREFETCH_ACT", "maybe")  # a typo is refused on the GEMV path too
     with pytest.raises(ValueError, match="LOWLAT_MEGA_PREFETCH_ACT"):
         gemv_mod.gemm(_randn(1, k, dtype=torch.float32, seed=66), w, torch.empty(1, n, device=DEV), plan=row1)

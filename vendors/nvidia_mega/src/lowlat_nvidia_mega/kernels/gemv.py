@@ -129,7 +129,7 @@ def gemm(
     if prefetch_act is None:
         prefetch_act_enabled()  # a bad LOWLAT_MEGA_PREFETCH_ACT is refused at every row count
     _, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
-                                 residual=residual, workspace=workspace, counters=counters)
+                                 residual=residual, workspace=workspace, counters=counters, split_k=False)
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     _gemv_kernel[(triton.cdiv(n, row1.block_n),)](
         x, w, w.stride(0), norm_weight if norm_weight is not None else out,

@@ -410,8 +410,9 @@ def small_gemm(
 
 def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str,
                     norm_weight: torch.Tensor | None, residual: torch.Tensor | None, workspace: torch.Tensor | None,
-                    counters: torch.Tensor | None) -> tuple[int, int, int, bool]:
+                    counters: torch.Tensor | None, split_k: bool = True) -> tuple[int, int, int, bool]:
     """The checks of ``small_gemm``'s arguments (shared with ``gemv.gemm``); returns (T, K, N, gated).
+    ``split_k=False``: the kernel does not split K (the one-row GEMV), so no workspace or counters are asked for.
 
     Raises:
         ValueError: on a shape, stride, dtype or device mismatch, naming the argument.
@@ -443,7 +444,7 @@ def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan
             raise ValueError(f"epilogue 'residual' needs residual [{t}, {n}] {x.dtype} with unit column stride")
     elif residual is not None:
         raise ValueError(f"residual given but epilogue is {epilogue!r}; pass epilogue='residual'")
-    if plan.split_k > 1:
+    if split_k and plan.split_k > 1:
         need = splitk_workspace_numel(plan, n, gated=gated, rows=t)
         if workspace is None or workspace.dtype != torch.float32 or workspace.numel() < need:
             raise ValueError(f"split-K={plan.split_k} needs an fp32 workspace of >= {need} elements")
