@@ -18,6 +18,7 @@ import mutation_runner  # same directory
 
 G = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemv.py")
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
+S = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/small_gemm.py")
 M = [  # (name, file, original text, mutated text)
     # prologue: HF's RMSNorm, rounded where torch rounds
     ("RMSNorm: x * rstd not rounded to the activation dtype", G,
@@ -31,13 +32,14 @@ M = [  # (name, file, original text, mutated text)
      "x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)", "x = tl.load(x_ptr + ks).to(tl.float32)"),
     ("x chunk read past K", G, "x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)", "x = tl.load(x_ptr + ks)"),
     # weight loads and the K loop
-    ("K mask dropped when not EVEN_K", G,
-     "mask=n_mask[:, None] & k_mask[None, :], other=0.0)", "mask=n_mask[:, None], other=0.0)"),
+    ("K mask dropped when not EVEN_K (small_gemm.load_tile, the GEMV's weight load)", S,
+     "return tl.load(ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)",
+     "return tl.load(ptrs, mask=row_mask[:, None], other=0.0)"),
     ("first chunk's K mask ignores K", G, "k_mask = ks < K", "k_mask = ks < BLOCK_K"),
     ("up rows of the first chunk at BLOCK_N, not N", G,
-     "w0u = _w_chunk(w_rows + N * stride_wn,", "w0u = _w_chunk(w_rows + BLOCK_N * stride_wn,"),
+     "w0u = load_tile(w_rows + N * stride_wn +", "w0u = load_tile(w_rows + BLOCK_N * stride_wn +"),
     ("up rows of the loop one row early", G,
-     "wu = _w_chunk(w_rows + N * stride_wn,", "wu = _w_chunk(w_rows + (N - 1) * stride_wn,"),
+     "wu = load_tile(w_rows + N * stride_wn +", "wu = load_tile(w_rows + (N - 1) * stride_wn +"),
     ("up sum of the first chunk from the gate rows", G,
      "acc_u = tl.sum(w0u.to(tl.float32) * xk, 1)", "acc_u = tl.sum(w0.to(tl.float32) * xk, 1)"),
     ("loop from 0: first chunk counted twice", G,

@@ -27,19 +27,12 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     GemmPlan,
     _gemm_epilogue,
     check_gemm_args,
+    load_tile,
     prefetch_act_enabled,
     rnd,
     small_gemm,
     to_act,
 )
-
-
-@triton.jit
-def _w_chunk(w_rows, ks, n_mask, k_mask, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(w_rows + ks[None, :], mask=n_mask[:, None], other=0.0)
-    else:
-        return tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -77,9 +70,9 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     k_mask = ks < K
     w_rows = w_ptr + offs_n[:, None] * stride_wn
-    w0 = _w_chunk(w_rows, ks, n_mask, k_mask, EVEN_K)  # weights never depend on the previous kernel
+    w0 = load_tile(w_rows + ks[None, :], n_mask, k_mask, EVEN_K)  # weights never depend on the previous kernel
     if GATED:
-        w0u = _w_chunk(w_rows + N * stride_wn, ks, n_mask, k_mask, EVEN_K)
+        w0u = load_tile(w_rows + N * stride_wn + ks[None, :], n_mask, k_mask, EVEN_K)
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
 
@@ -94,9 +87,9 @@ def _gemv_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kl = k0 + tl.arange(0, BLOCK_K)
         kl_mask = kl < K
-        w = _w_chunk(w_rows, kl, n_mask, kl_mask, EVEN_K)
+        w = load_tile(w_rows + kl[None, :], n_mask, kl_mask, EVEN_K)
         if GATED:
-            wu = _w_chunk(w_rows + N * stride_wn, kl, n_mask, kl_mask, EVEN_K)
+            wu = load_tile(w_rows + N * stride_wn + kl[None, :], n_mask, kl_mask, EVEN_K)
         xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
         acc += tl.sum(w.to(tl.float32) * xl, 1)
         if GATED:
