@@ -64,22 +64,24 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _tuned(kind: str, n: int, k: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
-    return TUNED.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
+def _tuned(table: dict[tuple[str, str, int, int, str], tuple[int, ...]], kind: str, n: int, k: int,
+           dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
+    """``table``'s entry (``TUNED`` or ``TUNED_ROW1``) for this shape on ``device``, else None."""
+    return table.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
 
 
 def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
     """The plan for ``[<=8, k] @ [n (2n when gated), k]^T`` on ``device``: tuned entry, else ``plan_gemm``; with
     the one-row GEMV's plan as ``row1`` (``TUNED_ROW1``, else ``default_row1``)."""
     kind = "gated" if gated else "gemm"
-    hit = _tuned(kind, n, k, dtype, device)
+    hit = _tuned(TUNED, kind, n, k, dtype, device)
     if hit is None:
         plan = plan_gemm(n, k, dtype, num_sms(device), gated=gated)
     else:
         bn, bk, s, w, st = hit
         plan = make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                          weight_rows=(2 if gated else 1) * bn)
-    row1 = TUNED_ROW1.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
+    row1 = _tuned(TUNED_ROW1, kind, n, k, dtype, device)
     return dataclasses.replace(plan, row1=GemvPlan(*row1) if row1 else default_row1(k, gated=gated))
 
 
@@ -87,12 +89,12 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
              device: torch.device) -> GemmPlan:
     """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``; ``row1`` from a
     ``TUNED_ROW1`` "qkv" entry (on a GPU with a ``TUNED`` entry for the shape), else None."""
-    hit = _tuned("qkv", (num_heads + 2 * num_kv_heads) * head_dim, hidden, dtype, device)
+    n = (num_heads + 2 * num_kv_heads) * head_dim
+    hit = _tuned(TUNED, "qkv", n, hidden, dtype, device)
     if hit is None or hit[0] != head_dim:
         return plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
     _, bk, s, w, st = hit
     plan = make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                      weight_rows=head_dim)
-    row1 = TUNED_ROW1.get((device_name(device), "qkv", (num_heads + 2 * num_kv_heads) * head_dim, hidden,
-                           str(dtype).removeprefix("torch.")))
+    row1 = _tuned(TUNED_ROW1, "qkv", n, hidden, dtype, device)
     return plan if row1 is None or row1[0] != head_dim else dataclasses.replace(plan, row1=GemvPlan(*row1))
