@@ -150,7 +150,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     if row1_only:
         r1 = {}
         if c.t == 1:
-            r1 = row1_sweep(tuner, kernel, k, gated, dataclasses.replace(default, row1=None), t_default, smoke)
+            r1 = row1_sweep(tuner, kernel, k, gated, default, t_default, smoke)
         return dict(kernel=kernel, rows=c.t, n=n, k=k, default=dataclasses.asdict(default), default_us=t_default, **r1)
     splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
     stage1 = []
@@ -178,7 +178,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     best = GemmPlan(*best_key)
     r1 = {}
     if c.t == 1:
-        r1 = row1_sweep(tuner, kernel, k, gated, dataclasses.replace(best, row1=None), t_best, smoke)
+        r1 = row1_sweep(tuner, kernel, k, gated, best, t_best, smoke)
     t_cublas = tuner.time(tuner.cublas_chain(kernel))
     row = dict(kernel=kernel, rows=c.t, default=dataclasses.asdict(default), default_us=t_default,
                best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas, candidates=len(results), n=n, k=k,
@@ -193,7 +193,13 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
 def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t_best: float, smoke: bool) -> dict:
     """The one-row GEMV (``GemmPlan.row1``) over rows per program, K chunk, warps and stages, against ``best``
     (small_gemm's best plan, ``t_best`` µs) at 1 row; prints the fastest and the ratio, returns them as a dict
-    (empty when no candidate fits)."""
+    (empty when no candidate fits). ``best`` has no ``row1`` (every swept plan is small_gemm's alone)."""
+
+    def timed(r1: GemvPlan) -> tuple[float, GemvPlan]:
+        plan = dataclasses.replace(best, row1=r1)
+        chain = tuner.qkv_chain(plan) if kernel == "qkv_rope" else tuner.gemm_chain(kernel, plan)
+        return (tuner.time(chain) if chain is not None else float("inf")), r1
+
     results = []
     if kernel == "qkv_rope":  # one program per head and split: (K chunk, split-K, warps) within the registers
         d = tuner.c.s["head_dim"]
@@ -202,23 +208,16 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
                 for nw in ([4] if smoke else [4, 8]):
                     if d * bkk > 4096 * nw or bkk * sk > k:
                         continue
-                    r1 = GemvPlan(block_n=d, block_k=bkk, num_warps=nw, num_stages=1, split_k=sk)
-                    chain = tuner.qkv_chain(dataclasses.replace(best, row1=r1))
-                    results.append((tuner.time(chain) if chain is not None else float("inf"), r1))
+                    results.append(timed(GemvPlan(block_n=d, block_k=bkk, num_warps=nw, num_stages=1, split_k=sk)))
     for bn in ([] if kernel == "qkv_rope" else [4] if smoke else [2, 4, 8]):
         for bkk in ([64] if smoke else [1024, 2048]):
             for nw in ([4] if smoke else [4, 8]):
                 if bkk > triton.next_power_of_2(k) or bn * bkk * (2 if gated else 1) > 4096 * nw:
                     continue
-                r1 = GemvPlan(block_n=bn, block_k=bkk, num_warps=nw, num_stages=1)
-                results.append((tuner.time(tuner.gemm_chain(kernel, dataclasses.replace(best, row1=r1))), r1))
+                results.append(timed(GemvPlan(block_n=bn, block_k=bkk, num_warps=nw, num_stages=1)))
     if not results:
         return {}
-    t1, r1 = min(results, key=lambda r: r[0])
-    r3 = dataclasses.replace(r1, num_stages=3)
-    chain = tuner.qkv_chain(dataclasses.replace(best, row1=r3)) if kernel == "qkv_rope" else \
-        tuner.gemm_chain(kernel, dataclasses.replace(best, row1=r3))
-    results.append((tuner.time(chain) if chain is not None else float("inf"), r3))
+    results.append(timed(dataclasses.replace(min(results, key=lambda r: r[0])[1], num_stages=3)))
     t1, r1 = min(results, key=lambda r: r[0])
     print(f"  {kernel:9} rows 1: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
           f"s{r1.num_stages} sk{r1.split_k} ({len(results)} plans) | tl.dot plan {t_best:7.2f} us "
