@@ -1,14 +1,17 @@
 """Mutation pass of the fused core kernels: break each kernel in one place, run its test file, expect a failure.
 
-    python3 bench/scripts/mutate_fused_kernels.py      # from the repository root, with .venv built
+    .venv/bin/python bench/scripts/mutate_fused_kernels.py      # from the repository root
 
 Each mutation is applied to the source, core/tests/test_kernels_fused.py runs under TRITON_INTERPRET=1, and the
-source is restored. Prints CAUGHT or MISSED per mutation; exits 1 if any was missed.
+source is restored (``mutation_runner.run``). Prints CAUGHT (with the first failing test) or MISSED per mutation;
+exits 1 if any was missed.
 """
 
+import os
 import pathlib
-import subprocess
 import sys
+
+import mutation_runner  # same directory
 
 K = pathlib.Path("core/src/lowlat/kernels")
 M = [  # (file, original text, mutated text)
@@ -41,24 +44,7 @@ M = [  # (file, original text, mutated text)
 ]
 
 
-def main() -> int:
-    env = {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
-    missed = 0
-    for f, old, new in M:
-        p = K / f
-        src = p.read_text()
-        assert old in src, (f, old)
-        p.write_text(src.replace(old, new, 1))
-        try:
-            r = subprocess.run([".venv/bin/python", "-m", "pytest", "-q", "-x", "core/tests/test_kernels_fused.py"],
-                               capture_output=True, text=True, env=env)
-            last = r.stdout.strip().splitlines()[-1]
-            missed += r.returncode == 0
-            print(("CAUGHT " if r.returncode else "MISSED ") + f + ": " + new[:70] + " -> " + last, flush=True)
-        finally:
-            p.write_text(src)
-    return 1 if missed else 0
-
-
 if __name__ == "__main__":  # importing this file must not mutate the tree
-    sys.exit(main())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    sys.exit(mutation_runner.run([(f"{f}: {new[:70]}", K / f, old, new) for f, old, new in M],
+                                 "core/tests/test_kernels_fused.py", env))
