@@ -131,6 +131,24 @@ def test_qkv_rope_one_row_loop_compiles_for_sm90(model: str, block_k: int, split
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
 
 
+@pytest.mark.parametrize("plans", [True], ids=["tuned"], indirect=True)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_qkv_rope_tuned_row1_compiles_for_sm90(model: str, plans) -> None:  # type: ignore[no-untyped-def]
+    """qkv_rope's one-row loop at the plan the H200 runs (``TUNED_ROW1``'s "qkv" entry through ``qkv_plan``), as
+    ``qkv_rope`` launches it: the row1 plan's K chunk, split-K, warps and stages."""
+    hid, hq, hkv, d, _, qk_norm = MODELS[model]
+    r1 = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA).row1
+    assert r1 == GemvPlan(*plans.TUNED_ROW1[("NVIDIA H200", "qkv", (hq + 2 * hkv) * d, hid, "bfloat16")])
+    plan = make_plan(hid, block_n=d, block_k=r1.block_k, split_k=r1.split_k, num_warps=r1.num_warps,
+                     num_stages=r1.num_stages, weight_rows=d)
+    ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
+        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
+        SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
+        PREFETCH_ACT=False, ROW1=True), stages=plan.num_stages, warps=plan.num_warps)
+    _assert_pdl(ptx)
+    assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
+
+
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("rows", [1, 8])
 def test_attention_compiles_for_sm90(model: str, rows: int) -> None:

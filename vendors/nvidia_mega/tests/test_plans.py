@@ -38,6 +38,9 @@ def test_tuned_entry_wins_on_its_gpu_and_heuristic_elsewhere(monkeypatch: pytest
         tuned_plans.default_row1(8192, gated=True)
     q = tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu)
     assert q.block_n == 64 and q != plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
+    assert q.row1 == GemvPlan(*tuned_plans.TUNED_ROW1[("NVIDIA H200", "qkv", 3072, 2048, "bfloat16")])
+    # a qkv shape without a TUNED entry keeps the heuristic plan and its tl.dot loop at one row
+    assert tuned_plans.qkv_plan(16, 8, 64, 2048, torch.bfloat16, cpu).row1 is None
 
 
 def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:

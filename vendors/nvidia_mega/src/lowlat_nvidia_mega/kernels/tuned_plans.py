@@ -38,7 +38,7 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 
 # The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K]); key as TUNED's.
 # "gemm" / "gated": the GEMV (kernels/gemv.py; a default_row1 plan where absent). "qkv": qkv_rope's one-row FMA
-# loop (BLOCK_N = head_dim; the tl.dot loop where absent: not yet measured on any GPU).
+# loop (BLOCK_N = head_dim; the tl.dot loop where absent).
 # tune_plans.py --row1-only on an H200, 2026-12-02 (bench/results/2026-12-02-h200-mega-gemv):
 # small_gemm's tuned plan -> the GEMV, µs per launch at 1 row.
 TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
@@ -48,6 +48,12 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     ("NVIDIA H200", "gemm", 4096, 4096, "bfloat16"): (8, 1024, 8, 1),    # qwen3-8b o      11.86 -> 10.19
     ("NVIDIA H200", "gated", 12288, 4096, "bfloat16"): (4, 1024, 4, 3),  # qwen3-8b gu     59.98 -> 51.07
     ("NVIDIA H200", "gemm", 4096, 12288, "bfloat16"): (2, 1024, 4, 1),   # qwen3-8b down   29.38 -> 27.03
+    # 2026-12-02 (bench/results/2026-12-02-h200-mega-qkv-row1/call1): the production tl.dot plan -> the one-row
+    # kernel, µs per launch at 1 row.
+    ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"): (64, 256, 4, 3, 8),    # llama qkv        9.53 -> 6.37
+    ("NVIDIA H200", "qkv", 6144, 4096, "bfloat16"): (128, 128, 4, 3, 8),   # qwen3-8b qkv    21.51 -> 16.16
+    ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 128, 8, 1, 8),   # qwen3-30b qkv   11.36 -> 8.66
+    ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (8, 2048, 8, 1),      # qwen3-30b o      7.24 -> 5.97
 }
 
 
