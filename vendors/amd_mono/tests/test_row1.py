@@ -4,6 +4,7 @@ one-row steps against the ``tl.dot`` (BM = 16) form and the general path. Run wi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -163,15 +164,31 @@ def _step(s, fwd: MonoForward, prefix: list[int], seed: int = 3):
     return fwd.forward(batch), s.model(batch, pool_ref), pool
 
 
-STEPS = [("tiny-llama", False, {}), ("tiny-qwen3", False, {}), ("tiny-qwen3-moe", False, {}),
-         ("tiny-llama", True, {"one_launch": True}), ("tiny-qwen3-moe", True, {"one_launch": True}),
-         ("tiny-qwen3-moe", True, {"one_launch": False})]
+def _small_chunks(fwd: MonoForward, ksplit: int) -> None:
+    """Every GEMV in 16-column chunks (the tiny presets' K of 64 or 128 is otherwise one chunk or two) and the QKV
+    projection's K cut into ``ksplit`` items per column tile (the tiny presets never split), with the partials and
+    flags buffers sized for it."""
+    pl = fwd.plan
+    bk16 = {f: dataclasses.replace(getattr(pl, f), bk=16) for f in ("o", "gu", "down", "router", "eup", "edown")
+            if getattr(pl, f) is not None}
+    qkv = dataclasses.replace(pl.qkv, bk=16, ksplit=ksplit, kchunk=fwd.dims.hidden // ksplit)
+    fwd.plan = dataclasses.replace(pl, qkv=qkv, head_bk=16, **bk16)
+    fwd.qkv_part = torch.zeros(ksplit, P.MAX_ROWS, fwd.dims.qkv_rows)
+    fwd.flags = torch.zeros(fwd.dims.layers, P.NUM_STAGES, fwd.plan.max_items, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("preset,persistent,opts", STEPS,
+# (preset, persistent, options, QKV split-K: > 1 also 16-column chunks, ``_small_chunks``)
+STEPS = [("tiny-llama", False, {}, 1), ("tiny-qwen3", False, {}, 1), ("tiny-qwen3-moe", False, {}, 1),
+         ("tiny-llama", True, {"one_launch": True}, 1), ("tiny-qwen3-moe", True, {"one_launch": True}, 1),
+         ("tiny-qwen3-moe", True, {"one_launch": False}, 1), ("tiny-llama", False, {}, 2),
+         ("tiny-qwen3-moe", False, {}, 2)]
+
+
+@pytest.mark.parametrize("preset,persistent,opts,split", STEPS,
                          ids=[f"{p}-{'persistent' if pe else 'staged'}{'-one' if o.get('one_launch') else ''}"
-                              for p, pe, o in STEPS])
+                              f"{'-bk16-split2' if sp > 1 else ''}" for p, pe, o, sp in STEPS])
 def test_one_row_step_runs_row1_and_matches_bm16_and_general_path(preset: str, persistent: bool, opts: dict,
+                                                                   split: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch-1 decode step through ROW1 (every launch, the LM head's too, gets ``ROW1=True``) against the same
     step with ``row1_fma`` off (``ROW1=False`` everywhere): in bfloat16 the same bits (the float32 sums differ in
@@ -185,6 +202,9 @@ def test_one_row_step_runs_row1_and_matches_bm16_and_general_path(preset: str, p
         kw = dict(opts, persistent=persistent) if persistent else dict(opts)
         on, off = _mono(s, seen, monkeypatch, **kw), _mono(s, seen, monkeypatch, row1_fma=False, **kw)
         assert on.row1(1) and not on.row1(2) and not off.row1(1)
+        if split > 1:
+            _small_chunks(on, split)
+            _small_chunks(off, split)
         seen.clear()
         head.clear()
         out1, ref, pool1 = _step(s, on, [13])
