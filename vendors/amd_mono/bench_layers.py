@@ -5,6 +5,7 @@ Usage (on the H200; about a minute with a warm Triton cache, under two minutes c
     ... --models llama-3.2-1b --rows 1 --overlaps     # also PDL off and L2 prefetch off (extra compiles)
     ... --staged                                      # also the stage-per-launch mode (extra compiles)
     ... --variants "pdl=0;pdl=0,programs_per_sm=2"   # also these MonoOptions (";" between variants)
+    ... --rows 1 --variants "row1_fma=0"              # the one-row FMA GEMVs (default at 1 row) against tl.dot
     ... --sync-floor                                  # also each variant with every stage's compute skipped
 
 Method: a model cut to ``--layers`` distinct decoder layers (so weights do not stay in L2 between replays) with
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{preset:16s} {rows:4d} {'roofline':34s} {roof:9.1f}")
             fwd = lb.mono()
             full = lb.mono_layer_us(fwd)
-            row(f"amd_mono persistent (pdl={fwd.options.pdl})", full)
+            row(f"amd_mono persistent (pdl={int(fwd.options.pdl)}, row1={int(fwd.row1(rows))})", full)
             stages = P.K1_STAGES + (P.K2_MOE_STAGES if moe else P.K2_DENSE_STAGES)
             if not args.no_skips:
                 for st in stages:

@@ -176,15 +176,11 @@ class MonoForward:
             raise ValueError(f"amd_mono serves DECODE/VERIFY steps of 1..{P.MAX_ROWS} uniform rows; got "
                              f"{batch.forward_mode.name} with {batch.num_tokens} tokens")
         shape = self.plan.step_shape(batch.num_tokens, _tokens_per_req(batch))
-        dm = self.dims
         self.embed(batch.input_ids)
         self.run_layers(batch, shape)
         logits = torch.empty(shape.rows, self.vocab, dtype=torch.float32, device=self.device)
-        bn = self.plan.head_bn
-        head_kernel[(P.cdiv(self.vocab, bn),)](
-            self.x, self.w["norm"], self.w["lm_head"], logits, shape.rows, self.vocab, self.vocab, dm.eps,
-            H=dm.hidden, BN=bn, BK=self.plan.head_bk, DT=_TL_DTYPES[self.dtype], INTERP=self.interpret,
-            PREC=self._prec, USE_PDL=self.options.pdl, **({"launch_pdl": True} if self.options.pdl else {}))
+        grid, args, meta = self.head_launch(logits)
+        head_kernel[grid](*args, **meta, **({"launch_pdl": True} if self.options.pdl else {}))
         if not self.options.staged:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 self._ctl_host.copy_(self.ctl, non_blocking=True)
@@ -218,6 +214,25 @@ class MonoForward:
             self._k1(layer, batch, shape)
             self._k2(layer, batch, shape)
 
+    def row1(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs its GEMVs in the one-row FMA form (the kernels' ``ROW1``): exactly
+        one row and ``MonoOptions.row1_fma``. Each CUDA graph is captured at one row count, so it holds one form."""
+        return rows == 1 and self.options.row1_fma
+
+    def plan_for(self, rows: int) -> P.MonoPlan:
+        """The tiles a step of ``rows`` rows launches with: ``plan``, or at ``ROW1`` ``plan.for_row1`` (the same
+        tiles and items, chunks kept within the FMA form's register budget)."""
+        return self.plan.for_row1(self.options.num_warps) if self.row1(rows) else self.plan
+
+    def head_launch(self, logits: torch.Tensor) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
+        """The LM head over ``x`` into float32 ``logits [T, vocab]`` as ``(grid, args, meta)`` of ``head_kernel``."""
+        dm, rows = self.dims, logits.shape[0]
+        pl = self.plan_for(rows)
+        args = (self.x, self.w["norm"], self.w["lm_head"], logits, rows, self.vocab, logits.stride(0), dm.eps)
+        meta = dict(H=dm.hidden, BN=pl.head_bn, BK=pl.head_bk, DT=_TL_DTYPES[self.dtype], INTERP=self.interpret,
+                    PREC=self._prec, USE_PDL=self.options.pdl, ROW1=self.row1(rows))
+        return (P.cdiv(self.vocab, pl.head_bn),), args, meta
+
     # ----- test and benchmark hooks ---------------------------------------------------------------------------
     def set_debug(self, layer: int, *, skip: tuple[int, ...] = (), never_publish: tuple[int, ...] = ()) -> None:
         """Alter stages of ``layer`` (stage ids from ``kernels.plan``): skip their compute (they still publish),
@@ -245,23 +260,27 @@ class MonoForward:
                   else self.stage_name(layer, awaited))
         raise MonoStageTimeout(layer, self.stage_name(layer, stage), waited, progress, self.options.deadline_ms)
 
-    def _meta(self) -> dict[str, Any]:
-        return {"DT": _TL_DTYPES[self.dtype], "PREC": self._prec, **self.runner.common_meta()}
+    def _meta(self, rows: int) -> dict[str, Any]:
+        return {"DT": _TL_DTYPES[self.dtype], "PREC": self._prec, "ROW1": self.row1(rows), **self.runner.common_meta()}
 
     def _pf_bytes(self) -> int:
         return self.options.l2_prefetch_bytes // 16 * 16
 
     def _k1(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> None:
-        dm, pl, w = self.dims, self.plan, self.w["layers"][layer]
+        self.runner.run(*self.k1_launch(layer, b, shape))
+
+    def k1_launch(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> tuple[str, Any, dict[int, int],
+                                                                               tuple[Any, ...], dict[str, Any]]:
+        """K1 of ``layer`` as ``(name, kernel, stage -> items, args, meta)`` for ``StageRunner.run``."""
+        dm, pl, w = self.dims, self.plan_for(shape.rows), self.w["layers"][layer]
         args = (self.x, self.q, self.qkv_part, self.kv_pool.k_buffers[layer], self.kv_pool.v_buffers[layer],
                 w["ln1"], w["qkv"], w["q_norm"], w["k_norm"], b.positions, b.out_cache_loc, self.cos, self.sin,
                 self.flags[layer], self.ctl, self.step,
                 shape.rows, layer, self.runner.deadline, self.debug_masks[layer], dm.eps)
         meta = dict(H=dm.hidden, HQ=dm.heads, HKV=dm.kv_heads, D=dm.head_dim, BN=pl.qkv.bn, BK=pl.qkv.bk,
                     KS=pl.qkv.ksplit, KCH=pl.qkv.kchunk, QK_NORM=dm.qk_norm, MAX_ITEMS=pl.max_items,
-                    PF_BYTES=self._pf_bytes(), **self._meta())
-        items = {s: pl.items(s, shape, False) for s in P.K1_STAGES}
-        self.runner.run("k1_attn_in", k1_attn_in_kernel, items, args, meta)
+                    PF_BYTES=self._pf_bytes(), **self._meta(shape.rows))
+        return "k1_attn_in", k1_attn_in_kernel, {s: pl.items(s, shape, False) for s in P.K1_STAGES}, args, meta
 
     def _k2(self, layer: int, b: ForwardBatch, shape: P.StepShape) -> None:
         self.runner.run(*self.k2_launch(layer, b, shape))
@@ -270,7 +289,7 @@ class MonoForward:
                                                                                tuple[Any, ...], dict[str, Any]]:
         """K2 of ``layer`` as ``(name, kernel, stage -> items, args, meta)`` for ``StageRunner.run`` (benchmarks
         launch single stages of it with other tiles: bench_gemv.py)."""
-        dm, pl, w = self.dims, self.plan, self.w["layers"][layer]
+        dm, pl, w = self.dims, self.plan_for(shape.rows), self.w["layers"][layer]
         moe = dm.moe_layers[layer]
         r2t = self.kv_pool.req_to_token
         head = (self.x, self.x_mid, self.q, self.attn_out, self.att_op, self.att_ml)
@@ -281,7 +300,7 @@ class MonoForward:
         meta = dict(H=dm.hidden, HQ=dm.heads, HKV=dm.kv_heads, D=dm.head_dim, TPR=shape.tpr, M_ATT=shape.m_att,
                     BLOCK_S=pl.block_s, NSPLIT_MAX=pl.nsplit_max, BN_O=pl.o.bn, BK_O=pl.o.bk,
                     MAX_ITEMS=pl.max_items, PF_BYTES=self._pf_bytes(), COUNT=self.options.stage_counters,
-                    **self._meta())
+                    **self._meta(shape.rows))
         if moe:
             assert pl.router and pl.eup and pl.edown
             args = (*head, self.router_logits, self.act_moe, self.slot_e, self.slot_w, *kv, w["o"], w["ln2"],
@@ -301,7 +320,7 @@ class MonoForward:
                                                                        dict[str, Any]]:
         """The one-launch step over every layer as ``(name, kernel, {}, args, meta)`` for ``StageRunner.run``
         (persistent only: the stage-per-launch mode runs K1/K2)."""
-        dm, pl = self.dims, self.plan
+        dm, pl = self.dims, self.plan_for(shape.rows)
         r2t = self.kv_pool.req_to_token
         head = (self.x, self.x_mid, self.q, self.attn_out, self.att_op, self.att_ml, self.qkv_part)
         tail = (self.wtab, self.dbg, b.positions, b.out_cache_loc, self.cos, self.sin, b.seq_lens,
@@ -312,7 +331,7 @@ class MonoForward:
                     M_ATT=shape.m_att, BLOCK_S=pl.block_s, NSPLIT_MAX=pl.nsplit_max, BN_Q=pl.qkv.bn, BK_Q=pl.qkv.bk,
                     KS=pl.qkv.ksplit, KCH=pl.qkv.kchunk, QK_NORM=dm.qk_norm, BN_O=pl.o.bn, BK_O=pl.o.bk,
                     MAX_ITEMS=pl.max_items, PF_BYTES=self._pf_bytes(), COUNT=self.options.stage_counters,
-                    **self._meta())
+                    **self._meta(shape.rows))
         if dm.any_moe:
             assert pl.router and pl.eup and pl.edown
             args = (*head, self.router_logits, self.act_moe, self.slot_e, self.slot_w, *tail)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv_loop, load_w, rnd, row_rstd
+from lowlat_amd_mono.kernels.gemv import rnd
+from lowlat_amd_mono.kernels.gemv_row1 import gemv_tile, rows_rstd, w_chunk
 from lowlat_amd_mono.kernels.sync import CNT, TAG_WRAP
 
 try:
@@ -45,18 +46,20 @@ def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, cnt_ptr, H: tl.constexpr, BH
 @triton.jit(do_not_specialize=["T"])
 def head_kernel(x_ptr, nw_ptr, w_ptr, out_ptr, T, V, out_stride, eps, H: tl.constexpr, BN: tl.constexpr,
                 BK: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
-                USE_PDL: tl.constexpr):
-    """Logits for vocabulary rows ``[pid * BN, pid * BN + BN)`` of ``w [V, H]`` into ``out [T, out_stride]``."""
+                USE_PDL: tl.constexpr, ROW1: tl.constexpr):
+    """Logits for vocabulary rows ``[pid * BN, pid * BN + BN)`` of ``w [V, H]`` into ``out [T, out_stride]``
+    (``x [T, H]`` in the model dtype, ``nw [H]``); ``ROW1``: ``T`` is 1 and the GEMV runs in the one-row FMA form
+    (``gemv_row1``)."""
     BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
     n0 = tl.program_id(0) * BN
-    w0 = load_w(w_ptr, n0, V, H, 0, H, BN, BK, DT, INTERP)
+    w0 = w_chunk(w_ptr, n0, V, H, 0, H, BN, BK, DT, INTERP, ROW1)
     if USE_PDL:
         gdc_wait()
-    rstd = row_rstd(x_ptr, H, T, H, eps, BM, BK, "")
-    acc = dot_chunk(tl.zeros([BM, BN], tl.float32), w0, x_ptr, H, T, 0, H, rstd, nw_ptr, True, BM, BK, DT, INTERP,
-                    PREC, "")
-    acc = gemv_loop(acc, x_ptr, H, T, w_ptr, H, n0, V, BK, H, H, rstd, nw_ptr, True, BM, BN, BK, DT, INTERP, PREC, "")
-    r = tl.arange(0, BM)
+    rstd = rows_rstd(x_ptr, H, T, H, eps, BM, BK, "", ROW1)
+    acc = gemv_tile(w0, x_ptr, H, T, w_ptr, H, n0, V, 0, H, H, rstd, nw_ptr, True, BM, BN, BK, DT, INTERP, PREC, "",
+                    ROW1)
+    r = tl.arange(0, RM)
     n = n0 + tl.arange(0, BN)
     tl.store(out_ptr + r[:, None] * out_stride + n[None, :], rnd(acc, DT, INTERP),
              mask=(r[:, None] < T) & (n[None, :] < V))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv_loop, l2_prefetch, load_w, rnd, row_rstd
+from lowlat_amd_mono.kernels.gemv import l2_prefetch, rnd
+from lowlat_amd_mono.kernels.gemv_row1 import gemv_tile, rows_rstd, rstd_init, w_chunk
 from lowlat_amd_mono.kernels.sync import publish, stage_runs, wait_all_if, wait_if
 
 try:  # PDL helpers (triton >= 3.5); absent ones are only referenced under USE_PDL, which the host leaves off
@@ -84,25 +85,26 @@ def qkv_stage(alive, pid, nprog, T, layer, deadline, debug_mask, eps, x_ptr, par
               BK: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
               WAIT_PREV: tl.constexpr, PREV_STAGE: tl.constexpr, USE_PDL: tl.constexpr, DT: tl.constexpr,
               INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, AXC: tl.constexpr,
-              MAXW: tl.constexpr, COUNT: tl.constexpr):
+              MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
     """S_QKV: items (column tile, K split) of ``Wqkv``; float32 partials ``part[ks, t, n]``, one flag per item.
 
     Each program requests its first weight chunk, then (once, before its first item) waits: for the previous
     launch (PDL), or with ``WAIT_PREV`` for the ``n_prev`` items of the previous layer's last stage (``prev_flags``
     / ``prev_cnt``, stage ``PREV_STAGE``: the one-launch step), and computes the rows' RMSNorm while that chunk is
     in flight. ``AXC`` is the cache modifier of the activation loads (``.cg`` when another program of the same
-    launch wrote ``x``)."""
+    launch wrote ``x``). ``ROW1``: the one-row FMA form of the GEMV (``gemv_row1``; the step has one row)."""
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     NT: tl.constexpr = (NQKV + BN - 1) // BN
     BM: tl.constexpr = 16
-    rstd = tl.zeros([BM], tl.float32)
+    RM: tl.constexpr = 1 if ROW1 else BM
+    rstd = rstd_init(BM, ROW1)
     tag = tl.full([], 0, tl.int32)
     for i in range(pid, NT * KS, nprog):
         nt = i // KS
         k0 = (i % KS) * KCH
         k1 = tl.minimum(k0 + KCH, H)
         # Projection weights are requested before the norm (and before the previous layer ends).
-        w0 = load_w(wqkv_ptr, nt * BN, NQKV, H, k0, H, BN, BK, DT, INTERP)
+        w0 = w_chunk(wqkv_ptr, nt * BN, NQKV, H, k0, H, BN, BK, DT, INTERP, ROW1)
         l2_prefetch(wqkv_ptr, nt * BN, NQKV, H, k0 + BK, k1, PF_BYTES, BN, PF_L2)
         if i == pid:  # the rows' RMSNorm, once per program, while the first chunk is in flight
             if USE_PDL:
@@ -111,14 +113,12 @@ def qkv_stage(alive, pid, nprog, T, layer, deadline, debug_mask, eps, x_ptr, par
             if WAIT_PREV:
                 alive = wait_all_if(alive, prev_flags_ptr, prev_cnt_ptr, n_prev, tag, ctl_ptr, deadline, layer,
                                     0, PREV_STAGE, MAXW, TIMER, True, COUNT)
-            rstd = row_rstd(x_ptr, H, T, H, eps, BM, BK, AXC)
+            rstd = rows_rstd(x_ptr, H, T, H, eps, BM, BK, AXC, ROW1)
         if alive != 0:
             if stage_runs(debug_mask, 0):
-                acc = tl.zeros([BM, BN], tl.float32)
-                acc = dot_chunk(acc, w0, x_ptr, H, T, k0, H, rstd, lnw_ptr, True, BM, BK, DT, INTERP, PREC, AXC)
-                acc = gemv_loop(acc, x_ptr, H, T, wqkv_ptr, H, nt * BN, NQKV, k0 + BK, k1, H, rstd, lnw_ptr, True,
-                                BM, BN, BK, DT, INTERP, PREC, AXC)
-                r = tl.arange(0, BM)
+                acc = gemv_tile(w0, x_ptr, H, T, wqkv_ptr, H, nt * BN, NQKV, k0, k1, H, rstd, lnw_ptr, True, BM, BN,
+                                BK, DT, INTERP, PREC, AXC, ROW1)
+                r = tl.arange(0, RM)
                 n = nt * BN + tl.arange(0, BN)
                 dst = part_ptr + (i % KS) * 8 * NQKV + r[:, None] * NQKV + n[None, :]
                 tl.store(dst, acc, mask=(r[:, None] < T) & (n[None, :] < NQKV))
@@ -159,11 +159,13 @@ def k1_attn_in_kernel(
         BN: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, KCH: tl.constexpr, QK_NORM: tl.constexpr,
         MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
         STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr, USE_PDL: tl.constexpr,
-        PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr):
+        PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr,
+        ROW1: tl.constexpr):
     """K1 for one layer. ``STAGE`` = -1 runs all stages in one persistent launch (with tag waits); 0 or 1 runs
     only that stage (stage-per-launch mode: no waits). Buffers: ``x [8, H]`` layer input, ``q [8, Hq*D]``,
     ``part [KS, 8, (Hq+2Hkv)*D]`` float32, ``kc``/``vc`` this layer's ``[slots, Hkv, D]``, ``flags`` this layer's
-    ``[8, MAX_ITEMS]`` int32, ``ctl`` the error record, ``step`` the device step tag."""
+    ``[8, MAX_ITEMS]`` int32, ``ctl`` the error record, ``step`` the device step tag. ``ROW1``: the step has one row
+    and its GEMV runs in the one-row FMA form (``gemv_row1``)."""
     PERSISTENT: tl.constexpr = STAGE < 0
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -173,7 +175,8 @@ def k1_attn_in_kernel(
     if PERSISTENT or STAGE == 0:
         alive = qkv_stage(alive, pid, nprog, T, layer, deadline, debug_mask, eps, x_ptr, part_ptr, lnw_ptr, wqkv_ptr,
                           flags_ptr, flags_ptr, flags_ptr, 0, ctl_ptr, step_ptr, H, HQ, HKV, D, BN, BK, KS, KCH,
-                          MAX_ITEMS, PF_BYTES, False, 0, USE_PDL, DT, INTERP, TIMER, PF_L2, PREC, "", MAXW, False)
+                          MAX_ITEMS, PF_BYTES, False, 0, USE_PDL, DT, INTERP, TIMER, PF_L2, PREC, "", MAXW, False,
+                          ROW1)
     if PERSISTENT or STAGE == 1:
         if USE_PDL:
             if not PDL_EARLY:

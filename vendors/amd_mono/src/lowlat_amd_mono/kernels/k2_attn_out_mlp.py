@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from lowlat_amd_mono.kernels.attention import attention_item, combine_item
-from lowlat_amd_mono.kernels.gemv import dot_chunk, gemv2_loop, gemv_loop, l2_prefetch, load_w, rnd, row_rstd
+from lowlat_amd_mono.kernels.gemv import l2_prefetch, rnd
+from lowlat_amd_mono.kernels.gemv_row1 import gemv2_tile, gemv_tile, rows_rstd, rstd_init, w_chunk
 from lowlat_amd_mono.kernels.moe import expert_down_stage, expert_up_stage, router_stage
 from lowlat_amd_mono.kernels.sync import CNT, publish, stage_runs, wait_all_if, wait_if
 
@@ -84,24 +85,24 @@ def oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr
                  flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
                  PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-                 PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
-    """``x_mid[:, tile] = x + round(attn_out @ Wo[tile]^T)``; Wo's tile is requested before attention is done."""
+                 PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+                 ROW1: tl.constexpr):
+    """``x_mid[:, tile] = x + round(attn_out @ Wo[tile]^T)``; Wo's tile is requested before attention is done.
+    ``ROW1``: the one-row FMA form of the GEMV (``gemv_row1``)."""
     BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
     KO: tl.constexpr = HQ * D
     for i in range(pid, (H + BN - 1) // BN, nprog):
-        w0 = load_w(wo_ptr, i * BN, H, KO, 0, KO, BN, BK, DT, INTERP)
+        w0 = w_chunk(wo_ptr, i * BN, H, KO, 0, KO, BN, BK, DT, INTERP, ROW1)
         l2_prefetch(wo_ptr, i * BN, H, KO, BK, KO, PF_BYTES, BN, PF_L2)
         if i == pid:  # later items of this program need the same flags
             alive = wait_all_if(alive, flags_ptr + _S_COMB * MAX_ITEMS, cnt_ptr + _S_COMB * CNT, B * HKV, tag,
                                 ctl_ptr, deadline, layer, 4, 3, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
             if stage_runs(debug_mask, 4):
-                no_rstd = tl.zeros([BM], tl.float32)
-                acc = dot_chunk(tl.zeros([BM, BN], tl.float32), w0, ao_ptr, KO, T, 0, KO, no_rstd, wo_ptr, False,
-                                BM, BK, DT, INTERP, PREC, XC)
-                acc = gemv_loop(acc, ao_ptr, KO, T, wo_ptr, KO, i * BN, H, BK, KO, KO, no_rstd, wo_ptr, False,
-                                BM, BN, BK, DT, INTERP, PREC, XC)
-                r = tl.arange(0, BM)
+                acc = gemv_tile(w0, ao_ptr, KO, T, wo_ptr, KO, i * BN, H, 0, KO, KO, rstd_init(BM, ROW1), wo_ptr,
+                                False, BM, BN, BK, DT, INTERP, PREC, XC, ROW1)
+                r = tl.arange(0, RM)
                 n = i * BN + tl.arange(0, BN)
                 m = (r[:, None] < T) & (n[None, :] < H)
                 x = tl.load(x_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC).to(tl.float32)
@@ -117,53 +118,49 @@ def dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps
                       N_OPROJ: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr,
                       BK_D: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr,
                       DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr,
-                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+                      ROW1: tl.constexpr):
+    """S_MLP1 (gate/up + SiLU into ``act``) and S_MLP2 (down + residual into ``x``) of a dense layer; ``ROW1``:
+    their GEMVs in the one-row FMA form (``gemv_row1``)."""
     PERSISTENT: tl.constexpr = STAGE < 0
     BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
     NT_GU: tl.constexpr = (INTER + BN_GU - 1) // BN_GU
     if PERSISTENT or STAGE == 5:
-        rstd = tl.zeros([BM], tl.float32)
+        rstd = rstd_init(BM, ROW1)
         for i in range(pid, NT_GU, nprog):
-            wg0 = load_w(wgu_ptr, i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP)
-            wu0 = load_w(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP)
+            wg0 = w_chunk(wgu_ptr, i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP, ROW1)
+            wu0 = w_chunk(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP, ROW1)
             l2_prefetch(wgu_ptr, i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
             l2_prefetch(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
             if i == pid:
                 alive = wait_all_if(alive, flags_ptr + _S_OPROJ * MAX_ITEMS, cnt_ptr + _S_OPROJ * CNT, N_OPROJ, tag,
                                     ctl_ptr, deadline, layer, 5, 4, MAXW, TIMER, PERSISTENT, COUNT)
-                rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK_GU, XC)
+                rstd = rows_rstd(xmid_ptr, H, T, H, eps, BM, BK_GU, XC, ROW1)
             if alive != 0:
                 if stage_runs(debug_mask, 5):
-                    zero = tl.zeros([BM, BN_GU], tl.float32)
-                    acc_g = dot_chunk(zero, wg0, xmid_ptr, H, T, 0, H, rstd, ln2_ptr, True, BM, BK_GU, DT, INTERP,
-                                      PREC, XC)
-                    acc_u = dot_chunk(zero, wu0, xmid_ptr, H, T, 0, H, rstd, ln2_ptr, True, BM, BK_GU, DT, INTERP,
-                                      PREC, XC)
-                    acc_g, acc_u = gemv2_loop(acc_g, acc_u, xmid_ptr, H, T, wgu_ptr, H, i * BN_GU, INTER + i * BN_GU,
-                                              2 * INTER, BK_GU, H, H, rstd, ln2_ptr, True, BM, BN_GU, BK_GU, DT, INTERP,
-                                              PREC, XC)
+                    acc_g, acc_u = gemv2_tile(wg0, wu0, xmid_ptr, H, T, wgu_ptr, H, i * BN_GU, INTER + i * BN_GU,
+                                              2 * INTER, H, rstd, ln2_ptr, True, BM, BN_GU, BK_GU, DT, INTERP, PREC, XC,
+                                              ROW1)
                     g = rnd(acc_g, DT, INTERP)
                     act = rnd(rnd(g * tl.sigmoid(g), DT, INTERP) * rnd(acc_u, DT, INTERP), DT, INTERP)
-                    r = tl.arange(0, BM)
+                    r = tl.arange(0, RM)
                     n = i * BN_GU + tl.arange(0, BN_GU)
                     tl.store(act_ptr + r[:, None] * INTER + n[None, :], act.to(DT),
                              mask=(r[:, None] < T) & (n[None, :] < INTER))
                 publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, cnt_ptr + _S_MLP1 * CNT, tag, debug_mask, 5, COUNT)
     if PERSISTENT or STAGE == 6:
         for i in range(pid, (H + BN_D - 1) // BN_D, nprog):
-            w0 = load_w(wdn_ptr, i * BN_D, H, INTER, 0, INTER, BN_D, BK_D, DT, INTERP)
+            w0 = w_chunk(wdn_ptr, i * BN_D, H, INTER, 0, INTER, BN_D, BK_D, DT, INTERP, ROW1)
             l2_prefetch(wdn_ptr, i * BN_D, H, INTER, BK_D, INTER, PF_BYTES, BN_D, PF_L2)
             if i == pid:
                 alive = wait_all_if(alive, flags_ptr + _S_MLP1 * MAX_ITEMS, cnt_ptr + _S_MLP1 * CNT, NT_GU, tag,
                                     ctl_ptr, deadline, layer, 6, 5, MAXW, TIMER, PERSISTENT, COUNT)
             if alive != 0:
                 if stage_runs(debug_mask, 6):
-                    no_rstd = tl.zeros([BM], tl.float32)
-                    acc = dot_chunk(tl.zeros([BM, BN_D], tl.float32), w0, act_ptr, INTER, T, 0, INTER, no_rstd, wdn_ptr,
-                                    False, BM, BK_D, DT, INTERP, PREC, XC)
-                    acc = gemv_loop(acc, act_ptr, INTER, T, wdn_ptr, INTER, i * BN_D, H, BK_D, INTER, INTER, no_rstd,
-                                    wdn_ptr, False, BM, BN_D, BK_D, DT, INTERP, PREC, XC)
-                    r = tl.arange(0, BM)
+                    acc = gemv_tile(w0, act_ptr, INTER, T, wdn_ptr, INTER, i * BN_D, H, 0, INTER, INTER,
+                                    rstd_init(BM, ROW1), wdn_ptr, False, BM, BN_D, BK_D, DT, INTERP, PREC, XC, ROW1)
+                    r = tl.arange(0, RM)
                     n = i * BN_D + tl.arange(0, BN_D)
                     m = (r[:, None] < T) & (n[None, :] < H)
                     xm = tl.load(xmid_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC)
@@ -199,10 +196,11 @@ def k2_dense_kernel(
         BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr, MAX_ITEMS: tl.constexpr,
         PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
         USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr,
-        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
     """K2 of a dense layer. ``STAGE`` = -1: one persistent launch; 2..6: only that stage (no waits).
     ``x [8, H]`` is read as the residual and overwritten with the layer output; ``x_mid``, ``attn_out``, ``act``
-    are workspaces; ``q`` comes from K1; ``kc``/``vc`` are this layer's KV buffers."""
+    are workspaces; ``q`` comes from K1; ``kc``/``vc`` are this layer's KV buffers. ``ROW1``: the step has one row
+    and every GEMV runs in the one-row FMA form (``gemv_row1``)."""
     PERSISTENT: tl.constexpr = STAGE < 0
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -215,13 +213,13 @@ def k2_dense_kernel(
     if PERSISTENT or STAGE == 4:
         alive = oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
                              wo_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES,
-                             PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                             PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
     if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the MLP
         gdc_launch_dependents()
     alive = dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
                               ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, INTER, (H + BN_O - 1) // BN_O,
                               BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC,
-                              MAXW, COUNT)
+                              MAXW, COUNT, ROW1)
 
 
 @triton.jit(do_not_specialize=_RUNTIME_INTS)
@@ -236,10 +234,11 @@ def k2_moe_kernel(
         BK_R: tl.constexpr, BN_EU: tl.constexpr, BK_EU: tl.constexpr, BN_ED: tl.constexpr, BK_ED: tl.constexpr,
         MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
         TIMER: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr, PF_L2: tl.constexpr,
-        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+        PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
     """K2 of a sparse-MoE layer (Qwen3-MoE). ``STAGE`` = -1: one persistent launch; 2..7: only that stage.
     ``rl [8, E]`` float32 router logits, ``actm [8 * TOPK, 8, IM]`` expert activations, and the slot table
-    ``slot_e [8 * TOPK]`` int32 / ``slot_w [8 * TOPK, 16]`` float32 are workspaces."""
+    ``slot_e [8 * TOPK]`` int32 / ``slot_w [8 * TOPK, 16]`` float32 are workspaces. ``ROW1`` as in
+    ``k2_dense_kernel``."""
     PERSISTENT: tl.constexpr = STAGE < 0
     N_ROUTER: tl.constexpr = (E + BN_R - 1) // BN_R
     pid = tl.program_id(0)
@@ -253,20 +252,22 @@ def k2_moe_kernel(
     if PERSISTENT or STAGE == 4:
         alive = oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr, ao_ptr, xmid_ptr,
                              wo_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES,
-                             PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                             PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
     if PERSISTENT or STAGE == 5:
         alive = router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr, wg_ptr,
                              rl_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, E, (H + BN_O - 1) // BN_O, BN_R, BK_R,
-                             MAX_ITEMS, _S_OPROJ, _S_MLP1, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
+                             MAX_ITEMS, _S_OPROJ, _S_MLP1, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT,
+                             ROW1)
     if USE_PDL and not PDL_EARLY:  # release the next layer's K1 once this program reaches the experts
         gdc_launch_dependents()
     if PERSISTENT or STAGE == 6:
         alive = expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, ln2_ptr,
                                 w13_ptr, rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, E,
                                 E_P2, TOPK, NORM_TOPK, IM, N_ROUTER, BN_EU, BK_EU, MAX_ITEMS, _S_MLP1, _S_MLP2,
-                                PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
+                                PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT, ROW1)
     if PERSISTENT or STAGE == 7:
         alive = expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_ptr, xmid_ptr, w2_ptr,
                                   rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, E, E_P2,
                                   TOPK, NORM_TOPK, IM, N_ROUTER, (IM + BN_EU - 1) // BN_EU, BN_ED, BK_ED, MAX_ITEMS,
-                                  _S_MLP1, _S_MLP2, _S_MLP3, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT)
+                                  _S_MLP1, _S_MLP2, _S_MLP3, PERSISTENT, DT, INTERP, TIMER, PREC, XC, MAXW, COUNT,
+                                  ROW1)

@@ -62,6 +62,10 @@ class MonoOptions:
             weights) one chunk ahead into registers (``kernels.gemv.PREFETCH_ACT``; on by default). Process-wide:
             only ``LOWLAT_MONO_GEMV_PREFETCH``, read when the kernels are first imported, sets it; an
             ``EngineConfig.extra`` value that disagrees is an error.
+        row1_fma: at a step of exactly one row (batch-1 decode), run every GEMV (QKV, o_proj, gate/up, down,
+            router, experts, LM head) in the one-row FMA form (``kernels.gemv_row1``: the row as a 1-D float32
+            vector, ``[BN, BK]`` weight chunks, no padding to 16 rows) instead of ``tl.dot`` (on by default; the
+            kernels of a one-row step compile with the constexpr ``ROW1``). Per instance: off compares the two.
         gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
             stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
         num_warps, num_stages: Triton launch options of the layer kernels.
@@ -79,6 +83,7 @@ class MonoOptions:
     l2_prefetch_bytes: int = 0
     stage_counters: bool = False
     gemv_prefetch: bool = True
+    row1_fma: bool = True
     gemv_bk_max: int = 256
     gemv_tile_elems: int = 16384
     num_warps: int = 4
@@ -140,7 +145,7 @@ class MonoOptions:
                    programs_per_sm=opts.programs_per_sm, pdl=pdl,
                    cooperative=cooperative, pdl_early=opts.pdl_early,
                    l2_prefetch_bytes=opts.l2_prefetch_bytes if sm90 and not staged else 0,
-                   stage_counters=opts.stage_counters, gemv_prefetch=opts.gemv_prefetch,
+                   stage_counters=opts.stage_counters, gemv_prefetch=opts.gemv_prefetch, row1_fma=opts.row1_fma,
                    gemv_bk_max=opts.gemv_bk_max, gemv_tile_elems=opts.gemv_tile_elems,
                    num_warps=opts.num_warps, num_stages=opts.num_stages)
 

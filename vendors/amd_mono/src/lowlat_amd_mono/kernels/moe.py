@@ -17,7 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowlat_amd_mono.kernels.gemv import as_operand, gemv2_loop, gemv_loop, load_a, load_w, rnd, row_rstd
+from lowlat_amd_mono.kernels.gemv import as_operand, load_a, load_w, rnd
+from lowlat_amd_mono.kernels.gemv_row1 import fma1, gemv2_rows, gemv_rows, load_w1, load_x1, rows_rstd, rstd_init
 from lowlat_amd_mono.kernels.sync import CNT, publish, stage_runs, wait_all_if
 
 
@@ -67,20 +68,22 @@ def router_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xm
                  flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, E: tl.constexpr, N_WAIT: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr, S_WAIT: tl.constexpr, S_ME: tl.constexpr,
                  PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-                 PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
-    """Router logits ``rl[t, e] = (rmsnorm(x_mid) @ Wg^T)`` rounded to the model dtype, stored float32."""
+                 PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
+    """Router logits ``rl[t, e] = (rmsnorm(x_mid) @ Wg^T)`` rounded to the model dtype, stored float32 (``ROW1``:
+    the one-row FMA form of the GEMV, ``gemv_row1``)."""
     BM: tl.constexpr = 16
-    rstd = tl.zeros([BM], tl.float32)
+    RM: tl.constexpr = 1 if ROW1 else BM
+    rstd = rstd_init(BM, ROW1)
     for i in range(pid, (E + BN - 1) // BN, nprog):
         if i == pid:
             alive = wait_all_if(alive, flags_ptr + S_WAIT * MAX_ITEMS, cnt_ptr + S_WAIT * CNT, N_WAIT, tag, ctl_ptr,
                                 deadline, layer, S_ME, S_WAIT, MAXW, TIMER, PERSISTENT, COUNT)
-            rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
+            rstd = rows_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC, ROW1)
         if alive != 0:
             if stage_runs(debug_mask, S_ME):
-                acc = gemv_loop(tl.zeros([BM, BN], tl.float32), xmid_ptr, H, T, wg_ptr, H, i * BN, E, 0, H, H,
-                                rstd, ln2_ptr, True, BM, BN, BK, DT, INTERP, PREC, XC)
-                r = tl.arange(0, BM)
+                acc = gemv_rows(xmid_ptr, H, T, wg_ptr, H, i * BN, E, H, rstd, ln2_ptr, True, BM, BN, BK, DT, INTERP,
+                                PREC, XC, ROW1)
+                r = tl.arange(0, RM)
                 n = i * BN + tl.arange(0, BN)
                 tl.store(rl_ptr + r[:, None] * E + n[None, :], rnd(acc, DT, INTERP),
                          mask=(r[:, None] < T) & (n[None, :] < E))
@@ -96,16 +99,18 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
                     N_ROUTER: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, MAX_ITEMS: tl.constexpr,
                     S_ROUTER: tl.constexpr, S_ME: tl.constexpr, PERSISTENT: tl.constexpr, DT: tl.constexpr,
                     INTERP: tl.constexpr, TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr,
-                    MAXW: tl.constexpr, COUNT: tl.constexpr):
+                    MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
     """``act[u, t, :] = silu(h @ Wgate[e_u]^T) * (h @ Wup[e_u]^T)`` for each chosen expert slot ``u``; the items of
-    tile 0 also record the slot's expert id (``slot_e[u]``) and rows' routing weights (``slot_w[u, 0:16]``)."""
+    tile 0 also record the slot's expert id (``slot_e[u]``) and rows' routing weights (``slot_w[u, 0:16]``).
+    ``ROW1``: the one-row FMA form of the GEMVs (``gemv_row1``)."""
     BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
     NT: tl.constexpr = (IM + BN - 1) // BN
     w = tl.zeros([16, E_P2], tl.float32)
     sel = tl.zeros([E_P2], tl.int32)
     rank = tl.zeros([E_P2], tl.int32)
     n_unique = tl.full([], 0, tl.int32)
-    rstd = tl.zeros([BM], tl.float32)
+    rstd = rstd_init(BM, ROW1)
     for i in range(pid, T * TOPK * NT, nprog):
         u = i // NT
         nt = i % NT
@@ -113,7 +118,7 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
             alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * CNT, N_ROUTER, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_ROUTER, MAXW, TIMER, PERSISTENT, COUNT)
             w, sel, rank, n_unique = route(rl_ptr, T, E, E_P2, TOPK, NORM_TOPK, DT, INTERP, XC)
-            rstd = row_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC)
+            rstd = rows_rstd(xmid_ptr, H, T, H, eps, BM, BK, XC, ROW1)
         if alive != 0:
             if u < n_unique:
                 eu, wu = slot_expert(u, w, sel, rank, E_P2)
@@ -122,12 +127,11 @@ def expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps,
                     tl.store(slot_w_ptr + u * 16 + tl.arange(0, 16), wu)
                 if stage_runs(debug_mask, S_ME):
                     we = w13_ptr + eu.to(tl.int64) * (2 * IM * H)
-                    acc_g, acc_u = gemv2_loop(tl.zeros([BM, BN], tl.float32), tl.zeros([BM, BN], tl.float32),
-                                              xmid_ptr, H, T, we, H, nt * BN, IM + nt * BN, 2 * IM, 0, H, H, rstd,
-                                              ln2_ptr, True, BM, BN, BK, DT, INTERP, PREC, XC)
+                    acc_g, acc_u = gemv2_rows(xmid_ptr, H, T, we, H, nt * BN, IM + nt * BN, 2 * IM, H, rstd, ln2_ptr,
+                                              True, BM, BN, BK, DT, INTERP, PREC, XC, ROW1)
                     g = rnd(acc_g, DT, INTERP)
                     act = rnd(rnd(g * tl.sigmoid(g), DT, INTERP) * rnd(acc_u, DT, INTERP), DT, INTERP)
-                    r = tl.arange(0, BM)
+                    r = tl.arange(0, RM)
                     n = nt * BN + tl.arange(0, BN)
                     dst = actm_ptr + u * (8 * IM) + r[:, None] * IM + n[None, :]
                     tl.store(dst, act.to(DT), mask=(r[:, None] < T) & (n[None, :] < IM))
@@ -145,17 +149,20 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
                       N_ROUTER: tl.constexpr, NT_UP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       MAX_ITEMS: tl.constexpr, S_ROUTER: tl.constexpr, S_UP: tl.constexpr, S_ME: tl.constexpr,
                       PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
-                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+                      PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+                      ROW1: tl.constexpr):
     """``x[t, n] = x_mid[t, n] + sum_u (w[t, e_u] * act[u, t]) @ W2[e_u][n]^T`` for hidden tile ``n``.
 
     One loop runs over (expert slot, K chunk) pairs, so Triton pipelines the weight loads across experts; the
     routing weight scales the activation rows (rounded to the model dtype) before the product, and the experts
-    accumulate in float32. Expert ids and weights come from the slot table the gate/up stage wrote.
+    accumulate in float32. Expert ids and weights come from the slot table the gate/up stage wrote. ``ROW1``: the
+    one-row FMA form (``gemv_row1``; row 0's routing weight scales its activation chunk).
     """
     BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
     KC: tl.constexpr = (IM + BK - 1) // BK
     n_unique = tl.full([], 0, tl.int32)
-    r = tl.arange(0, BM)
+    r = tl.arange(0, RM)
     for i in range(pid, (H + BN - 1) // BN, nprog):
         if i == pid:
             alive = wait_all_if(alive, flags_ptr + S_ROUTER * MAX_ITEMS, cnt_ptr + S_ROUTER * CNT, N_ROUTER, tag,
@@ -164,16 +171,28 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
             alive = wait_all_if(alive, flags_ptr + S_UP * MAX_ITEMS, cnt_ptr + S_UP * CNT, T * TOPK * NT_UP, tag,
                                 ctl_ptr, deadline, layer, S_ME, S_UP, MAXW, TIMER, PERSISTENT, COUNT)
         if alive != 0:
-            out = tl.zeros([BM, BN], tl.float32)
+            out = tl.zeros([RM, BN], tl.float32)
             if stage_runs(debug_mask, S_ME):
-                for j in range(0, n_unique * KC):
-                    u = j // KC
-                    k = (j % KC) * BK
-                    eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
-                    wu = tl.load(slot_w_ptr + u * 16 + r, cache_modifier=XC)
-                    wt = load_w(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
-                    a = rnd(load_a(actm_ptr + u * (8 * IM), IM, T, k, IM, BM, BK, XC) * wu[:, None], DT, INTERP)
-                    out = tl.dot(as_operand(a, DT, INTERP), wt, out, input_precision=PREC)
+                if ROW1:
+                    out1 = tl.zeros([BN], tl.float32)
+                    for j in range(0, n_unique * KC):
+                        u = j // KC
+                        k = (j % KC) * BK
+                        eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
+                        wu1 = tl.load(slot_w_ptr + u * 16, cache_modifier=XC)
+                        wt = load_w1(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
+                        out1 = fma1(out1, wt, rnd(load_x1(actm_ptr + u * (8 * IM), k, IM, BK, XC) * wu1, DT, INTERP))
+                    out = out1[None, :]
+                else:
+                    rb = tl.arange(0, BM)
+                    for j in range(0, n_unique * KC):
+                        u = j // KC
+                        k = (j % KC) * BK
+                        eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
+                        wu = tl.load(slot_w_ptr + u * 16 + rb, cache_modifier=XC)
+                        wt = load_w(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
+                        a = rnd(load_a(actm_ptr + u * (8 * IM), IM, T, k, IM, BM, BK, XC) * wu[:, None], DT, INTERP)
+                        out = tl.dot(as_operand(a, DT, INTERP), wt, out, input_precision=PREC)
             n = i * BN + tl.arange(0, BN)
             m = (r[:, None] < T) & (n[None, :] < H)
             xm = tl.load(xmid_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC)

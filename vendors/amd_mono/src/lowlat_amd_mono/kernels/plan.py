@@ -9,7 +9,7 @@ per-item overhead, minimized over tile widths ``BN`` and (for the QKV projection
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lowlat.plugin import ModelConfig
 
@@ -29,6 +29,8 @@ K1_STAGES = (S_QKV, S_ROPE)
 K2_DENSE_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2)
 K2_MOE_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2, S_MLP3)
 ITEM_OVERHEAD = 8192  # fixed cost of one work item, in weight elements (a wait, a publish, a prologue)
+# Float32 elements of a one-row FMA chunk (``bn * bk`` per weight) per warp before sm90 spills registers.
+ROW1_ELEMS_PER_WARP = 4096
 
 
 def cdiv(a: int, b: int) -> int:
@@ -52,6 +54,14 @@ class Tile:
     @property
     def items(self) -> int:
         return self.n_tiles * self.ksplit
+
+    def fit_row1(self, budget: int, weights: int = 1) -> Tile:
+        """This tile with ``bk`` halved (down to 16) until the one-row FMA chunks of ``weights`` weights fit in
+        ``budget`` float32 elements (``bn * bk * weights``); ``bn``, the split and so the items are unchanged."""
+        bk = self.bk
+        while bk > 16 and self.bn * bk * weights > budget:
+            bk //= 2
+        return replace(self, bk=bk)
 
 
 def pick_tile(n: int, k: int, nprog: int, *, rows_per_item: int = 1, slots: int = 1, allow_split: bool = False,
@@ -199,6 +209,19 @@ class MonoPlan:
             head_bn=32 if interpret else 64,
             head_bk=64 if interpret else 128,
         )
+
+    def for_row1(self, num_warps: int) -> MonoPlan:
+        """The tiles of the one-row FMA form (``gemv_row1``) at ``num_warps`` warps: the same tiles and items,
+        with a chunk width ``bk`` no larger than keeps a chunk's float32 products (``bn * bk`` per weight, both
+        weights of a gate/up pair) within ``ROW1_ELEMS_PER_WARP * num_warps`` elements, past which sm90 spills.
+        The default plans fit already (``bn * bk <= 16384`` per item at 4 warps), so this is the plan itself there."""
+        budget = ROW1_ELEMS_PER_WARP * num_warps
+        fit = lambda t, n=1: t.fit_row1(budget, n) if t is not None else None  # noqa: E731
+        head_bk = self.head_bk
+        while head_bk > 16 and self.head_bn * head_bk > budget:
+            head_bk //= 2
+        return replace(self, qkv=fit(self.qkv), o=fit(self.o), gu=fit(self.gu, 2), down=fit(self.down),
+                       router=fit(self.router), eup=fit(self.eup, 2), edown=fit(self.edown), head_bk=head_bk)
 
     def step_shape(self, rows: int, tpr: int) -> StepShape:
         """Launch shape for a DECODE/VERIFY step of ``rows`` tokens, ``tpr`` per request."""

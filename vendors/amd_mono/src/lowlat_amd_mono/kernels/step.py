@@ -67,14 +67,14 @@ def _attn_block(alive, pid, nprog, tag, T, B, NSPLIT, layer, deadline, dbg, eps,
                 KCH: tl.constexpr, QK_NORM: tl.constexpr, BN_O: tl.constexpr, BK_O: tl.constexpr,
                 MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, PREV_STAGE: tl.constexpr, DT: tl.constexpr,
                 INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr,
-                XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+                XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
     """One layer's attention half: QKV, q/k norm + RoPE + KV writes, attention, combine, o_proj + residual."""
     kc = _wptr(w, W_KC, DT)
     vc = _wptr(w, W_VC, DT)
     alive = qkv_stage(alive, pid, nprog, T, layer, deadline, dbg, eps, x_ptr, part_ptr, _wptr(w, W_LN1, DT),
                       _wptr(w, W_QKV, DT), fl, prev_fl, prev_cn, n_prev, ctl_ptr, step_ptr, H, HQ, HKV, D, BN_Q,
                       BK_Q, KS, KCH, MAX_ITEMS, PF_BYTES, True, PREV_STAGE, False, DT, INTERP, TIMER, PF_L2, PREC,
-                      XC, MAXW, COUNT)
+                      XC, MAXW, COUNT, ROW1)
     alive = rope_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, part_ptr, q_ptr, kc, vc,
                        _wptr(w, W_QNORM, DT), _wptr(w, W_KNORM, DT), pos_ptr, loc_ptr, cos_ptr, sin_ptr, fl, ctl_ptr,
                        HQ, HKV, D, BN_Q, KS, QK_NORM, MAX_ITEMS, True, True, DT, INTERP, TIMER, XC, MAXW)
@@ -84,7 +84,7 @@ def _attn_block(alive, pid, nprog, tag, T, B, NSPLIT, layer, deadline, dbg, eps,
                              COUNT, True)
     alive = oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, dbg, x_ptr, ao_ptr, xmid_ptr,
                         _wptr(w, W_O, DT), fl, cn, ctl_ptr, H, HQ, HKV, D, BN_O, BK_O, MAX_ITEMS, PF_BYTES, True, DT,
-                        INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                        INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
     return alive
 
 
@@ -94,11 +94,11 @@ def _dense_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid
                BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
                MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr,
                INTERP: tl.constexpr, TIMER: tl.constexpr, PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr,
-               MAXW: tl.constexpr, COUNT: tl.constexpr):
+               MAXW: tl.constexpr, COUNT: tl.constexpr, ROW1: tl.constexpr):
     """One dense layer's MLP half (``k2_attn_out_mlp.dense_mlp_stages``)."""
     return dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr, ln2_ptr,
                             wgu_ptr, wdn_ptr, fl, cn, ctl_ptr, H, INTER, N_OPROJ, BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS,
-                            PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                            PF_BYTES, STAGE, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
 
 
 @triton.jit(noinline=True)
@@ -107,20 +107,21 @@ def _moe_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_p
              NORM_TOPK: tl.constexpr, IM: tl.constexpr, N_ROUTER: tl.constexpr, N_OPROJ: tl.constexpr,
              BN_R: tl.constexpr, BK_R: tl.constexpr, BN_EU: tl.constexpr, BK_EU: tl.constexpr, BN_ED: tl.constexpr,
              BK_ED: tl.constexpr, MAX_ITEMS: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr,
-             TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+             TIMER: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+             ROW1: tl.constexpr):
     """One layer's MoE half: router, expert gate/up, expert down + combine + residual."""
     ln2 = _wptr(w, W_LN2, DT)
     alive = router_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, xmid_ptr, ln2, _wptr(w, W_MLP_A, DT),
                          rl_ptr, fl, cn, ctl_ptr, H, E, N_OPROJ, BN_R, BK_R, MAX_ITEMS, 4, 5, True, DT, INTERP,
-                         TIMER, PREC, XC, MAXW, COUNT)
+                         TIMER, PREC, XC, MAXW, COUNT, ROW1)
     alive = expert_up_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, xmid_ptr, ln2, _wptr(w, W_MLP_B, DT),
                             rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, fl, cn, ctl_ptr, H, E, E_P2, TOPK, NORM_TOPK,
                             IM, N_ROUTER, BN_EU, BK_EU, MAX_ITEMS, 5, 6, True, DT, INTERP, TIMER, PREC, XC, MAXW,
-                            COUNT)
+                            COUNT, ROW1)
     return expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, dbg, x_ptr, xmid_ptr, _wptr(w, W_MLP_C, DT),
                              rl_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, fl, cn, ctl_ptr, H, E, E_P2, TOPK, NORM_TOPK,
                              IM, N_ROUTER, (IM + BN_EU - 1) // BN_EU, BN_ED, BK_ED, MAX_ITEMS, 5, 6, 7, True, DT,
-                             INTERP, TIMER, PREC, XC, MAXW, COUNT)
+                             INTERP, TIMER, PREC, XC, MAXW, COUNT, ROW1)
 
 
 @triton.jit
@@ -154,10 +155,12 @@ def step_dense_kernel(
         BK_O: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
         MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr, DT: tl.constexpr,
         INTERP: tl.constexpr, TIMER: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-        PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+        PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+        ROW1: tl.constexpr):
     """All ``L`` dense decoder layers of one step. ``x [8, H]`` holds the embeddings on entry and the last layer's
     output on exit; ``wtab [L, 16]`` int64 the per-layer pointers (columns ``COL_*``); ``dbg [L]`` int32 the
-    per-layer debug masks (``sync``); the other buffers as in K1/K2. Persistent only (``STAGE`` -1)."""
+    per-layer debug masks (``sync``); the other buffers as in K1/K2. Persistent only (``STAGE`` -1). ``ROW1``: the
+    step has one row and every GEMV runs in the one-row FMA form (``gemv_row1``)."""
     tl.static_assert(STAGE < 0, "the one-launch step has no stage-per-launch mode (use K1/K2)")
     pid, nprog, tag, alive = _step_start(step_ptr, USE_PDL)
     N_DOWN: tl.constexpr = (H + BN_D - 1) // BN_D
@@ -169,11 +172,11 @@ def step_dense_kernel(
                             seq_ptr, req_ptr, r2t_ptr, r2t_stride, fl, cn, prev_fl, prev_cn,
                             tl.where(layer > 0, N_DOWN, 0), ctl_ptr, step_ptr, H, HQ, HKV, D, TPR, M_ATT, BLOCK_S,
                             NSPLIT_MAX, BN_Q, BK_Q, KS, KCH, QK_NORM, BN_O, BK_O, MAX_ITEMS, PF_BYTES, _S_MLP2, DT,
-                            INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                            INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
         alive = _dense_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, act_ptr,
                            _wptr(w, W_LN2, DT), _wptr(w, W_MLP_A, DT), _wptr(w, W_MLP_B, DT), fl, cn, ctl_ptr, H,
                            INTER, (H + BN_O - 1) // BN_O, BN_GU, BK_GU, BN_D, BK_D, MAX_ITEMS, PF_BYTES, -1, DT,
-                           INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                           INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
     if USE_PDL:
         gdc_launch_dependents()
 
@@ -191,7 +194,8 @@ def step_moe_kernel(
         BN_R: tl.constexpr, BK_R: tl.constexpr, BN_EU: tl.constexpr, BK_EU: tl.constexpr, BN_ED: tl.constexpr,
         BK_ED: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr, STAGE: tl.constexpr,
         DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr, USE_PDL: tl.constexpr, PDL_EARLY: tl.constexpr,
-        PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr):
+        PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+        ROW1: tl.constexpr):
     """All ``L`` sparse-MoE decoder layers of one step (Qwen3-MoE); buffers as in ``step_dense_kernel`` and
     ``k2_moe_kernel``. Persistent only (``STAGE`` -1)."""
     tl.static_assert(STAGE < 0, "the one-launch step has no stage-per-launch mode (use K1/K2)")
@@ -206,10 +210,10 @@ def step_moe_kernel(
                             seq_ptr, req_ptr, r2t_ptr, r2t_stride, fl, cn, prev_fl, prev_cn,
                             tl.where(layer > 0, N_DOWN, 0), ctl_ptr, step_ptr, H, HQ, HKV, D, TPR, M_ATT, BLOCK_S,
                             NSPLIT_MAX, BN_Q, BK_Q, KS, KCH, QK_NORM, BN_O, BK_O, MAX_ITEMS, PF_BYTES, _S_MLP3, DT,
-                            INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT)
+                            INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1)
         alive = _moe_mlp(alive, pid, nprog, tag, T, layer, deadline, dbg, eps, x_ptr, xmid_ptr, rl_ptr, actm_ptr,
                          slot_e_ptr, slot_w_ptr, w, fl, cn, ctl_ptr, H, E, E_P2, TOPK, NORM_TOPK, IM, N_ROUTER,
                          (H + BN_O - 1) // BN_O, BN_R, BK_R, BN_EU, BK_EU, BN_ED, BK_ED, MAX_ITEMS, DT, INTERP, TIMER,
-                         PREC, XC, MAXW, COUNT)
+                         PREC, XC, MAXW, COUNT, ROW1)
     if USE_PDL:
         gdc_launch_dependents()
