@@ -1,7 +1,7 @@
 """Time ``moe_forward`` and the fused LM head (logits, greedy, filtered sampling) at Qwen3-30B-A3B shapes on an
 sm90 GPU, with PDL on and off, against the byte floor; check them against torch first. About a minute.
 
-    PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/bench_moe_head.py [--sweep]
+    PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/bench_moe_head.py [--sweep [moe|lm_head]]
 
 Method: each measurement is one CUDA graph holding ``--layers`` back-to-back launches over distinct weight copies
 (so the 50 MB L2 never holds the next weights, and consecutive launches overlap through PDL as in a real step);
@@ -197,7 +197,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="distinct MoE layers per graph (default 8)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays (median taken)")
-    ap.add_argument("--sweep", action="store_true", help="also try other tile sizes (PDL on)")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "lm_head"),
+                    help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value)")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script itself: tiny shapes on the CPU with TRITON_INTERPRET=1, no timing")
     args = ap.parse_args()
@@ -231,7 +232,7 @@ def main() -> None:
             for pdl in pdl_modes:
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, pdl, args.reps, gen, bw, lm_cfg)
                 table.append((f"lm_head {mode}", rows, pdl, "default", sec, floor))
-    if args.sweep and DEV == "cuda":
+    if args.sweep in ("all", "moe") and DEV == "cuda":
         moe_sweep = [(dict(gate_up_block_n=gn, gate_up_block_k=gk, down_block_n=dn), f"gu {gn}x{gk} down {dn}")
                      for gn, gk, dn in ((32, 256, 16), (16, 512, 16), (16, 128, 16), (16, 256, 32), (32, 128, 32))]
         moe_sweep += [(dict(route_warps=rw, route_programs=rp), f"route {rp}x{rw}w")
@@ -242,15 +243,23 @@ def main() -> None:
             for rows in (1, 8):
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
-        for bv, bk, st in ((64, 64, 4), (128, 128, 3), (256, 64, 4), (128, 64, 3), (64, 128, 4)):
-            cfg = LMHeadConfig(block_v=bv, block_k=bk, num_stages=st)
-            for rows in (1, 8):
-                sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, "logits", True, args.reps, gen, bw, cfg)
-                table.append(("lm_head logits", rows, True, f"v{bv} k{bk} s{st}", sec, floor))
+    if args.sweep in ("all", "lm_head") and DEV == "cuda":
+        # 1 row: the tl.dot loop (row1=False) against the one-row FMA loop (LMHeadConfig.row1_*), logits and greedy
+        # (greedy at the workspace's 128-token tiles); 8 rows: the tl.dot loop's tiles
+        for bv, bk, st in ((128, 64, 4), (128, 128, 3), (64, 128, 4)):
+            cfg = LMHeadConfig(block_v=bv, block_k=bk, num_stages=st, row1=False)
+            for rows, mode in ((1, "logits"), (1, "greedy"), (8, "logits")) if bv == 128 else ((1, "logits"),):
+                sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, True, args.reps, gen, bw, cfg)
+                table.append((f"lm_head {mode}", rows, True, f"v{bv} k{bk} s{st}", sec, floor))
+        for bv, bk, wp, st in ((128, 128, 4, 3), (128, 128, 4, 2), (64, 256, 4, 3), (64, 128, 4, 3)):
+            cfg = LMHeadConfig(block_v=bv, row1_block_k=bk, row1_num_warps=wp, row1_num_stages=st)
+            for mode in ("logits", "greedy") if bv == 128 else ("logits",):
+                sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, 1, mode, True, args.reps, gen, bw, cfg)
+                table.append((f"lm_head {mode}", 1, True, f"row1 v{bv} k{bk} w{wp} s{st}", sec, floor))
 
-    print(f"\n{'kernel':34} {'rows':>4} {'pdl':>4} {'config':>18} {'median us':>10} {'floor us':>9} {'% floor':>8}")
+    print(f"\n{'kernel':34} {'rows':>4} {'pdl':>4} {'config':>24} {'median us':>10} {'floor us':>9} {'% floor':>8}")
     for name, rows, pdl, cfg_name, sec, floor in table:
-        print(f"{name:34} {rows:>4} {'on' if pdl else 'off':>4} {cfg_name:>18} {sec * 1e6:>10.1f} "
+        print(f"{name:34} {rows:>4} {'on' if pdl else 'off':>4} {cfg_name:>24} {sec * 1e6:>10.1f} "
               f"{floor * 1e6:>9.1f} {100 * floor / sec:>7.0f}%")
     moe1 = next(s for n, r, p, c, s, f in table if n.startswith("moe") and r == 1 and p == pdl_modes[0])
     head1 = next(s for n, r, p, c, s, f in table if n == "lm_head greedy" and r == 1 and p == pdl_modes[0])

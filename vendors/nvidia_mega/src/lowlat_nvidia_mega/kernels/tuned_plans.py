@@ -30,9 +30,11 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
     ("NVIDIA H200", "gemm", 2048, 8192, "bfloat16"): (64, 128, 4, 2, 4),    # llama down     14.41 -> 11.97
     # 2026-12-01, qwen3-8b (bench/results/2026-12-01-h200-qwen3-speed/call6/tune_qwen3-8b.txt):
     ("NVIDIA H200", "qkv", 6144, 4096, "bfloat16"): (128, 128, 4, 8, 3),    # qwen3-8b qkv   28.86 -> 22.21
-    ("NVIDIA H200", "gemm", 4096, 4096, "bfloat16"): (128, 64, 8, 2, 3),    # qwen3-8b o     14.56 -> 11.76
-    ("NVIDIA H200", "gated", 12288, 4096, "bfloat16"): (64, 128, 1, 8, 3),  # qwen3-8b gu    86.62 -> 59.18
-    ("NVIDIA H200", "gemm", 4096, 12288, "bfloat16"): (128, 64, 8, 2, 4),   # qwen3-8b down  32.18 -> 28.89
+    # 2026-12-02, qwen3-8b at 8 rows (1 row runs TUNED_ROW1's one-row kernels; bench/results/
+    # 2026-12-02-h200-mega-qkv-row1/call3): the 1-row winners above -> the 8-row winners, µs at 8 rows.
+    ("NVIDIA H200", "gemm", 4096, 4096, "bfloat16"): (64, 64, 8, 2, 3),     # qwen3-8b o     14.85 -> 12.17
+    ("NVIDIA H200", "gated", 12288, 4096, "bfloat16"): (128, 128, 1, 8, 3), # qwen3-8b gu    62.85 -> 59.15
+    ("NVIDIA H200", "gemm", 4096, 12288, "bfloat16"): (64, 64, 8, 2, 3),    # qwen3-8b down  33.76 -> 29.45
 }
 
 
