@@ -10,7 +10,7 @@ stage's items, over ``--layers`` distinct layers in a CUDA graph (more weight by
 median per launch against the stage's byte floor (its weight bytes at the copy bandwidth measured in the run).
 It answers how fast the stage's inner loop streams weights, with no stage waits and no other stage in the kernel.
 ``--row1`` (one row only) times each configuration in the one-row FMA form (``ROW1`` 1, ``kernels/gemv_row1.py``)
-and/or the ``tl.dot`` form (0); at one row the default is the production choice (``row1_fma``, on).
+and/or the ``tl.dot`` form (0); at one row the default is the production choice (``row1_fma``, off).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Usage (on the H200; about a minute with a warm Triton cache, under two minutes c
     ... --models llama-3.2-1b --rows 1 --overlaps     # also PDL off and L2 prefetch off (extra compiles)
     ... --staged                                      # also the stage-per-launch mode (extra compiles)
     ... --variants "pdl=0;pdl=0,programs_per_sm=2"   # also these MonoOptions (";" between variants)
-    ... --rows 1 --variants "row1_fma=0"              # the one-row FMA GEMVs (default at 1 row) against tl.dot
+    ... --rows 1 --variants "row1_fma=1"              # the one-row FMA GEMVs (off by default) against tl.dot
     ... --sync-floor                                  # also each variant with every stage's compute skipped
 
 Method: a model cut to ``--layers`` distinct decoder layers (so weights do not stay in L2 between replays) with

@@ -64,8 +64,9 @@ class MonoOptions:
             ``EngineConfig.extra`` value that disagrees is an error.
         row1_fma: at a step of exactly one row (batch-1 decode), run every GEMV (QKV, o_proj, gate/up, down,
             router, experts, LM head) in the one-row FMA form (``kernels.gemv_row1``: the row as a 1-D float32
-            vector, ``[BN, BK]`` weight chunks, no padding to 16 rows) instead of ``tl.dot`` (on by default; the
-            kernels of a one-row step compile with the constexpr ``ROW1``). Per instance: off compares the two.
+            vector, ``[BN, BK]`` weight chunks, no padding to 16 rows) instead of ``tl.dot``; the kernels of a
+            one-row step compile with the constexpr ``ROW1``. Off by default: on the H200 it made a llama-3.2-1b
+            step slower (1.385 -> 1.508 ms; its K2 kernel needs 248 registers against 196). Per instance.
         gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
             stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
         num_warps, num_stages: Triton launch options of the layer kernels.
@@ -83,7 +84,7 @@ class MonoOptions:
     l2_prefetch_bytes: int = 0
     stage_counters: bool = False
     gemv_prefetch: bool = True
-    row1_fma: bool = True
+    row1_fma: bool = False
     gemv_bk_max: int = 256
     gemv_tile_elems: int = 16384
     num_warps: int = 4
