@@ -354,8 +354,12 @@ def test_one_row_loop_matches_reference_and_the_dot_loop(dtype: torch.dtype, hid
     filtered sampled ids equal to the tl.dot loop's; at two rows the same config runs the tl.dot loop."""
     seen = _launches(monkeypatch)
     g = torch.Generator().manual_seed(33)
-    x = torch.randn(2, hidden, generator=g).to(dtype).to(DEV)
-    norm_w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype).to(DEV)
+    # NaN past H in x's rows and after the norm weight: a read past H poisons the logits (the weight's masked zeros
+    # times NaN)
+    x = torch.full((2, hidden + 16), float("nan"), dtype=dtype, device=DEV)[:, :hidden]
+    x.copy_(torch.randn(2, hidden, generator=g).to(dtype))
+    norm_w = torch.full((hidden + 16,), float("nan"), dtype=dtype, device=DEV)[:hidden]
+    norm_w.copy_((1 + 0.2 * torch.randn(hidden, generator=g)).to(dtype))
     w = (torch.randn(320, hidden, generator=g) * 0.3).to(dtype).to(DEV)
     w[100] = w[7]  # an exact tie across tiles: both loops must keep the lower index
     on = LMHeadConfig(block_v=64, block_k=16, row1_block_k=row1_block_k, row1_num_warps=2, row1_num_stages=2)
@@ -378,6 +382,7 @@ def test_one_row_loop_matches_reference_and_the_dot_loop(dtype: torch.dtype, hid
                          "num_stages": 2}] * 3
     assert [s["ROW1"] for s in seen[3:]] == [False] * 3
     want = reference_logits(x[:1], norm_w, w)
+    assert torch.isfinite(want).all()
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.0, "rtol": 8e-3}
     torch.testing.assert_close(got[0][0], want, **tol)
     torch.testing.assert_close(got[0][0], got[1][0], **tol)
