@@ -244,18 +244,12 @@ def main() -> None:
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":
-        # 1 row: the tl.dot loop (row1=False) against the one-row FMA loop (LMHeadConfig.row1_*), logits and greedy
-        # (greedy at the workspace's 128-token tiles); 8 rows: the tl.dot loop's tiles
-        for bv, bk, st in ((128, 64, 4), (128, 128, 3), (64, 128, 4)):
-            cfg = LMHeadConfig(block_v=bv, block_k=bk, num_stages=st, row1=False)
+        # the LM head's tiles: logits at 1 and 8 rows, greedy ids at 1 row (at the workspace's 128-token tiles)
+        for bv, bk, st in ((128, 64, 4), (128, 128, 3), (128, 128, 2), (128, 256, 3), (64, 128, 4)):
+            cfg = LMHeadConfig(block_v=bv, block_k=bk, num_stages=st)
             for rows, mode in ((1, "logits"), (1, "greedy"), (8, "logits")) if bv == 128 else ((1, "logits"),):
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, True, args.reps, gen, bw, cfg)
                 table.append((f"lm_head {mode}", rows, True, f"v{bv} k{bk} s{st}", sec, floor))
-        for bv, bk, wp, st in ((128, 128, 4, 3), (128, 128, 4, 2), (64, 256, 4, 3), (64, 128, 4, 3)):
-            cfg = LMHeadConfig(block_v=bv, row1_block_k=bk, row1_num_warps=wp, row1_num_stages=st)
-            for mode in ("logits", "greedy") if bv == 128 else ("logits",):
-                sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, 1, mode, True, args.reps, gen, bw, cfg)
-                table.append((f"lm_head {mode}", 1, True, f"row1 v{bv} k{bk} w{wp} s{st}", sec, floor))
 
     print(f"\n{'kernel':34} {'rows':>4} {'pdl':>4} {'config':>24} {'median us':>10} {'floor us':>9} {'% floor':>8}")
     for name, rows, pdl, cfg_name, sec, floor in table:

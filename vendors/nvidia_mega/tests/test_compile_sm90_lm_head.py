@@ -147,21 +147,3 @@ def test_lm_head_logits_compiles_for_sm90(prefetch: bool, monkeypatch: pytest.Mo
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert any("cp.async.cg.shared.global" in ln and "0x10" in ln for ln in ptx.splitlines()), \
         "weight tiles must stream as 16-byte asynchronous copies"
-
-
-@pytest.mark.parametrize("vocab,hidden", [(128256, 2048), (151936, 4096)], ids=["llama-3.2-1b", "qwen3-8b"])
-def test_lm_head_one_row_loop_compiles_for_sm90(vocab: int, hidden: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MegaForward``'s logits launch at one row (the default config, PDL): the one-row FMA loop, no MMA, its
-    weight loads 16-byte vectors."""
-    def launch() -> None:
-        x = torch.empty(1, hidden, dtype=torch.bfloat16, device=META)
-        lm_head.lm_head_logits(x, torch.empty(hidden, dtype=torch.bfloat16, device=META),
-                               torch.empty(vocab, hidden, dtype=torch.bfloat16, device=META), 1e-5,
-                               torch.empty(1, vocab, device=META), pdl=True)
-    bound, options = _capture(monkeypatch, launch)
-    cfg = lm_head.LMHeadConfig()
-    assert bound["ROW1"] is True and bound["EVEN_K"] is True and bound["BLOCK_K"] == cfg.row1_block_k
-    assert options == {"num_warps": cfg.row1_num_warps, "num_stages": cfg.row1_num_stages}
-    ptx = _compile(bound, options)
-    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    assert "mma" not in ptx and "ld.global.v4" in ptx, "FMA only, 16-byte weight loads"

@@ -13,11 +13,7 @@ recomputes the rows' RMS from x (T*H elements from L2) before its loop. Nothing 
 weight tiles are issued by the software pipeline right after it. With ``lm_head_sample`` the tile's logits never
 leave the chip unless asked: each program writes a small record and a merge tree of atomic tickets reduces them
 across programs (``sampling.py``). Activation prefetch (``PREFETCH_ACT``, off by default; see ``small_gemm.py``):
-the K loop loads the next x / norm-weight chunk one iteration ahead; bit-identical results. At one row
-(``LMHeadConfig.row1``) the K loop runs on the FMA units instead, x as a 1-D chunk and each weight row's products
-summed in fp32 (``_row1_logits``, as ``gemv.py``), at its own K chunk, warps and stages: 174.5 -> 153.9 µs for
-qwen3-30b-a3b's logits on the H200 against the old tiles, and even with the tl.dot loop at the new ones
-(docs/kernels.md, "Launch plans").
+the K loop loads the next x / norm-weight chunk one iteration ahead; bit-identical results.
 """
 
 from __future__ import annotations
@@ -30,36 +26,31 @@ import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace, merge_records, pick_tokens, tile_record
-from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, load_tile, prefetch_act_enabled, to_act
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, prefetch_act_enabled, to_act
 
 ROWS = 8
 
 
 @dataclass(frozen=True)
 class LMHeadConfig:
-    """Launch settings (powers of two; stages >= 1). ``block_v`` is used by ``lm_head_logits``; ``lm_head_sample``
-    takes it from its workspace (the merge tree's shape depends on it)."""
+    """Launch settings (powers of two; ``num_stages`` >= 1). ``block_v`` is used by ``lm_head_logits``;
+    ``lm_head_sample`` takes it from its workspace (the merge tree's shape depends on it). Defaults measured on the
+    H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128 with 3 stages take 155.0 µs
+    at 1 row and 150.9 at 8, against 177.6 and 163.7 for the earlier 64 / 4 stages (docs/kernels.md, "Launch
+    plans")."""
 
     block_v: int = 128
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    # One row (T == 1): the K loop on the FMA units with x as a 1-D chunk (as kernels/gemv.py), at its own K chunk,
-    # warps and stages. The fp32 tile [block_v, row1_block_k] must fit the registers: block_v * row1_block_k <=
-    # 4096 * row1_num_warps (the budget measured for qkv_rope's one-row loop, docs/kernels.md).
-    row1: bool = True
-    row1_block_k: int = 128
-    row1_num_warps: int = 4
-    row1_num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_v", "block_k", "num_warps", "row1_block_k", "row1_num_warps"):
+        for name in ("block_v", "block_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= 1")
-        for name in ("num_stages", "row1_num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"LMHeadConfig.{name}={getattr(self, name)} must be >= 1")
+        if self.num_stages < 1:
+            raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be >= 1")
 
 
 # ``n_tiles`` is never specialized: Triton turns an int argument equal to 1 into a constant, and with one tile
@@ -74,7 +65,7 @@ def _lm_head_kernel(
     ROWS_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, CAND: tl.constexpr,
     FAN_IN: tl.constexpr, WRITE_LOGITS: tl.constexpr, SAMPLE: tl.constexpr, FILTER: tl.constexpr,
     ROUND_LOGITS: tl.constexpr, DOT_F32: tl.constexpr, BITONIC: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, ROW1: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = x_ptr.dtype.element_ty
@@ -94,12 +85,22 @@ def _lm_head_kernel(
         ss += tl.sum(xk * xk, axis=1)
     rstd = tl.rsqrt(ss / H + eps)
 
-    if ROW1:  # one row: x as a 1-D chunk, fp32 products summed per weight row (no tl.dot operand padded to 16)
-        acc = _row1_logits(x_ptr, norm_w_ptr, w_rows, vmask, tl.sum(rstd, axis=0), H, dtype, BLOCK_V, BLOCK_K,
-                           EVEN_K)
-    else:
-        acc = _dot_logits(x_ptr, norm_w_ptr, w_rows, vmask, rstd, rows, row_ok, stride_x, H, dtype, ROWS_C,
-                          BLOCK_V, BLOCK_K, DOT_F32, PREFETCH_ACT)
+    acc = tl.zeros([BLOCK_V, ROWS_C], dtype=tl.float32)
+    if PREFETCH_ACT:  # the first raw x^T chunk and norm weights, loaded one chunk ahead from here on
+        xt_nx, nw_nx = _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, tl.arange(0, BLOCK_K), H)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < H
+        w = tl.load(w_rows + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
+        if PREFETCH_ACT:  # the same values and arithmetic as below, the next chunk in flight during this dot
+            xt, nw = xt_nx.to(tl.float32), nw_nx.to(tl.float32)
+            xt_nx, nw_nx = _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, offs_k + BLOCK_K, H)
+        else:
+            xt = tl.load(x_ptr + rows[None, :] * stride_x + offs_k[:, None], mask=kmask[:, None] & row_ok[None, :],
+                         other=0.0).to(tl.float32)
+            nw = tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        ht = to_act(nw[:, None] * to_act(xt * rstd[None, :], dtype).to(tl.float32), dtype)
+        acc = dot_acc(w, ht, acc, DOT_F32)
     if ROUND_LOGITS:
         acc = to_act(acc, dtype).to(tl.float32)
     if WRITE_LOGITS:
@@ -139,48 +140,6 @@ def _lm_head_kernel(
 
 
 @triton.jit
-def _dot_logits(x_ptr, norm_w_ptr, w_rows, vmask, rstd, rows, row_ok, stride_x, H, dtype: tl.constexpr,
-                ROWS_C: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                PREFETCH_ACT: tl.constexpr):
-    """[BLOCK_V, ROWS_C] fp32 logits of the tile: ``w @ norm(x)^T`` by ``tl.dot``, the weight as the M side."""
-    acc = tl.zeros([BLOCK_V, ROWS_C], dtype=tl.float32)
-    if PREFETCH_ACT:  # the first raw x^T chunk and norm weights, loaded one chunk ahead from here on
-        xt_nx, nw_nx = _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, tl.arange(0, BLOCK_K), H)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < H
-        w = tl.load(w_rows + offs_k[None, :], mask=vmask[:, None] & kmask[None, :], other=0.0)
-        if PREFETCH_ACT:  # the same values and arithmetic as below, the next chunk in flight during this dot
-            xt, nw = xt_nx.to(tl.float32), nw_nx.to(tl.float32)
-            xt_nx, nw_nx = _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, offs_k + BLOCK_K, H)
-        else:
-            xt = tl.load(x_ptr + rows[None, :] * stride_x + offs_k[:, None], mask=kmask[:, None] & row_ok[None, :],
-                         other=0.0).to(tl.float32)
-            nw = tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        ht = to_act(nw[:, None] * to_act(xt * rstd[None, :], dtype).to(tl.float32), dtype)
-        acc = dot_acc(w, ht, acc, DOT_F32)
-    return acc
-
-
-@triton.jit
-def _row1_logits(x_ptr, norm_w_ptr, w_rows, vmask, rstd, H, dtype: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """[BLOCK_V, 1] fp32 logits of the tile for row 0 (``rstd``: its scalar RMS factor): the same rounded
-    ``h = norm_w * (x * rstd).to(dtype)`` as ``_dot_logits``, multiplied exactly in fp32 and summed per weight row.
-    ``EVEN_K`` (H a multiple of BLOCK_K) drops the K mask, so the weight loads stay 16-byte vectors."""
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        kmask = offs_k < H
-        w = load_tile(w_rows + offs_k[None, :], vmask, kmask, EVEN_K)
-        x = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        nw = tl.load(norm_w_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-        h = to_act(nw * to_act(x * rstd, dtype).to(tl.float32), dtype).to(tl.float32)
-        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
-    return acc[:, None]
-
-
-@triton.jit
 def _load_xt_nw(x_ptr, norm_w_ptr, rows, row_ok, stride_x, offs_k, H):
     """(x[rows, offs_k]^T, norm_w[offs_k]) as stored, zeros past ``H`` and for rows >= T."""
     kmask = offs_k < H
@@ -217,20 +176,17 @@ def _launch(x, norm_w, w, eps, logits, samp, ws, block_v, cfg, pdl, prefetch):  
     elif not filt:
         topk, topp = temp, temp
     bufs = (ws.greedy, ws.gumbel, ws.row_max, ws.row_sum, ws.keys, ws.counters) if ws is not None else (x,) * 6
-    row1 = cfg.row1 and t == 1
-    block_k, warps, stages = (cfg.row1_block_k, cfg.row1_num_warps, cfg.row1_num_stages) if row1 else \
-        (cfg.block_k, cfg.num_warps, cfg.num_stages)
-    block_k = min(block_k, max(16, triton.next_power_of_2(hidden)))
     _lm_head_kernel[(n_tiles,)](
         x, norm_w, w, logits if logits is not None else x,
         temp, topk, topp, seeds, offsets, tokens, *bufs,
         t, hidden, vocab, n_tiles, float(eps), x.stride(0), logits.stride(0) if logits is not None else 0,
-        ROWS_C=triton.next_power_of_2(t), BLOCK_V=block_v, BLOCK_K=block_k,
+        ROWS_C=triton.next_power_of_2(t), BLOCK_V=block_v,
+        BLOCK_K=min(cfg.block_k, max(16, triton.next_power_of_2(hidden))),
         CAND=ws.candidates if ws is not None else 1, FAN_IN=ws.fan_in if ws is not None else 2,
         WRITE_LOGITS=logits is not None, SAMPLE=sample, FILTER=filt, ROUND_LOGITS=x.dtype != torch.float32,
         DOT_F32=x.dtype == torch.float32 or interpreting(), BITONIC=not interpreting(),
-        USE_PDL=pdl, PREFETCH_ACT=(prefetch_act_enabled() if prefetch is None else bool(prefetch)) and not row1,
-        ROW1=row1, EVEN_K=hidden % block_k == 0, num_warps=warps, num_stages=stages, **launch_kwargs(pdl))
+        USE_PDL=pdl, PREFETCH_ACT=prefetch_act_enabled() if prefetch is None else bool(prefetch),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl))
 
 
 def _check_logits(out: torch.Tensor, t: int, vocab: int, device: torch.device) -> None:
