@@ -62,7 +62,7 @@ def test_persistent_kernels_compile_for_sm90(preset: str, tmp_path: Path) -> Non
     dtype, dev = torch.bfloat16, torch.device("cpu")
     fwd = MonoForward(model_config=cfg, params=empty_params(cfg, dtype), dtype=dtype, device=dev,
                       alloc_workspace=lambda n, s, d: torch.zeros(s, dtype=d), max_context_len=MAX_CTX,
-                      options=MonoOptions(staged=False, one_launch=True))
+                      options=MonoOptions(staged=False, one_launch=True, row1_fma=True))
     fwd.plan = P.MonoPlan.build(fwd.dims, 132 * (2 if fwd.dims.any_moe else 1))  # the H200's grid and tiles
     pool = make_pool(Setup(cfg, None, None, dtype, dev), num_pages=8, fill_seed=None)
     fwd.attach_kv_pool(pool)
