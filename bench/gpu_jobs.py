@@ -116,6 +116,18 @@ def mega_row1(o: Options) -> list[Step]:
             for m in o.models]
 
 
+def mega_prenorm(o: Options) -> list[Step]:
+    """nvidia_mega with and without prenorm (``LOWLAT_MEGA_PRENORM=1``: the 2-8-row steps' input norms in their own
+    ``norm_rows`` launch) per model, DECODE at 2, 4 and 8 rows and VERIFY x6, one after the other in one call."""
+    out = os.environ.get("OUT", "/tmp/out")
+    args = ["--paths", "nvidia_mega", "--batch-sizes", "2,4,8", "--modes", "decode,verify", "--verify-tokens", "6",
+            "--verify-batch-sizes", "1", "--context", "1024", "--layer-depth", "4", "--input-sets", "2", "--warmup",
+            "5", "--iters", "30", "--no-plot"]
+    return [Step(f"prenorm={v} {m}", 150, [*LOWLAT, "bench", "--model", m, *args, "--out", f"{out}/prenorm{v}_{m}"],
+                 f"bench_prenorm{v}_{slug(m)}.txt", r"\| nvidia_mega", env={"LOWLAT_MEGA_PRENORM": v})
+            for m in o.models for v in ("0", "1")]
+
+
 def amd_layers(o: Options) -> list[Step]:
     """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants,
     ``AMD_SYNC_FLOOR=1`` times each with every stage's compute skipped too."""
@@ -229,6 +241,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "mega-row1": mega_row1,
+    "mega-prenorm": mega_prenorm,
     "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "oot-vendor": oot_vendor, **SPEED_JOBS,

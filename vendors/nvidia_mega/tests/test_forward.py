@@ -22,6 +22,7 @@ from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat.plugin.binding import PluginBinding
 from lowlat_nvidia_mega import build as build_mod
+from lowlat_nvidia_mega import forward as forward_mod
 from lowlat_nvidia_mega.build import build
 from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
@@ -178,6 +179,33 @@ def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, monkeypat
     monkeypatch.setattr(build_mod, "qkv_plan", with_row1)
     _check_step(arch, dtype, ForwardMode.DECODE, [11], 1)
     assert seen, "the build must take qkv_rope's plan from qkv_plan"
+
+
+@pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])
+def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int],
+                                        rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOWLAT_MEGA_PRENORM=1``: every 2-8-row step normalizes qkv_rope's and gate_up's inputs with ``norm_rows``
+    (one launch per norm: 2 per dense layer, 1 per MoE layer, whose norm stays in moe_forward) and still matches the
+    reference; a one-row step launches none."""
+    launches: list[int] = []
+    real = forward_mod.norm_rows
+
+    def spy(x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(x.shape[0])
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(forward_mod, "norm_rows", spy)
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "1")
+    _check_step(arch, dtype, mode, prefix_lens, rows)
+    mc = _config(arch)
+    dense = sum(not mc.is_moe_layer(i) for i in range(mc.num_hidden_layers))
+    t = len(prefix_lens) * rows
+    assert launches == [t] * (mc.num_hidden_layers + dense)
+    launches.clear()
+    _check_step(arch, dtype, ForwardMode.DECODE, [7], 1)
+    assert launches == [], "a one-row step keeps the fused prologues"
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "maybe")
+    with pytest.raises(ValueError, match="LOWLAT_MEGA_PRENORM"):
+        _check_step(arch, dtype, mode, prefix_lens, rows)
 
 
 def _check_step(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int], rows: int) -> None:

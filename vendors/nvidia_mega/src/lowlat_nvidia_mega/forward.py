@@ -9,7 +9,9 @@ Per decoder layer (dense)::
     down       x += act @ Wd^T                        (small GEMM, split-K, residual epilogue, in place)
 
 At one row (a batch-1 DECODE step) the three projections run the one-row GEMV (``kernels.gemv``) where the
-shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row count alone.
+shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row count alone. At 2-8 rows with
+``LOWLAT_MEGA_PRENORM=1`` (off by default, not yet measured end to end) the input norms of qkv_rope and gate_up
+run as ``kernels.norm_rows`` launches into ``Workspaces.h`` and those GEMMs skip their norm prologue.
 
 A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
 The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits), or, when the batch
@@ -31,6 +33,7 @@ from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, plan_sp
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import moe_forward
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_enabled
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
@@ -70,7 +73,8 @@ class Workspaces:
     x [8, H] residual stream; q [8, Hq*D]; attn [8, Hq*D]; act [8, I] (dense layers); gemm_ws / qkv_ws fp32
     split-K partials; counters int32 per split-K call site (zero between launches); o_partial / lse_partial
     fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; moe: the MoE workspace or None;
-    head: the ``LMHeadWorkspace`` of ``lm_head_sample`` (sampled ids), None when the plugin returns logits only.
+    head: the ``LMHeadWorkspace`` of ``lm_head_sample`` (sampled ids), None when the plugin returns logits only;
+    h [8, H]: the normalized rows of a prenorm step (``kernels.norm_rows``).
     """
 
     x: torch.Tensor
@@ -86,6 +90,7 @@ class Workspaces:
     sin: torch.Tensor
     moe: object | None = None
     head: object | None = None
+    h: torch.Tensor | None = None
 
 
 class MegaForward:
@@ -172,9 +177,11 @@ class MegaForward:
         rows = t // b
         splits = plan_splits(b, c.num_key_value_heads, self.max_context_len, c.head_dim, self.sms)
         x, q, attn = ws.x[:t], ws.q[:t], ws.attn[:t]
+        h = self._prenorm_rows(t)
         torch.index_select(self.embed, 0, batch.input_ids, out=x)
         for i, lw in enumerate(self.layers):
-            qkv_rope(x, lw.input_norm, lw.qkv, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            qkv_in, qkv_norm = self._gemm_input(x, lw.input_norm, h, use_pdl)
+            qkv_rope(qkv_in, qkv_norm, lw.qkv, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                      q_norm=lw.q_norm, k_norm=lw.k_norm, cos=ws.cos, sin=ws.sin, positions=batch.positions,
                      out_cache_loc=batch.out_cache_loc, q_out=q, k_buffer=self.k_buffers[i],
                      v_buffer=self.v_buffers[i], eps=self.eps, plan=plans["qkv"], workspace=ws.qkv_ws,
@@ -190,7 +197,8 @@ class MegaForward:
             else:
                 assert lw.gate_up is not None and lw.down is not None and ws.act is not None
                 act = ws.act[:t]
-                gemm(x, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=lw.post_norm,
+                gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)
+                gemm(gu_in, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=gu_norm,
                      eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
                 gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
                      workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
@@ -200,6 +208,27 @@ class MegaForward:
             return self._sample(x, batch, use_pdl)
         logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
         return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl)
+
+    def _prenorm_rows(self, t: int) -> torch.Tensor | None:
+        """The [t, H] buffer of a prenorm step (2-8 rows and ``LOWLAT_MEGA_PRENORM=1``: each input norm in its own
+        ``norm_rows`` launch, the GEMM after it without a norm prologue), else None.
+
+        Raises:
+            ValueError: prenorm asked of a forward built without ``Workspaces.h``, or a bad variable value.
+        """
+        if t == 1 or not prenorm_enabled():
+            return None
+        if self.ws.h is None:
+            raise ValueError("LOWLAT_MEGA_PRENORM=1 needs the [8, H] workspace Workspaces.h (build() allocates it)")
+        return self.ws.h[:t]
+
+    def _gemm_input(self, x: torch.Tensor, norm_weight: torch.Tensor, h: torch.Tensor | None,
+                    use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(input, norm weight) of a GEMM with a norm prologue: (x, weight) for the fused prologue, or, on a
+        prenorm step (``h`` given), ``h`` filled by ``norm_rows`` and no weight."""
+        if h is None:
+            return x, norm_weight
+        return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), None
 
     def _sample(self, x: torch.Tensor, batch: ForwardBatch, use_pdl: bool) -> torch.Tensor:
         """Final norm + LM head + sampling of ``batch.sampling`` (variant chosen on the host only)."""

@@ -106,12 +106,16 @@ def _qkv_epilogue(
 
 @triton.jit
 def _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K: tl.constexpr,
-                 RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 HAS_NORM: tl.constexpr):
     """One row's [1, HALF] lo and hi projections over this split's K range, products reduced per chunk (the
     FMA form of ``gemv.py``); ``wl0``/``wh0`` are the first ``PRE_K`` columns, loaded before the PDL wait."""
-    rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    if HAS_NORM:
+        rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    else:
+        rstd = 1.0
     ks = k_start + tl.arange(0, PRE_K)
-    xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, True).to(tl.float32)[None, :]
+    xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
     lo = tl.sum(wl0.to(tl.float32) * xk, 1)
     hi = tl.sum(wh0.to(tl.float32) * xk, 1)
     for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
@@ -119,7 +123,7 @@ def _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps
         kl_mask = kl < k_end
         wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
         wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
-        xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, True).to(tl.float32)[None, :]
+        xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
         lo += tl.sum(wl.to(tl.float32) * xl, 1)
         hi += tl.sum(wh.to(tl.float32) * xl, 1)
     return lo[None, :], hi[None, :]
@@ -134,6 +138,7 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, ROW1: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     head = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -156,10 +161,13 @@ def _qkv_rope_kernel(
 
     if ROW1:  # one row on the FMA units (see gemv.py): x as a 1-D chunk, no padded rows
         lo, hi = _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K, RSTD_BLOCK,
-                              PRE_K, BLOCK_K, EVEN_K)
+                              PRE_K, BLOCK_K, EVEN_K, HAS_NORM)
     else:
-        rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
-        xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)
+        if HAS_NORM:
+            rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
+        else:  # x is already normalized (kernels/norm_rows.py)
+            rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        xk = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, HAS_NORM)
         if PREFETCH_ACT:  # the loop's first raw activation chunk and norm weights (see small_gemm.py)
             kn = k_start + PRE_K + tl.arange(0, BLOCK_K)
             x_nx, nw_nx = load_x_nw(x_ptr, stride_xm, offs_m, m_mask, kn, kn < k_end, nw_ptr)
@@ -174,7 +182,7 @@ def _qkv_rope_kernel(
                 xl, x_nx, nw_nx = prefetched_rows(x_nx, nw_nx, rstd, x_ptr, stride_xm, offs_m, m_mask, kl, k_end,
                                                   nw_ptr, BLOCK_K)
             else:
-                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)
+                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)
             lo = dot_acc(xl, tl.trans(wl), lo, DOT_F32)
             hi = dot_acc(xl, tl.trans(wh), hi, DOT_F32)
 
@@ -226,7 +234,7 @@ def qkv_workspace_numel(plan: GemmPlan, num_heads: int, num_kv_heads: int, head_
 
 
 def qkv_rope(
-    x: torch.Tensor, norm_weight: torch.Tensor, w_qkv: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+    x: torch.Tensor, norm_weight: torch.Tensor | None, w_qkv: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
     positions: torch.Tensor, out_cache_loc: torch.Tensor, q_out: torch.Tensor, k_buffer: torch.Tensor,
     v_buffer: torch.Tensor, eps: float, plan: GemmPlan, workspace: torch.Tensor | None = None,
@@ -236,7 +244,7 @@ def qkv_rope(
 
     Args:
         x: [T, H] residual stream (T in 1..8), unit stride along H.
-        norm_weight: [H] input_layernorm weight.
+        norm_weight: [H] input_layernorm weight; None: x is already normalized (``norm_rows``), no prologue.
         w_qkv: [(Hq + 2*Hkv) * D, H] contiguous; rows q heads, then k heads, then v heads.
         num_heads, num_kv_heads: Hq and Hkv.
         q_norm, k_norm: [D] Qwen3 per-head norm weights, both or neither.
@@ -280,9 +288,9 @@ def qkv_rope(
         raise ValueError(f"q_out must be [{t}, {num_heads * d}] with unit column stride, got {tuple(q_out.shape)}")
     for name, tns in (("norm_weight", norm_weight), ("w_qkv", w_qkv), ("q_out", q_out), ("k_buffer", k_buffer),
                       ("v_buffer", v_buffer)):
-        if tns.dtype != x.dtype or tns.device != x.device:
+        if tns is not None and (tns.dtype != x.dtype or tns.device != x.device):
             raise ValueError(f"{name} is {tns.dtype} on {tns.device}; x is {x.dtype} on {x.device}")
-    if norm_weight.shape != (hidden,):
+    if norm_weight is not None and norm_weight.shape != (hidden,):
         raise ValueError(f"norm_weight must be [{hidden}], got {tuple(norm_weight.shape)}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q_norm and k_norm (Qwen3) or neither (Llama)")
@@ -308,11 +316,13 @@ def qkv_rope(
             raise ValueError(f"split-K needs int32 zero counters of >= {num_heads + 2 * num_kv_heads} elements")
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
-    qn = q_norm if q_norm is not None else norm_weight
-    kn = k_norm if k_norm is not None else norm_weight
+    has_norm = norm_weight is not None
+    nw = norm_weight if has_norm else cos  # unread placeholders: no prologue / no q/k norm (nothing writes cos)
+    qn = q_norm if q_norm is not None else nw
+    kn = k_norm if k_norm is not None else nw
     grid = (num_heads + 2 * num_kv_heads, plan.split_k)
     _qkv_rope_kernel[grid](
-        x, x.stride(0), w_qkv, w_qkv.stride(0), norm_weight, qn, kn, cos, sin, cos.shape[0], positions,
+        x, x.stride(0), w_qkv, w_qkv.stride(0), nw, qn, kn, cos, sin, cos.shape[0], positions,
         out_cache_loc, q2, q2.stride(0), k_buffer, v_buffer, k_buffer.stride(0),
         workspace if workspace is not None else cos, counters if counters is not None else cos,
         t, hidden, plan.k_per_split, eps,
@@ -320,7 +330,7 @@ def qkv_rope(
         HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=1 if row1 else BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
-        PREFETCH_ACT=bool(prefetch) and not row1, ROW1=row1,
+        PREFETCH_ACT=bool(prefetch) and not row1 and has_norm, ROW1=row1, HAS_NORM=has_norm,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

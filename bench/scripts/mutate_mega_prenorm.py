@@ -1,0 +1,53 @@
+"""Mutation pass of nvidia_mega's prenorm path (kernels/norm_rows.py, qkv_rope's ``HAS_NORM``, MegaForward's choice):
+break it in one place, run its CPU tests, expect a failure.
+
+    PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_prenorm.py   # from the root
+
+Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_norm.py (the kernels' mutants) or the
+prenorm and one-row steps of test_forward.py (MegaForward's) run under TRITON_INTERPRET=1, and the source is
+restored. Prints CAUGHT (with the first failing
+test) or MISSED per mutation; exits 1 if any was missed. PDL (nothing read before ``gdc_wait``) is not visible on
+CPU: test_compile_sm90.py checks the compiled PTX.
+"""
+
+import os
+import pathlib
+import sys
+
+import mutation_runner  # same directory
+
+N = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/norm_rows.py")
+Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
+F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
+M = [  # (name, file, original text, mutated text)
+    ("norm weight not applied", N, "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)",
+     "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, False)"),
+    ("statistics over the chunk, not the row", N, "rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, "
+     "RSTD_BLOCK)", "rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, BLOCK_K, eps, BLOCK_K)"),
+    ("store ignores the column mask", N, "mask=m_mask[:, None] & k_mask[None, :])", "mask=m_mask[:, None])"),
+    ("store ignores the row mask", N, "mask=m_mask[:, None] & k_mask[None, :])", "mask=k_mask[None, :])"),
+    ("output row stride taken from x", N, "h_ptr + offs_m[:, None] * stride_hm + ks[None, :]",
+     "h_ptr + offs_m[:, None] * stride_xm + ks[None, :]"),
+    ("one program too few", N, "_norm_rows_kernel[(triton.cdiv(k, block_k),)](",
+     "_norm_rows_kernel[(max(1, k // block_k),)]("),
+    ("overlap not refused", N, 'raise ValueError("out overlaps x', 'print("out overlaps x'),
+    ("qkv_rope normalizes again", Q, "ROW1=row1, HAS_NORM=has_norm,", "ROW1=row1, HAS_NORM=True,"),
+    ("qkv_rope's tl.dot loop keeps the norm", Q,
+     "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)",
+     "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)"),
+    ("prenorm at one row", F, "if t == 1 or not prenorm_enabled():", "if not prenorm_enabled():"),
+    ("prenorm switch ignored", F, "if t == 1 or not prenorm_enabled():", "if t == 1:"),
+    ("the GEMM keeps its norm weight", F, "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), None",
+     "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), norm_weight"),
+    ("gate_up reads the raw rows", F, "gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)",
+     "gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)\n                gu_in = x"),
+    ("gate_up normalized with the input norm", F, "self._gemm_input(x, lw.post_norm, h, use_pdl)",
+     "self._gemm_input(x, lw.input_norm, h, use_pdl)"),
+]
+
+if __name__ == "__main__":
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    failed = mutation_runner.run(M[:9], "vendors/nvidia_mega/tests/test_kernels_norm.py", env)  # the kernels
+    failed |= mutation_runner.run(M[9:], "vendors/nvidia_mega/tests/test_forward.py", env,  # MegaForward's choice
+                                  pytest_args=("-k", "prenorm or one_row"))
+    sys.exit(failed)

@@ -1,0 +1,106 @@
+"""RMSNorm of 1 to 8 rows into a buffer, for GEMMs that then stream it as a plain operand ("prenorm").
+
+    h[t, k] = (w[k] * (x[t, k] * rsqrt(mean(x[t, :]^2) + eps)).to(dtype)).to(dtype)       (HF order)
+
+The fused kernels (``qkv_rope``, the gate/up small GEMM) normalize their input inside the K loop: every program
+recomputes the rows' statistics, then rounds and scales each activation chunk before its ``tl.dot``. At 2-8 rows
+that costs: on the H200 the two kernels with that prologue ran 3.6 µs slower than ``F.linear`` alone at
+llama-3.2-1b's 8-row shapes, while the two without it (o_proj, down) ran faster than ``F.linear``
+(bench/results/2026-12-02-h200-mega-qkv-row1, call 3). With prenorm (``MegaForward``, ``LOWLAT_MEGA_PRENORM=1``)
+this kernel writes ``h`` once, and the GEMM reads it with its norm off; the price is one more launch in the PDL
+chain. Off by default until measured end to end.
+
+Grid ``(cdiv(K, BLOCK_K),)``: each program computes the statistics of all rows (the same ``row_rstd`` and
+``load_rows`` arithmetic as the fused prologue, so ``h`` holds the values the fused kernels multiply) and writes
+its ``BLOCK_K`` columns. PDL: nothing is read before ``gdc_wait`` (x is the previous kernel's output); the
+dependent GEMM may start at once and fetch its weights before its own wait.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, load_rows, row_rstd
+
+ROWS = tl.constexpr(MAX_ROWS)  # rows of the statistics tile (T <= 8, masked)
+
+
+@triton.jit
+def _norm_rows_kernel(x_ptr, stride_xm, nw_ptr, h_ptr, stride_hm, T, eps, K: tl.constexpr,
+                      RSTD_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < T
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    gdc_launch_dependents(USE_PDL)
+    gdc_wait(USE_PDL)
+    rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, RSTD_BLOCK)
+    h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)
+    tl.store(h_ptr + offs_m[:, None] * stride_hm + ks[None, :], h, mask=m_mask[:, None] & k_mask[None, :])
+
+
+def norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, out: torch.Tensor, *, block_k: int = 512,
+              use_pdl: bool | None = None) -> torch.Tensor:
+    """``out = rmsnorm(x) * norm_weight`` in HF's order and rounding (one launch).
+
+    Args:
+        x: [T, K] (T in 1..8), unit stride along K; bf16, fp16 or fp32.
+        norm_weight: [K] contiguous, x's dtype and device.
+        eps: RMSNorm epsilon.
+        out: [T, K] in x's dtype, unit stride along K, not overlapping x.
+        block_k: columns per program, a power of two >= 16.
+        use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: on a shape, stride, dtype or device mismatch, T outside 1..8, or a bad ``block_k``.
+    """
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be [T, K] with unit stride along K, got shape {tuple(x.shape)} strides {x.stride()}")
+    t, k = x.shape
+    if not 1 <= t <= MAX_ROWS:
+        raise ValueError(f"norm_rows serves 1..{MAX_ROWS} rows, got {t}")
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous [{k}] tensor, got {tuple(norm_weight.shape)}")
+    if out.shape != x.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be [{t}, {k}] with unit stride along K, got {tuple(out.shape)}")
+    for name, tns in (("norm_weight", norm_weight), ("out", out)):
+        if tns.dtype != x.dtype or tns.device != x.device:
+            raise ValueError(f"{name} is {tns.dtype} on {tns.device}; x is {x.dtype} on {x.device}")
+    if out.data_ptr() < x.data_ptr() + x.numel() * x.element_size() and x.data_ptr() < out.data_ptr() + \
+            out.numel() * out.element_size():
+        raise ValueError("out overlaps x: every program reads all of x, so out must be a separate buffer")
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    _norm_rows_kernel[(triton.cdiv(k, block_k),)](
+        x, x.stride(0), norm_weight, out, out.stride(0), t, float(eps), K=k,
+        RSTD_BLOCK=min(triton.next_power_of_2(k), 512), BLOCK_K=block_k, USE_PDL=use_pdl, num_warps=4,
+        **launch_kwargs(use_pdl))
+    return out
+
+
+PRENORM_ENV = "LOWLAT_MEGA_PRENORM"
+
+
+def prenorm_enabled() -> bool:
+    """Whether ``MegaForward`` normalizes a 2-8-row step's GEMM inputs with ``norm_rows`` first:
+    ``LOWLAT_MEGA_PRENORM`` (1/true/on/yes or 0/false/off/no; unset: off). Read at each step, so a benchmark can
+    flip it between CUDA graphs.
+
+    Raises:
+        ValueError: the variable holds anything else (a typo would otherwise measure the wrong variant).
+    """
+    v = os.environ.get(PRENORM_ENV, "").strip().lower()
+    if v in ("", "default", "0", "false", "off", "no"):
+        return False
+    if v in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(f"{PRENORM_ENV}={v!r}: use 1 (normalize 2-8-row GEMM inputs in their own kernel) or 0")
