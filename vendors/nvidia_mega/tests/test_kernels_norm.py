@@ -121,3 +121,24 @@ def test_gemms_read_prenormalized_rows(dtype: torch.dtype, rows: int, split_k: i
         acts.append(act)
     assert torch.isfinite(acts[1].float()).all()
     torch.testing.assert_close(acts[1].float(), acts[0].float(), **tol)
+
+
+def test_norm_rows_refuses_hidden_overlap_and_bad_dtypes() -> None:
+    """The overlap check must cover the bytes a strided [T, K] view touches, not ``numel`` bytes from its start:
+    x with a row stride of 128 spans elements 0..319 at T=3, K=64, and an ``out`` at elements 200..391 overlaps its
+    last row (every program reads all of x, so a write there changes another program's statistics). An ``out``
+    whose rows alias each other (row stride < K, e.g. an expanded row) gets every row's result in the same place.
+    Dtypes outside bf16 / fp16 / fp32 are refused, as documented."""
+    buf = torch.randn(1024, device=DEV)
+    w = torch.ones(64, device=DEV)
+    x = buf[:320].as_strided((3, 64), (128, 1))
+    with pytest.raises(ValueError, match="overlaps x"):
+        norm_rows(x, w, EPS, buf[200:392].view(3, 64), block_k=16)
+    with pytest.raises(ValueError, match="overlaps x"):  # x contiguous at 600..791, out's last row at 656..719
+        norm_rows(buf[600:792].view(3, 64), w, EPS, buf[400:720].as_strided((3, 64), (128, 1)), block_k=16)
+    with pytest.raises(ValueError, match="rows of out overlap"):
+        norm_rows(torch.randn(3, 64, device=DEV), w, EPS, torch.empty(1, 64, device=DEV).expand(3, 64))
+    for dt in (torch.int32, torch.float64):
+        xi = torch.ones(2, 16, dtype=dt, device=DEV)
+        with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+            norm_rows(xi, torch.ones(16, dtype=dt, device=DEV), EPS, torch.empty_like(xi))
