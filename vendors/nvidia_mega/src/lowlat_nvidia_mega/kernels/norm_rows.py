@@ -74,8 +74,13 @@ def norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, out: torch
     for name, tns in (("norm_weight", norm_weight), ("out", out)):
         if tns.dtype != x.dtype or tns.device != x.device:
             raise ValueError(f"{name} is {tns.dtype} on {tns.device}; x is {x.dtype} on {x.device}")
-    if out.data_ptr() < x.data_ptr() + x.numel() * x.element_size() and x.data_ptr() < out.data_ptr() + \
-            out.numel() * out.element_size():
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"norm_rows runs bfloat16, float16 or float32 rows, got {x.dtype}")
+    if t > 1 and out.stride(0) < k:
+        raise ValueError(f"the rows of out overlap (row stride {out.stride(0)} < K={k}): each row needs its own K "
+                         "elements")
+    (x0, x1), (o0, o1) = _span(x), _span(out)
+    if k > 0 and o0 < x1 and x0 < o1:
         raise ValueError("out overlaps x: every program reads all of x, so out must be a separate buffer")
     if block_k < 16 or block_k & (block_k - 1):
         raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
@@ -85,6 +90,12 @@ def norm_rows(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, out: torch
         RSTD_BLOCK=min(triton.next_power_of_2(k), 512), BLOCK_K=block_k, USE_PDL=use_pdl, num_warps=4,
         **launch_kwargs(use_pdl))
     return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, end) byte addresses of a [T, K] view with unit stride along K (its row stride may exceed K)."""
+    start = t.data_ptr()
+    return start, start + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size()
 
 
 PRENORM_ENV = "LOWLAT_MEGA_PRENORM"
