@@ -208,6 +208,30 @@ def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: For
         _check_step(arch, dtype, mode, prefix_lens, rows)
 
 
+@pytest.mark.skipif(not pdl.interpreting(), reason="bit identity holds for the interpreter's reductions")
+@pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])
+def test_prenorm_step_is_bit_identical_to_fused(arch: str, dtype: torch.dtype, mode: ForwardMode,
+                                                prefix_lens: list[int], rows: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """norm_rows computes what the fused prologues compute (same ``row_rstd`` / ``load_rows``), so a prenorm step
+    gives the fused step's logits and K/V bit for bit; the reference tolerances (2e-2 in bf16) would not see a
+    changed rounding order."""
+    mc = _config(arch)
+    params = _params(mc, dtype)
+    binding = _binding(mc, dtype, params)
+    fwd = build(binding)
+    pool, batch = _pool_and_batch(mc, dtype, mode, prefix_lens, rows)
+    binding.attach_kv_pool(pool)
+    got = []
+    for v in ("0", "1"):
+        monkeypatch.setenv("LOWLAT_MEGA_PRENORM", v)
+        logits = fwd.forward(batch)
+        loc = batch.out_cache_loc
+        got.append((logits, *(b[loc].clone() for b in pool.k_buffers), *(b[loc].clone() for b in pool.v_buffers)))
+    for fused, pre in zip(*got, strict=True):
+        assert torch.equal(pre, fused)
+
+
 def _check_step(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int], rows: int) -> None:
     mc = _config(arch)
     params = _params(mc, dtype)

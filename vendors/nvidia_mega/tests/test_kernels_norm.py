@@ -85,6 +85,8 @@ def test_gemms_read_prenormalized_rows(dtype: torch.dtype, rows: int, split_k: i
     x, nw = _data(rows, hid, dtype, seed=3)
     h = norm_rows(x, nw, EPS, torch.empty_like(x))
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    if pdl.interpreting():  # the same arithmetic as the fused prologue: bit-identical (a rounding-order slip shows)
+        tol = {"atol": 0.0, "rtol": 0.0}
     g = torch.Generator().manual_seed(4)
     w = (torch.randn((HQ + 2 * HKV) * D, hid, generator=g) * 0.2).to(dtype=dtype, device=DEV)
     qn = (torch.rand(D, generator=g) + 0.5).to(dtype=dtype, device=DEV)
