@@ -333,3 +333,10 @@ def test_config_refuses_bad_tiles() -> None:
         with pytest.raises(ValueError, match=f"LMHeadConfig.{field}={bad}"):
             LMHeadConfig(**{field: bad})
     assert LMHeadConfig().num_stages == 3  # stages need not be a power of two
+
+
+def test_config_refuses_non_integer_stages() -> None:
+    """num_stages is no longer checked with ``&`` (which raised TypeError on a float): 2.5 must still be refused, at
+    the config rather than inside Triton's compile."""
+    with pytest.raises(ValueError, match="LMHeadConfig.num_stages=2.5"):
+        LMHeadConfig(num_stages=2.5)  # type: ignore[arg-type]
