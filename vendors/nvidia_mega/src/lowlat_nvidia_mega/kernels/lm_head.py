@@ -49,8 +49,8 @@ class LMHeadConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= 1")
-        if self.num_stages < 1:
-            raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be >= 1")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be an integer >= 1")
 
 
 # ``n_tiles`` is never specialized: Triton turns an int argument equal to 1 into a constant, and with one tile
