@@ -317,7 +317,7 @@ def qkv_rope(
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
     has_norm = norm_weight is not None
-    nw = norm_weight if has_norm else cos  # unread placeholders: no prologue / no q/k norm (nothing writes cos)
+    nw = norm_weight if has_norm else w_qkv  # unread placeholders (no prologue / no q/k norm); never written
     qn = q_norm if q_norm is not None else nw
     kn = k_norm if k_norm is not None else nw
     grid = (num_heads + 2 * num_kv_heads, plan.split_k)
