@@ -49,7 +49,7 @@ release and polled with acquire at system scope) and the tag protocol of ``lowla
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -57,8 +57,25 @@ import triton.language as tl
 
 from lowlat.kernels._launch import check_cpu_launch
 
-if TYPE_CHECKING:
-    from lowlat.runtime.peer_buffers import PeerBuffers
+
+class PeerBuffers(Protocol):
+    """What the launchers read of one rank's buffers: ``lowlat.runtime.peer_buffers.PeerBuffers`` (which sits
+    above this module and imports its constants, so the kernels name only this shape of it)."""
+
+    world: int
+    rank: int
+    block: int
+    capacity: int
+    max_programs: int
+    deadline: int
+    timer: int
+    dtype: torch.dtype
+    device: torch.device
+    data_ptrs: torch.Tensor
+    flag_ptrs: torch.Tensor
+    ctl: torch.Tensor
+
+    def check(self) -> None: ...
 
 __all__ = ["CTL_FIELDS", "CTL_SIZE", "STAGE_NAMES", "TAG_CYCLE", "TIMER_NS", "TIMER_POLLS", "next_tag",
            "peer_all_reduce", "peer_push", "peer_reduce"]
