@@ -14,7 +14,7 @@ import sys
 import mutation_runner  # same directory
 
 K = pathlib.Path("core/src/lowlat/kernels")
-M = [  # (file, original text, mutated text)
+EDITS = [  # (file under K, original text, mutated text)
     ("rms_norm.py", "mean_sq = tl.sum(xf * xf, axis=0) / n_cols", "mean_sq = tl.sum(xf * xf, axis=0) / BLOCK"),
     ("rms_norm.py", "(1.0 / tl.sqrt(mean_sq + eps))", "(1.0 / tl.sqrt(mean_sq))"),
     ("rms_norm.py", "tl.store(res_out_ptr + row * stride_ro + offs, x, mask=mask)",
@@ -44,7 +44,9 @@ M = [  # (file, original text, mutated text)
 ]
 
 
+M = [(f"{f}: {new[:70]}", K / f, old, new) for f, old, new in EDITS]  # (name, file, original, mutated)
+
+
 if __name__ == "__main__":  # importing this file must not mutate the tree
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    sys.exit(mutation_runner.run([(f"{f}: {new[:70]}", K / f, old, new) for f, old, new in M],
-                                 "core/tests/test_kernels_fused.py", env))
+    sys.exit(mutation_runner.run(M, "core/tests/test_kernels_fused.py", env))

@@ -81,7 +81,7 @@ M = [  # (name, file, original text, mutated text)
     ("qkv row1: loop accumulator overwritten", Q,
      "        lo += tl.sum(wl.to(tl.float32) * xl, 1)", "        lo = tl.sum(wl.to(tl.float32) * xl, 1)"),
     ("qkv row1: first chunk not normalized", Q,
-     "xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, True)",
+     "xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, HAS_NORM)",
      "xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, False)"),
     ("qkv row1: hi half from the lo rows", Q,
      "        hi += tl.sum(wh.to(tl.float32) * xl, 1)", "        hi += tl.sum(wl.to(tl.float32) * xl, 1)"),

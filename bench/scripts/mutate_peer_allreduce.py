@@ -70,6 +70,7 @@ M = [  # (name, file, original text, mutated text)
     ("memory order: acquire at gpu scope", K, 'sem="acquire", scope="sys"', 'sem="acquire", scope="gpu"'),
     ("memory order: relaxed poll", K, 'sem="acquire", scope="sys"', 'sem="relaxed", scope="sys"'),
 ]
-env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
-       "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}
-sys.exit(mutation_runner.run(M, "core/tests/test_peer_allreduce.py", env))
+if __name__ == "__main__":  # importing the list (e.g. to check its anchors) runs nothing
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}
+    sys.exit(mutation_runner.run(M, "core/tests/test_peer_allreduce.py", env))
