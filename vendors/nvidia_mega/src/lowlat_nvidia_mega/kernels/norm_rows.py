@@ -18,13 +18,11 @@ dependent GEMM may start at once and fetch its weights before its own wait.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.pdl import env_switch, gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, load_rows, row_rstd
 
 ROWS = tl.constexpr(MAX_ROWS)  # rows of the statistics tile (T <= 8, masked)
@@ -103,15 +101,10 @@ PRENORM_ENV = "LOWLAT_MEGA_PRENORM"
 
 def prenorm_enabled() -> bool:
     """Whether ``MegaForward`` normalizes a 2-8-row step's GEMM inputs with ``norm_rows`` first:
-    ``LOWLAT_MEGA_PRENORM`` (1/true/on/yes or 0/false/off/no; unset: off). Read at each step, so a benchmark can
-    flip it between CUDA graphs.
+    ``LOWLAT_MEGA_PRENORM`` (``pdl.env_switch``; unset: off). Read at each step, so a benchmark can flip it between
+    CUDA graphs.
 
     Raises:
-        ValueError: the variable holds anything else (a typo would otherwise measure the wrong variant).
+        ValueError: the variable holds anything but an on/off word (a typo would otherwise measure the wrong variant).
     """
-    v = os.environ.get(PRENORM_ENV, "").strip().lower()
-    if v in ("", "default", "0", "false", "off", "no"):
-        return False
-    if v in ("1", "true", "on", "yes"):
-        return True
-    raise ValueError(f"{PRENORM_ENV}={v!r}: use 1 (normalize 2-8-row GEMM inputs in their own kernel) or 0")
+    return env_switch(PRENORM_ENV, False, "normalize 2-8-row GEMM inputs in their own kernel")

@@ -64,6 +64,23 @@ def pdl_enabled(device: torch.device | None = None) -> bool:
     return pdl_supported(device)
 
 
+def env_switch(name: str, default: bool, meaning: str) -> bool:
+    """An on/off environment variable read now: 1/true/on/yes or 0/false/off/no; unset, empty or "default" gives
+    ``default``. (``LOWLAT_MEGA_PDL`` keeps its older rule: anything but an off word is on.)
+
+    Raises:
+        ValueError: any other value, naming the variable and what 1 means (a typo would measure the wrong variant).
+    """
+    v = os.environ.get(name, "").strip().lower()
+    if v in ("", "default"):
+        return default
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}={v!r}: use 1 ({meaning}) or 0")
+
+
 def launch_kwargs(use_pdl: bool) -> dict[str, bool]:
     """Extra keyword arguments for ``kernel[grid](...)``: ``{"launch_pdl": True}`` when PDL is on, else none."""
     return {"launch_pdl": True} if use_pdl else {}

@@ -30,14 +30,20 @@ other kernels too).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.pdl import (
+    env_switch,
+    gdc_launch_dependents,
+    gdc_wait,
+    interpreting,
+    launch_kwargs,
+    pdl_enabled,
+)
 
 MAX_ROWS = 8
 BLOCK_M = 16
@@ -454,20 +460,13 @@ def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan
 
 
 def prefetch_act_enabled() -> bool:
-    """Whether launches prefetch the activation chunk by default: ``LOWLAT_MEGA_PREFETCH_ACT`` (1/true/on/yes or
-    0/false/off/no), else ``PREFETCH_ACT_DEFAULT``. Read at each call, so a benchmark can flip it between graphs.
+    """Whether launches prefetch the activation chunk by default: ``LOWLAT_MEGA_PREFETCH_ACT`` (``pdl.env_switch``),
+    else ``PREFETCH_ACT_DEFAULT``. Read at each call, so a benchmark can flip it between graphs.
 
     Raises:
-        ValueError: the variable holds anything else (a typo would otherwise measure the wrong variant).
+        ValueError: the variable holds anything but an on/off word (a typo would otherwise measure the wrong variant).
     """
-    v = os.environ.get(PREFETCH_ENV, "").strip().lower()
-    if v in ("", "default"):
-        return PREFETCH_ACT_DEFAULT
-    if v in ("1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{PREFETCH_ENV}={v!r}: use 1 (prefetch the activation chunk) or 0 (do not)")
+    return env_switch(PREFETCH_ENV, PREFETCH_ACT_DEFAULT, "prefetch the activation chunk")
 
 
 def dot_in_f32(dtype: torch.dtype) -> bool:
