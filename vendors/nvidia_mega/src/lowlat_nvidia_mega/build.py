@@ -96,8 +96,9 @@ def build(binding: Any) -> MegaForward:
         qkv_ws=alloc("qkv_splitk", (max(1, qkv_workspace_numel(plans["qkv"], hq, hkv, d)),), f32),
         counters=counters, o_partial=alloc("attn_o_partial", (n_o,), f32),
         lse_partial=alloc("attn_lse_partial", (n_l,), f32), cos=cos_ws, sin=sin_ws,
+        h=alloc("prenorm_h", (MAX_ROWS, hid), dt),
         moe=_moe_workspace(mc, dt, dev, alloc) if mc.is_moe else None,
-        head=_head_workspace(mc, dev, alloc), h=alloc("prenorm_h", (MAX_ROWS, hid), dt),
+        head=_head_workspace(mc, dev, alloc),
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
                       layers=layers, ws=ws, plans=plans, max_context_len=ec.max_context_len, sms=sms)

@@ -72,9 +72,9 @@ class Workspaces:
 
     x [8, H] residual stream; q [8, Hq*D]; attn [8, Hq*D]; act [8, I] (dense layers); gemm_ws / qkv_ws fp32
     split-K partials; counters int32 per split-K call site (zero between launches); o_partial / lse_partial
-    fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; moe: the MoE workspace or None;
-    head: the ``LMHeadWorkspace`` of ``lm_head_sample`` (sampled ids), None when the plugin returns logits only;
-    h [8, H]: the normalized rows of a prenorm step (``kernels.norm_rows``).
+    fp32 attention splits; cos / sin fp32 [max_context_len, D/2]; h [8, H]: the normalized rows of a prenorm step
+    (``kernels.norm_rows``); moe: the MoE workspace or None; head: the ``LMHeadWorkspace`` of ``lm_head_sample``
+    (sampled ids), None when the plugin returns logits only.
     """
 
     x: torch.Tensor
@@ -88,9 +88,9 @@ class Workspaces:
     lse_partial: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    h: torch.Tensor
     moe: object | None = None
     head: object | None = None
-    h: torch.Tensor | None = None
 
 
 class MegaForward:
@@ -214,13 +214,9 @@ class MegaForward:
         ``norm_rows`` launch, the GEMM after it without a norm prologue), else None.
 
         Raises:
-            ValueError: prenorm asked of a forward built without ``Workspaces.h``, or a bad variable value.
+            ValueError: a bad ``LOWLAT_MEGA_PRENORM`` value.
         """
-        if t == 1 or not prenorm_enabled():
-            return None
-        if self.ws.h is None:
-            raise ValueError("LOWLAT_MEGA_PRENORM=1 needs the [8, H] workspace Workspaces.h (build() allocates it)")
-        return self.ws.h[:t]
+        return None if t == 1 or not prenorm_enabled() else self.ws.h[:t]
 
     def _gemm_input(self, x: torch.Tensor, norm_weight: torch.Tensor, h: torch.Tensor | None,
                     use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
