@@ -286,9 +286,14 @@ def test_supports_refuses_steps_outside_coverage() -> None:
         fwd.forward(prefill)
 
 
-def test_build_names_the_problem() -> None:
+def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     mc = _config("Qwen3ForCausalLM")
     params = _params(mc, torch.float32)
+    for var in ("LOWLAT_MEGA_PRENORM", "LOWLAT_MEGA_PREFETCH_ACT"):  # a typo fails at start-up, not at a later step
+        monkeypatch.setenv(var, "maybe")
+        with pytest.raises(PluginBuildError, match=f"{var}='maybe'"):
+            build(_binding(mc, torch.float32, params))
+        monkeypatch.delenv(var)
     with pytest.raises(PluginBuildError, match="tp_size=1"):
         build(_binding(mc, torch.float32, params, tp_size=2))
     del params["model.layers.1.self_attn.k_norm.weight"]

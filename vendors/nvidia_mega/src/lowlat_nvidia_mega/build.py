@@ -17,9 +17,10 @@ from lowlat.plugin import PluginBuildError
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
+from lowlat_nvidia_mega.kernels.norm_rows import prenorm_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, prefetch_act_enabled, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -35,8 +36,9 @@ def build(binding: Any) -> MegaForward:
     Returns:
         a MegaForward; it serves steps once the KV pool is attached.
     Raises:
-        PluginBuildError: unsupported architecture, dtype, TP size or head_dim, or a missing / misshapen
-            parameter (the message names it and the fix).
+        PluginBuildError: unsupported architecture, dtype, TP size or head_dim, a missing / misshapen
+            parameter (the message names it and the fix), or a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
+            ``LOWLAT_MEGA_PRENORM`` value.
     """
     mc, ec = binding.model_config, binding.engine_config
     dev, dt = torch.device(binding.device), binding.dtype
@@ -46,6 +48,11 @@ def build(binding: Any) -> MegaForward:
         raise PluginBuildError(f"nvidia_mega runs bfloat16, float16 or float32 models, not {dt}")
     if binding.tp_size != 1:
         raise PluginBuildError(f"nvidia_mega runs with tp_size=1, got {binding.tp_size}; use plugin='none' for TP")
+    for switch in (prefetch_act_enabled, prenorm_enabled):  # read per launch / step; a bad value fails here first
+        try:
+            switch()
+        except ValueError as e:
+            raise PluginBuildError(str(e)) from None
     d = mc.head_dim
     if d < 32 or d & (d - 1):
         raise PluginBuildError(f"nvidia_mega needs a power-of-two head_dim >= 32, got {d}")
