@@ -249,6 +249,9 @@ def test_row1_fma_option_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("LOWLAT_MONO_ROW1_FMA", "1")
     assert MonoOptions.resolve(cpu, interpret=True).row1_fma
     assert not MonoOptions.resolve(cpu, {"amd_mono_row1_fma": "0"}, interpret=True).row1_fma  # extra wins
+    monkeypatch.setenv("LOWLAT_MONO_ROW1_FMA", "maybe")  # the error names where the value came from and the words
+    with pytest.raises(ValueError, match=r"row1_fma='maybe' from LOWLAT_MONO_ROW1_FMA .*use one of 0, 1, false"):
+        MonoOptions.resolve(cpu, interpret=True)
 
 
 def test_row1_tiles_keep_the_register_budget() -> None:

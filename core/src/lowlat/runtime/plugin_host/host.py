@@ -128,7 +128,7 @@ class PluginHost:
                 raise cls(f"plugin {sel.plugin.name!r} failed to build{text}; every rank stops") from err
             tried.append(sel.plugin.name)
             self.rejections.append(f"{sel.plugin.name}: its guard passed but build failed{text}")
-            log.warning("auto: plugin %s could not be built (%s); %s", sel.plugin.name, text,
+            log.warning("auto: plugin %s could not be built%s; %s", sel.plugin.name, text,
                         "trying the next candidate" if sel is not self.candidates[-1]
                         else "every step takes the general path")
         self.selection = None

@@ -117,16 +117,21 @@ class MonoOptions:
                              f"EngineConfig.extra['amd_mono_<name>']): {known}")
         vals: dict[str, Any] = {}
         for f in cls.__dataclass_fields__.values():
-            raw = (extra or {}).get(f"amd_mono_{f.name}", os.environ.get(ENV_PREFIX + f.name.upper()))
+            key = f"amd_mono_{f.name}"
+            src = f"EngineConfig.extra[{key!r}]" if key in (extra or {}) else ENV_PREFIX + f.name.upper()
+            raw = (extra or {}).get(key, os.environ.get(ENV_PREFIX + f.name.upper()))
             if raw is None:
                 continue
+            is_bool = f.type in ("bool", bool)
             try:
-                if f.type in ("bool", bool):
+                if is_bool:
                     vals[f.name] = raw if isinstance(raw, bool) else _BOOL[str(raw).lower()]
                 else:
                     vals[f.name] = (float if f.type in ("float", float) else int)(raw)
             except (KeyError, ValueError):
-                raise ValueError(f"amd_mono option {f.name}={raw!r} does not parse as {f.type}") from None
+                words = f" (use one of {', '.join(sorted(_BOOL))})" if is_bool else ""
+                raise ValueError(f"amd_mono option {f.name}={raw!r} from {src} does not parse as {f.type}"
+                                 f"{words}") from None
         opts = cls(**vals)
         if opts.gemv_prefetch != bool(PREFETCH_ACT.value):
             raise ValueError(f"amd_mono_gemv_prefetch={opts.gemv_prefetch} but the kernels were imported with "
