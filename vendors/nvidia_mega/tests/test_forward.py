@@ -203,8 +203,8 @@ def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: For
     launches.clear()
     _check_step(arch, dtype, ForwardMode.DECODE, [7], 1)
     assert launches == [], "a one-row step keeps the fused prologues"
-    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "maybe")
-    with pytest.raises(ValueError, match="LOWLAT_MEGA_PRENORM"):
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "maybe")  # refused at build, before any step
+    with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_PRENORM"):
         _check_step(arch, dtype, mode, prefix_lens, rows)
 
 
