@@ -24,7 +24,7 @@ import triton.language as tl
 from bench_kernels import copy_bandwidth, time_chain  # the same timing method as the kernel bench
 from lowlat.layers.norm import rms_norm
 from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample
-from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward
+from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward, moe_stages
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
 
 H, E, TOP_K, INTER, V = 2048, 128, 8, 768, 151936
@@ -168,6 +168,40 @@ def bench_moe(layers: MoELayers, rows: int, pdl: bool, reps: int, gen: torch.Gen
     return sec, floor
 
 
+STAGE_SETS = {  # what one layer of the chain launches: prefixes of route -> gate_up -> down, and each alone
+    "route": ("route",), "route+gate_up": ("route", "gate_up"), "route+gate_up+down": ("route", "gate_up", "down"),
+    "gate_up alone": ("gate_up",), "down alone": ("down",),
+}
+
+
+def bench_moe_stages(layers: MoELayers, rows: int, reps: int, gen: torch.Generator, bw: float,
+                     cfg: MoEKernelConfig) -> list[tuple[str, float, float]]:
+    """Seconds per layer of each ``STAGE_SETS`` chain (PDL on). A stage run "alone" reads the routing (and
+    ``act``) its layer computed in a full pass just before, so it times the weight stream without the chain's
+    dependency on the stage before it; the prefixes' differences are each stage's cost inside the chain.
+    Returns (label, seconds, floor seconds: the weight bytes of the stages launched at ``bw``)."""
+    n = len(layers.gate)
+    x = rand(gen, rows, H, std=1.0)
+    outs = [torch.empty_like(x) for _ in range(n)]
+    wss = [MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV) for _ in range(n)]
+    stages = [moe_stages(x if i == 0 else outs[i - 1], x if i == 0 else outs[i - 1], layers.norm[i], EPS,
+                         layers.gate[i], layers.w13[i], layers.w2[i], TOP_K, True, outs[i], wss[i],
+                         pdl=DEV == "cuda", config=cfg) for i in range(n)]
+    for st in stages:  # a full pass: every workspace holds its routing and act
+        st.route(), st.gate_up(), st.down()
+    experts = sum(int(ws.num_slots) for ws in wss) / n
+    weight_bytes = {"route": E * H * 2, "gate_up": experts * 2 * INTER * H * 2, "down": experts * INTER * H * 2}
+    results = []
+    for label, names in STAGE_SETS.items():
+        def chain(names: tuple[str, ...] = names) -> int:
+            for st in stages:
+                for name in names:
+                    getattr(st, name)()
+            return n
+        results.append((label, graph_seconds(chain, reps), sum(weight_bytes[m] for m in names) / bw))
+    return results
+
+
 def bench_lm_head(ws_list, norms, rows, mode, pdl, reps, gen, bw, cfg):  # type: ignore[no-untyped-def]
     x = rand(gen, rows, H, std=1.0)
     out = torch.empty(rows, V, device=DEV)
@@ -199,6 +233,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20, help="graph replays (median taken)")
     ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "lm_head"),
                     help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value)")
+    ap.add_argument("--stages", action="store_true",
+                    help="also time the MoE's route / gate_up / down stages: chain prefixes and each alone")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script itself: tiny shapes on the CPU with TRITON_INTERPRET=1, no timing")
     args = ap.parse_args()
@@ -232,6 +268,10 @@ def main() -> None:
             for pdl in pdl_modes:
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, pdl, args.reps, gen, bw, lm_cfg)
                 table.append((f"lm_head {mode}", rows, pdl, "default", sec, floor))
+    if args.stages:
+        for rows in (1, 8):
+            for label, sec, floor in bench_moe_stages(layers, rows, args.reps, gen, bw, moe_cfg):
+                table.append((f"moe {label}", rows, DEV == "cuda", "default", sec, floor))
     if args.sweep in ("all", "moe") and DEV == "cuda":
         moe_sweep = [(dict(gate_up_block_n=gn, gate_up_block_k=gk, down_block_n=dn), f"gu {gn}x{gk} down {dn}")
                      for gn, gk, dn in ((32, 256, 16), (16, 512, 16), (16, 128, 16), (16, 256, 32), (32, 128, 32))]

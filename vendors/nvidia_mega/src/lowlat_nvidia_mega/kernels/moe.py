@@ -258,11 +258,12 @@ def _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws) -> None:
     _check(len(devs) == 1, f"all tensors must be on one device, got {sorted(map(str, devs))}")
 
 
-def moe_forward(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float,
-                gate_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
-                out: torch.Tensor, workspace: MoEWorkspace, *, pdl: bool,
-                config: MoEKernelConfig | None = None) -> torch.Tensor:
-    """``out = residual + MoE(rmsnorm(x) * norm_w)`` for T <= 8 rows, in three PDL-chained launches.
+def moe_stages(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float,
+               gate_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+               out: torch.Tensor, workspace: MoEWorkspace, *, pdl: bool,
+               config: MoEKernelConfig | None = None) -> MoEStages:
+    """Check the arguments of :func:`moe_forward` and return its three launches, unlaunched (a
+    :class:`MoEStages`); the same arguments, errors and results as ``moe_forward``.
 
     Args:
         x: [T, H] activations (bf16 or float32; the model dtype), unit stride in H.
@@ -277,8 +278,8 @@ def moe_forward(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Te
         config: tile sizes (default ``MoEKernelConfig()``).
 
     Returns:
-        ``out``. After the call the workspace also holds the routing (``topk_ids``, ``topk_weights``, ``bitmap``,
-        ``num_slots``, ...) for inspection.
+        The stages; after ``route()``, ``gate_up()``, ``down()`` in that order ``out`` holds the result and the
+        workspace the routing (``topk_ids``, ``topk_weights``, ``bitmap``, ``num_slots``, ...).
 
     Raises:
         ValueError: a shape, dtype, stride or device does not match, T is outside [1, max_rows], or ``pdl=True``
@@ -289,31 +290,92 @@ def moe_forward(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Te
     _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws)
     _check(not pdl or pdl_supported(x.device),
            "pdl=True needs a CUDA GPU of capability >= 9.0 and no TRITON_INTERPRET; pass pdl=pdl_enabled(device)")
-    t, hidden = x.shape
-    e, inter = ws.num_experts, ws.inter
-    slots = min(e, t * top_k)
-    dot_f32 = x.dtype == torch.float32 or interpreting()  # exact fp32 products; the interpreter's bf16 dot is wrong
-    kw = launch_kwargs(pdl)
-    rp = route_launch_params(hidden, e, top_k, cfg.route_programs)
-    moe_route_kernel[(rp["grid"],)](
-        x, norm_w if norm_w is not None else x, gate_w,
-        ws.h, ws.logits, ws.topk_ids, ws.topk_weights, ws.row_slot,
-        ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
-        t, hidden, e, float(eps), x.stride(0),
-        TOP_K=top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"], H_PAD=rp["H_PAD"],
-        ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=norm_w is not None, RENORM=bool(renormalize), USE_PDL=pdl,
-        num_warps=cfg.route_warps, **kw)
-    _moe_gate_up_kernel[(triton.cdiv(inter, cfg.gate_up_block_n), slots)](
-        ws.h, w13, ws.act, ws.slot_expert, ws.slot_weight, ws.num_slots,
-        t, hidden, inter,
-        ROWS_C=ROWS, BLOCK_N=cfg.gate_up_block_n, BLOCK_K=min(cfg.gate_up_block_k, triton.next_power_of_2(hidden)),
-        DOT_F32=dot_f32, USE_PDL=pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **kw)
-    res = residual if residual is not None else out
-    _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), slots)](
-        ws.act, w2, ws.partial, out, res,
-        ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
-        t, hidden, inter, out.stride(0), res.stride(0),
-        TOP_K=top_k, TOPK_PAD=triton.next_power_of_2(top_k), ROWS_C=ROWS, BLOCK_N=cfg.down_block_n,
-        I_PAD=triton.next_power_of_2(inter), HAS_RESIDUAL=residual is not None, DOT_F32=dot_f32, USE_PDL=pdl,
-        num_warps=cfg.down_warps, **kw)
+    return MoEStages(x, residual, norm_w, eps, gate_w, w13, w2, top_k, renormalize, out, ws, pdl, cfg)
+
+
+def moe_forward(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float,
+                gate_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
+                out: torch.Tensor, workspace: MoEWorkspace, *, pdl: bool,
+                config: MoEKernelConfig | None = None) -> torch.Tensor:
+    """``out = residual + MoE(rmsnorm(x) * norm_w)`` for T <= 8 rows, in three PDL-chained launches.
+
+    Arguments and errors are :func:`moe_stages`'s. Returns ``out``; after the call the workspace also holds the
+    routing (``topk_ids``, ``topk_weights``, ``bitmap``, ``num_slots``, ...) for inspection.
+    """
+    stages = moe_stages(x, residual, norm_w, eps, gate_w, w13, w2, top_k, renormalize, out, workspace, pdl=pdl,
+                        config=config)
+    stages.route()
+    stages.gate_up()
+    stages.down()
     return out
+
+
+@dataclass(frozen=True)
+class MoEStages:
+    """The three launches of :func:`moe_forward` for checked arguments, one method each (the order is route ->
+    gate_up -> down; each reads what the one before wrote in ``workspace``). ``bench_moe_head.py --stages`` times
+    each alone and the chain's prefixes; everything else calls :func:`moe_forward`, which checks the arguments."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    norm_w: torch.Tensor | None
+    eps: float
+    gate_w: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    top_k: int
+    renormalize: bool
+    out: torch.Tensor
+    ws: MoEWorkspace
+    pdl: bool
+    cfg: MoEKernelConfig
+
+    @property
+    def slots(self) -> int:
+        """Static slot count of the expert grids: ``min(E, T * top_k)``."""
+        return min(self.ws.num_experts, self.x.shape[0] * self.top_k)
+
+    @property
+    def _dot_f32(self) -> bool:
+        # exact fp32 products; the interpreter's bf16 dot is wrong
+        return self.x.dtype == torch.float32 or interpreting()
+
+    def route(self) -> None:
+        """``moe_route_kernel``: norm, router logits, top-k, slots, bitmap."""
+        x, ws, cfg = self.x, self.ws, self.cfg
+        t, hidden = x.shape
+        rp = route_launch_params(hidden, ws.num_experts, self.top_k, cfg.route_programs)
+        moe_route_kernel[(rp["grid"],)](
+            x, self.norm_w if self.norm_w is not None else x, self.gate_w,
+            ws.h, ws.logits, ws.topk_ids, ws.topk_weights, ws.row_slot,
+            ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
+            t, hidden, ws.num_experts, float(self.eps), x.stride(0),
+            TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
+            H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
+            RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
+
+    def gate_up(self) -> None:
+        """``_moe_gate_up_kernel``: ``act = silu(gate_e(h)) * up_e(h)`` per slot."""
+        ws, cfg = self.ws, self.cfg
+        t, hidden = self.x.shape
+        _moe_gate_up_kernel[(triton.cdiv(ws.inter, cfg.gate_up_block_n), self.slots)](
+            ws.h, self.w13, ws.act, ws.slot_expert, ws.slot_weight, ws.num_slots,
+            t, hidden, ws.inter,
+            ROWS_C=ROWS, BLOCK_N=cfg.gate_up_block_n,
+            BLOCK_K=min(cfg.gate_up_block_k, triton.next_power_of_2(hidden)),
+            DOT_F32=self._dot_f32, USE_PDL=self.pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
+            **launch_kwargs(self.pdl))
+
+    def down(self) -> None:
+        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual."""
+        ws, cfg, out = self.ws, self.cfg, self.out
+        t, hidden = self.x.shape
+        res = self.residual if self.residual is not None else out
+        _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
+            ws.act, self.w2, ws.partial, out, res,
+            ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
+            t, hidden, ws.inter, out.stride(0), res.stride(0),
+            TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
+            BLOCK_N=cfg.down_block_n, I_PAD=triton.next_power_of_2(ws.inter),
+            HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, USE_PDL=self.pdl,
+            num_warps=cfg.down_warps, **launch_kwargs(self.pdl))
