@@ -278,9 +278,17 @@ def main() -> None:
         moe_sweep += [(dict(route_warps=rw, route_programs=rp), f"route {rp}x{rw}w")
                       for rw, rp in ((1, 32), (2, 32), (4, 16), (4, 64))]
         moe_sweep += [(dict(gate_up_stages=st, gate_up_warps=wp), f"gu {st}st {wp}w") for st, wp in ((3, 4), (4, 8))]
-        for kwargs, label in moe_sweep:
+        # the one-row FMA forms (1 row only): gate/up tiles (rows per program, K chunk, warps, stages), down
+        row1 = [(dict(gate_up_row1=True, row1_block_n=bn, row1_block_k=bk, row1_warps=wp, row1_stages=st),
+                 f"r1 gu {bn}x{bk} {wp}w {st}st") for bn, bk, wp, st in
+                ((4, 1024, 4, 3), (2, 2048, 4, 1), (8, 1024, 8, 3), (4, 2048, 8, 1), (2, 1024, 4, 3))]
+        row1 += [(dict(down_row1=True), "r1 down"), (dict(down_row1=True, down_block_n=32, down_warps=8),
+                                                     "r1 down 32 8w"), (dict(down_block_n=32, down_warps=8),
+                                                                        "down 32 8w")]
+        row1 += [(dict(row1[0][0], down_row1=True), "r1 gu 4x1024 + r1 down")]
+        for kwargs, label in moe_sweep + row1:
             cfg = MoEKernelConfig(**kwargs)
-            for rows in (1, 8):
+            for rows in (1,) if label.startswith("r1") else (1, 8):
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import triton
 from lowlat_nvidia_mega.kernels import pdl
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
@@ -31,60 +30,18 @@ if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
 
 from lowlat_nvidia_mega.kernels import lm_head  # noqa: E402
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace  # noqa: E402
-from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import native_specialize_impl  # noqa: E402
+from sm90_launch import capture, compile_ptx  # noqa: E402
 
 META = torch.device("meta")
-PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32", torch.int64: "*i64"}
-OPTIONS = ("num_warps", "num_stages")
-KERNEL = lm_head._lm_head_kernel
-
-
-class _Capture:
-    """Stands in for ``_lm_head_kernel``: records ``kernel[grid](*args, **kwargs)``."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def __getitem__(self, grid: tuple[int, ...]):  # type: ignore[no-untyped-def]
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+KERNEL = lm_head._lm_head_kernel  # before any test replaces it with a recorder
 
 
 def _capture(monkeypatch: pytest.MonkeyPatch, launch) -> tuple[dict[str, Any], dict[str, Any]]:  # type: ignore[no-untyped-def]
-    cap = _Capture()
-    monkeypatch.setattr(lm_head, "_lm_head_kernel", cap)
-    monkeypatch.setattr(lm_head, "pdl_supported", lambda device=None: True)  # meta tensors stand in for a GPU
-    launch()
-    (args, kwargs), = cap.calls
-    names = KERNEL.arg_names
-    bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
-    return bound, {k: kwargs[k] for k in OPTIONS}
+    return capture(monkeypatch, lm_head, "_lm_head_kernel", launch, pdl_modules=(lm_head,))
 
 
 def _compile(bound: dict[str, Any], options: dict[str, Any]) -> str:
-    """Specialize ``bound`` as the runtime would and compile for sm90; returns the PTX."""
-    sig: dict[str, str] = {}
-    consts: dict[str, Any] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for i, p in enumerate(KERNEL.params):
-        v = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = PTR[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # CUDA allocations are 256-byte aligned
-        else:
-            ty, key = native_specialize_impl(BaseBackend, v, False, not p.do_not_specialize,
-                                             not p.do_not_specialize_on_alignment)
-            sig[p.name] = ty
-            if ty == "constexpr":
-                consts[p.name] = key
-            elif key == "D":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(KERNEL, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=options)
-    return kernel.asm["ptx"]
+    return compile_ptx(KERNEL, bound, options)
 
 
 def _sample_launch(vocab: int, hidden: int, rows: int, dtype: torch.dtype, ws_kw: dict[str, int], filtering: bool,

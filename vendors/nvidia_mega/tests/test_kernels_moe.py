@@ -5,6 +5,7 @@ Tiny shapes: H 64, I 32, E 8, top-k 2; rows 1, 3, 8. Outputs and workspaces are 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -75,12 +76,17 @@ def dev(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(DEV)
 
 
-def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None):  # type: ignore[no-untyped-def]
+# The one-row FMA forms (moe_row1.py, the down kernel's ROW1), with a K chunk that loops (H 64 / 32).
+CFG_ROW1 = dataclasses.replace(CFG, gate_up_row1=True, down_row1=True, row1_block_n=8, row1_block_k=32,
+                               row1_stages=3)
+
+
+def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None, cfg=CFG):  # type: ignore[no-untyped-def]
     """moe_forward on DEV; returns the output on the CPU and the (DEV) workspace."""
     ws = ws or MoEWorkspace.allocate(8, H, I, E, K, x.dtype, DEV, alloc=poisoned_alloc)
     out = torch.full_like(dev(x), float("nan"))
     moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, renormalize, out, ws,
-                pdl=False, config=CFG)
+                pdl=False, config=cfg)
     return out.cpu(), ws
 
 
@@ -99,6 +105,26 @@ def test_matches_reference(dtype: torch.dtype, rows: int) -> None:
     w_tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: at most one rounding step apart
     torch.testing.assert_close(ws.topk_weights[:rows].cpu(), weights.float(), atol=w_tol, rtol=w_tol)
     torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+    check_routing_metadata(ws, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_row1_forms_match(dtype: torch.dtype, rows: int) -> None:
+    """gate_up_row1 / down_row1 at one row match the reference and the tl.dot forms (bf16 products are exact in
+    fp32: only the summation order differs); at 3 rows the options do not apply, so the output is bit-identical."""
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=3)
+    x, residual = make_x(rows, dtype, seed=4)
+    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
+    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True)
+    want, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
+    assert torch.equal(ws.topk_ids[:rows].long().cpu(), ids)
+    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+    if rows > 1:
+        assert torch.equal(out, base)
+    else:
+        torch.testing.assert_close(out.float(), base.float(), atol=0.0 if dtype == torch.float32 else 0.0625,
+                                   rtol=1e-5 if dtype == torch.float32 else 0.02)
     check_routing_metadata(ws, rows)
 
 
@@ -181,6 +207,11 @@ def test_bad_inputs_raise_clear_errors() -> None:
         MoEWorkspace.allocate(9, H, I, E, K, torch.float32, DEV)
     with pytest.raises(ValueError, match="power of two"):
         MoEKernelConfig(down_block_n=24)
+    with pytest.raises(ValueError, match="power of two"):
+        MoEKernelConfig(row1_block_k=768)
+    with pytest.raises(ValueError, match="row1_stages=0 must be >= 1"):
+        MoEKernelConfig(row1_stages=0)
+    assert MoEKernelConfig(gate_up_stages=3, row1_stages=5).gate_up_stages == 3  # stages: any depth >= 1
 
 
 def test_workspace_counts_its_bytes() -> None:

@@ -42,14 +42,16 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel, row1_block_k
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
 
 
 @dataclass(frozen=True)
 class MoEKernelConfig:
-    """Tile sizes and launch settings (powers of two, except ``route_programs``: the number of router programs
-    to aim for). Defaults aim at Qwen3-30B-A3B shapes on an H200; ``bench_moe_head.py --sweep`` tries others."""
+    """Tile sizes and launch settings: powers of two, except ``route_programs`` (the number of router programs
+    to aim for) and the ``*_stages`` software-pipeline depths (>= 1). Defaults aim at Qwen3-30B-A3B shapes on an
+    H200; ``bench_moe_head.py --sweep`` tries others."""
 
     gate_up_block_n: int = 16
     gate_up_block_k: int = 256
@@ -59,12 +61,22 @@ class MoEKernelConfig:
     down_warps: int = 4
     route_warps: int = 4
     route_programs: int = 32
+    gate_up_row1: bool = False  # a one-row step's gate/up on the FMA units (moe_row1.py), with the row1_* tile
+    row1_block_n: int = 4
+    row1_block_k: int = 1024
+    row1_warps: int = 4
+    row1_stages: int = 3
+    down_row1: bool = False  # a one-row step's down products on the FMA units (the down kernel's ROW1)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "route_programs":
-                continue
             v = getattr(self, f.name)
+            if f.type in (bool, "bool"):
+                continue
+            if f.name == "route_programs" or f.name.endswith("_stages"):
+                if v < 1:
+                    raise ValueError(f"MoEKernelConfig.{f.name}={v} must be >= 1")
+                continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v} must be a power of two >= 1")
         if self.down_block_n < 8:
@@ -151,10 +163,11 @@ def _moe_gate_up_kernel(
     gdc_wait(USE_PDL)
     gdc_launch_dependents(USE_PDL)  # after the wait on purpose: see the module docstring
     num = tl.load(num_slots_ptr)
+    # slot < S always: the expert and weights load beside num (one round trip), used only if slot < num
+    e = tl.load(slot_expert_ptr + slot).to(tl.int64)
+    rows = tl.arange(0, ROWS_C)
+    wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows)
     if slot < num:
-        e = tl.load(slot_expert_ptr + slot).to(tl.int64)
-        rows = tl.arange(0, ROWS_C)
-        wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows)
         rmask = (wrow != 0.0) & (rows < n_rows)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < INTER
@@ -185,7 +198,8 @@ def _moe_down_kernel(
     slot_expert_ptr, slot_weight_ptr, num_slots_ptr, row_slot_ptr, counters_ptr,
     n_rows, H, INTER, stride_out, stride_res,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr,
-    I_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    I_PAD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, ROW1: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -196,21 +210,26 @@ def _moe_down_kernel(
     offs_i = tl.arange(0, I_PAD)
     imask = offs_i < INTER
     # Pre-wait: the routing (written by the kernel before the previous one, complete once the previous kernel
-    # released us) and this slot's down weights.
+    # released us: slot count, expert, row weights) and this slot's down weights.
     num = tl.load(num_slots_ptr, cache_modifier=".cg")
     active = slot < num
-    e = tl.load(slot_expert_ptr + slot, mask=active, other=0, cache_modifier=".cg").to(tl.int64)
+    e = tl.load(slot_expert_ptr + slot, cache_modifier=".cg").to(tl.int64)  # slot < S: beside num; masked below
     n_lim = tl.where(active, H, 0)  # (a scalar & tensor mask breaks the interpreter; limit the range instead)
     w = tl.load(w2_ptr + e * (H * INTER) + offs_n[:, None] * INTER + offs_i[None, :],
                 mask=(offs_n < n_lim)[:, None] & imask[None, :], other=0.0)
+    wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows, cache_modifier=".cg")
     gdc_wait(USE_PDL)
     gdc_launch_dependents(USE_PDL)
     if active:
-        wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows)
         rmask = (wrow != 0.0) & (rows < n_rows)
-        a_t = tl.load(act_ptr + (slot * ROWS_C + rows[None, :]) * INTER + offs_i[:, None],
-                      mask=imask[:, None] & rmask[None, :], other=0.0)
-        d = dot_acc(w, a_t, tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32), DOT_F32)
+        if ROW1:  # one row: the products on the FMA units, row 0's act as a 1-D vector
+            a0 = tl.load(act_ptr + slot * ROWS_C * INTER + offs_i, mask=imask, other=0.0).to(tl.float32)
+            d0 = tl.sum(w.to(tl.float32) * a0[None, :], 1)
+            d = tl.where((rmask & (rows == 0))[None, :], d0[:, None], 0.0)  # as the masked tile gives
+        else:
+            a_t = tl.load(act_ptr + (slot * ROWS_C + rows[None, :]) * INTER + offs_i[:, None],
+                          mask=imask[:, None] & rmask[None, :], other=0.0)
+            d = dot_acc(w, a_t, tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32), DOT_F32)
         d = to_act(d, dtype).to(tl.float32) * wrow[None, :]
         tl.store(partial_ptr + (slot * ROWS_C + rows[None, :]) * H + offs_n[:, None], d, mask=nmask[:, None])
         tl.debug_barrier()
@@ -354,10 +373,23 @@ class MoEStages:
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
             RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
+    @property
+    def row1(self) -> bool:
+        """Whether the step has one row (the ``*_row1`` options apply)."""
+        return self.x.shape[0] == 1
+
     def gate_up(self) -> None:
-        """``_moe_gate_up_kernel``: ``act = silu(gate_e(h)) * up_e(h)`` per slot."""
+        """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``gate_up_row1``):
+        ``act = silu(gate_e(h)) * up_e(h)`` per slot."""
         ws, cfg = self.ws, self.cfg
         t, hidden = self.x.shape
+        if self.row1 and cfg.gate_up_row1:
+            bk = row1_block_k(cfg.row1_block_k, hidden)
+            _moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n), self.slots)](
+                ws.h, self.w13, ws.act, ws.slot_expert, ws.num_slots, hidden, ws.inter,
+                ROWS_C=ROWS, BLOCK_N=cfg.row1_block_n, BLOCK_K=bk, EVEN_K=hidden % bk == 0, USE_PDL=self.pdl,
+                num_warps=cfg.row1_warps, num_stages=cfg.row1_stages, **launch_kwargs(self.pdl))
+            return
         _moe_gate_up_kernel[(triton.cdiv(ws.inter, cfg.gate_up_block_n), self.slots)](
             ws.h, self.w13, ws.act, ws.slot_expert, ws.slot_weight, ws.num_slots,
             t, hidden, ws.inter,
@@ -377,5 +409,6 @@ class MoEStages:
             t, hidden, ws.inter, out.stride(0), res.stride(0),
             TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
             BLOCK_N=cfg.down_block_n, I_PAD=triton.next_power_of_2(ws.inter),
-            HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, USE_PDL=self.pdl,
+            HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1 and cfg.down_row1,
+            USE_PDL=self.pdl,
             num_warps=cfg.down_warps, **launch_kwargs(self.pdl))
