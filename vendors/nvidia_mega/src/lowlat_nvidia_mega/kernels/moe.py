@@ -41,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lowlat_nvidia_mega.kernels.moe_down_loop import _moe_down_loop_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
-from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel, row1_block_k
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_down_row1_kernel, _moe_gate_up_row1_kernel, row1_block_k
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
 
@@ -67,6 +68,15 @@ class MoEKernelConfig:
     row1_warps: int = 4
     row1_stages: int = 3
     down_row1: bool = False  # a one-row step's down products on the FMA units (the down kernel's ROW1)
+    down_fused: bool = False  # a one-row step's down without split-K partials (moe_row1.py), with this tile:
+    down_fused_block_n: int = 4
+    down_fused_warps: int = 8
+    route_unroll: bool = False  # the routing kernel's row loop unrolled at the step's row count
+    route_rank: bool = False  # top-k in one rank pass per row instead of k rounds of max (implies route_unroll)
+    down_loop: bool = False  # a 2-8-row step's down as one program per column tile looping over the slots
+    down_loop_block_n: int = 16  # (moe_down_loop.py), with this tile
+    down_loop_warps: int = 4
+    down_loop_stages: int = 3
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -371,7 +381,8 @@ class MoEStages:
             t, hidden, ws.num_experts, float(self.eps), x.stride(0),
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
-            RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
+            RENORM=bool(self.renormalize), UNROLL_ROWS=t if cfg.route_unroll or cfg.route_rank else 0,
+            RANK=cfg.route_rank, USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
     @property
     def row1(self) -> bool:
@@ -399,10 +410,27 @@ class MoEStages:
             **launch_kwargs(self.pdl))
 
     def down(self) -> None:
-        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual."""
+        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual; for one
+        row with ``down_fused``, ``moe_row1._moe_down_row1_kernel`` (all slots per program, no partials); for 2-8
+        rows with ``down_loop``, ``moe_down_loop._moe_down_loop_kernel`` (a loop over the slots, no partials)."""
         ws, cfg, out = self.ws, self.cfg, self.out
         t, hidden = self.x.shape
         res = self.residual if self.residual is not None else out
+        if self.row1 and cfg.down_fused:
+            _moe_down_row1_kernel[(triton.cdiv(hidden, cfg.down_fused_block_n),)](
+                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.num_slots, hidden, ws.inter,
+                S=self.slots, S_PAD=triton.next_power_of_2(self.slots), ROWS_C=ROWS, BLOCK_N=cfg.down_fused_block_n,
+                I_PAD=triton.next_power_of_2(ws.inter), HAS_RESIDUAL=self.residual is not None, USE_PDL=self.pdl,
+                num_warps=cfg.down_fused_warps, **launch_kwargs(self.pdl))
+            return
+        if not self.row1 and cfg.down_loop:
+            _moe_down_loop_kernel[(triton.cdiv(hidden, cfg.down_loop_block_n),)](
+                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.num_slots,
+                t, hidden, ws.inter, out.stride(0), res.stride(0),
+                ROWS_C=ROWS, BLOCK_N=cfg.down_loop_block_n, I_PAD=triton.next_power_of_2(ws.inter),
+                HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, USE_PDL=self.pdl,
+                num_warps=cfg.down_loop_warps, num_stages=cfg.down_loop_stages, **launch_kwargs(self.pdl))
+            return
         _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
