@@ -73,13 +73,12 @@ def moe_reference(x, residual, norm_w, gate_w, w13, w2):  # type: ignore[no-unty
     return y.to(DT), ids
 
 
-ROW1_CFG = MoEKernelConfig(gate_up_row1=True, down_fused=True)  # the one-row forms, checked and timed beside
-LOOP_CFG = MoEKernelConfig(down_loop=True)  # the 2-8-row down without partials, checked and timed beside
+TDOT_CFG = MoEKernelConfig(row1=False)  # the tl.dot forms at one row too, checked and timed beside the default
 
 
 def check_moe(layers: MoELayers, gen: torch.Generator, cfg: MoEKernelConfig) -> list[str]:
     notes = []
-    for rows in (1, 8) if cfg == MoEKernelConfig() else (1,) if cfg == ROW1_CFG else (8,):
+    for rows in (1, 8) if cfg == MoEKernelConfig() else (1,):
         x, res = rand(gen, rows, H, std=1.0), rand(gen, rows, H, std=1.0)
         ws = MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV)
         outs = []
@@ -92,7 +91,7 @@ def check_moe(layers: MoELayers, gen: torch.Generator, cfg: MoEKernelConfig) -> 
         err = ((outs[0].float() - want.float()).norm() / (want.float() - res.float()).norm()).item()
         same_ids = torch.equal(ws.topk_ids[:rows].long(), ids)
         ok = err < 2e-2 and same_ids and all(torch.equal(outs[0], o) for o in outs[1:])
-        form = {MoEKernelConfig(): "", ROW1_CFG: " (one-row forms)"}.get(cfg, " (slot-loop down)")
+        form = "" if cfg == MoEKernelConfig() else " (tl.dot forms)"
         notes.append(f"moe rows={rows}{form}: rel err {err:.2e}, top-k ids equal: {same_ids}, "
                      f"pdl on/off/on bitwise equal: {all(torch.equal(outs[0], o) for o in outs[1:])} "
                      f"-> {'OK' if ok else 'FAILED'}")
@@ -260,7 +259,7 @@ def main() -> None:
     lm_norm = [(1 + 0.1 * torch.randn(H, generator=gen, device=DEV)).to(DT) for _ in range(3)]
     lm_ws = LMHeadWorkspace.allocate(8, V, DEV)
     moe_cfg, lm_cfg = MoEKernelConfig(), LMHeadConfig()
-    notes = [n for c in (moe_cfg, ROW1_CFG, LOOP_CFG) for n in check_moe(layers, gen, c)]
+    notes = [n for c in (moe_cfg, TDOT_CFG) for n in check_moe(layers, gen, c)]
     for note in notes + check_lm_head(lm_w[0], lm_norm[0], gen, lm_ws):
         print("check:", note)
 
@@ -275,8 +274,7 @@ def main() -> None:
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, pdl, args.reps, gen, bw, lm_cfg)
                 table.append((f"lm_head {mode}", rows, pdl, "default", sec, floor))
     if args.stages:
-        for rows, cfg, name in ((1, moe_cfg, "default"), (1, ROW1_CFG, "row1 forms"), (8, moe_cfg, "default"),
-                                (8, LOOP_CFG, "slot-loop down")):
+        for rows, cfg, name in ((1, moe_cfg, "default"), (1, TDOT_CFG, "tl.dot forms"), (8, moe_cfg, "default")):
             for label, sec, floor in bench_moe_stages(layers, rows, args.reps, gen, bw, cfg):
                 table.append((f"moe {label}", rows, DEV == "cuda", name, sec, floor))
     if args.sweep in ("all", "moe") and DEV == "cuda":
@@ -285,30 +283,15 @@ def main() -> None:
         moe_sweep += [(dict(route_warps=rw, route_programs=rp), f"route {rp}x{rw}w")
                       for rw, rp in ((1, 32), (2, 32), (4, 16), (4, 64))]
         moe_sweep += [(dict(gate_up_stages=st, gate_up_warps=wp), f"gu {st}st {wp}w") for st, wp in ((3, 4), (4, 8))]
-        # the one-row FMA forms (1 row only): gate/up tiles (rows per program, K chunk, warps, stages), down
-        row1 = [(dict(gate_up_row1=True, row1_block_n=bn, row1_block_k=bk, row1_warps=wp, row1_stages=st),
-                 f"r1 gu {bn}x{bk} {wp}w {st}st") for bn, bk, wp, st in
-                ((4, 1024, 4, 3), (2, 2048, 4, 1), (8, 1024, 8, 3), (4, 2048, 8, 1), (2, 1024, 4, 3))]
-        row1 += [(dict(down_row1=True), "r1 down"), (dict(down_row1=True, down_block_n=32, down_warps=8),
-                                                     "r1 down 32 8w"), (dict(down_block_n=32, down_warps=8),
-                                                                        "down 32 8w")]
-        row1 += [(dict(row1[0][0], down_row1=True), "r1 gu 4x1024 + r1 down"),
-                 (dict(row1[4][0], down_row1=True), "r1 gu 2x1024 + r1 down"),
-                 (dict(down_fused=True), "r1 fused down 4 8w")]
-        row1 += [(dict(row1[0][0], down_fused=True, down_fused_block_n=bn, down_fused_warps=wp),
-                  f"r1 gu 4x1024 + fused down {bn} {wp}w") for bn, wp in ((1, 4), (2, 4), (4, 4), (4, 8), (2, 8),
-                                                                        (8, 8))]
-        moe_sweep += [(dict(down_loop=True, down_loop_block_n=bn, down_loop_warps=wp, down_loop_stages=st),
-                       f"loop down {bn} {wp}w {st}st") for bn, wp, st in
-                      ((16, 4, 3), (16, 4, 4), (32, 4, 3), (32, 8, 3), (8, 4, 3), (16, 8, 3))]
-        moe_sweep += [(dict(route_unroll=True), "route unroll"), (dict(route_rank=True), "route rank"),
-                      (dict(down_loop=True, route_unroll=True), "loop down + route unroll"),
-                      (dict(down_loop=True, route_rank=True), "loop down + route rank")]
-        row1 += [(dict(gate_up_row1=True, down_fused=True, route_rank=True), "r1 gu + fused down + route rank"),
-                 (dict(gate_up_row1=True, down_fused=True, route_unroll=True), "r1 gu + fused down + unroll")]
+        # the one-row forms (1 row only): off, and gate/up tiles (rows per program, K chunk, warps, stages)
+        row1 = [(dict(row1=False), "r1 off (tl.dot forms)")]
+        row1 += [(dict(row1_block_n=bn, row1_block_k=bk, row1_warps=wp, row1_stages=st),
+                  f"r1 gu {bn}x{bk} {wp}w {st}st")
+                 for bn, bk, wp, st in ((4, 1024, 4, 3), (2, 2048, 4, 1), (8, 1024, 8, 3), (1, 1024, 4, 3))]
+        row1 += [(dict(down_block_n=bn, down_warps=wp), f"r1 down {bn} {wp}w") for bn, wp in ((8, 4), (32, 8), (16, 8))]
         for kwargs, label in moe_sweep + row1:
             cfg = MoEKernelConfig(**kwargs)
-            for rows in (1,) if label.startswith("r1") else (8,) if label.startswith("loop") else (1, 8):
+            for rows in (1,) if label.startswith("r1") else (1, 8):
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":

@@ -23,7 +23,8 @@ H, I, E, K = 64, 32, 8, 2  # noqa: E741 (I: the MoE intermediate size)
 EPS = 1e-6
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
 # Small tiles keep the interpreter fast but still give 2 programs per slot in the down kernel (2 H tiles).
-CFG = MoEKernelConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, route_programs=2)
+# row1=False: the tl.dot forms at every row count (the one-row forms have their own config below).
+CFG = MoEKernelConfig(gate_up_block_n=32, gate_up_block_k=64, down_block_n=32, route_programs=2, row1=False)
 
 
 def poisoned_alloc(shape, *, dtype, device):  # type: ignore[no-untyped-def]
@@ -77,11 +78,7 @@ def dev(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # The one-row FMA forms (moe_row1.py, the down kernel's ROW1), with a K chunk that loops (H 64 / 32).
-CFG_ROW1 = dataclasses.replace(CFG, gate_up_row1=True, down_row1=True, row1_block_n=8, row1_block_k=32,
-                               row1_stages=3)
-CFG_FUSED = dataclasses.replace(CFG_ROW1, down_fused=True, down_fused_block_n=16)  # the split-free down
-CFG_LOOP = dataclasses.replace(CFG, down_loop=True, down_loop_block_n=16)  # 2-8 rows: the slot loop
-ROUTES = {"unroll": dataclasses.replace(CFG, route_unroll=True), "rank": dataclasses.replace(CFG, route_rank=True)}
+CFG_ROW1 = dataclasses.replace(CFG, row1=True, row1_block_n=8, row1_block_k=32, row1_stages=3)
 
 
 def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None, cfg=CFG):  # type: ignore[no-untyped-def]
@@ -111,16 +108,16 @@ def test_matches_reference(dtype: torch.dtype, rows: int) -> None:
     check_routing_metadata(ws, rows)
 
 
-@pytest.mark.parametrize("cfg", [CFG_ROW1, CFG_FUSED], ids=["row1", "fused-down"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_row1_forms_match(dtype: torch.dtype, rows: int, cfg: MoEKernelConfig) -> None:
-    """gate_up_row1 / down_row1 (and down_fused) at one row match the reference and the tl.dot forms (bf16
-    products are exact in fp32: only the summation order differs); at 3 rows the options do not apply, so the
-    output is bit-identical."""
+def test_row1_forms_match(dtype: torch.dtype, rows: int) -> None:
+    """The one-row FMA forms (``row1``) at one row match the reference and the tl.dot forms (bf16 products are
+    exact in fp32: only the summation order differs); at 3 rows they do not apply, so the output is
+    bit-identical. The production default is on."""
+    assert MoEKernelConfig().row1
     norm_w, gate_w, w13, w2 = make_weights(dtype, seed=3)
     x, residual = make_x(rows, dtype, seed=4)
-    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=cfg)
+    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
     base, _ = run(x, residual, norm_w, gate_w, w13, w2, True)
     want, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
     assert torch.equal(ws.topk_ids[:rows].long().cpu(), ids)
@@ -131,52 +128,6 @@ def test_row1_forms_match(dtype: torch.dtype, rows: int, cfg: MoEKernelConfig) -
         torch.testing.assert_close(out.float(), base.float(), atol=0.0 if dtype == torch.float32 else 0.0625,
                                    rtol=1e-5 if dtype == torch.float32 else 0.02)
     check_routing_metadata(ws, rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_down_loop_matches(dtype: torch.dtype, rows: int) -> None:
-    """down_loop at 2-8 rows matches the reference and the split-K down (the same roundings, another fp32 order);
-    at one row it does not apply (bit-identical). 8 rows of top-2 over 8 experts leave padding slots."""
-    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=5)
-    x, residual = make_x(rows, dtype, seed=6)
-    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_LOOP)
-    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True)
-    want, _, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
-    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
-    if rows == 1:
-        assert torch.equal(out, base)
-    else:
-        torch.testing.assert_close(out.float(), base.float(), atol=1e-5 if dtype == torch.float32 else 0.0625,
-                                   rtol=1e-5 if dtype == torch.float32 else 0.02)
-    out2, _ = run(x, None, None, gate_w, w13, w2, False, cfg=CFG_LOOP)  # no residual, no norm
-    want2, _, _ = reference(x, None, None, gate_w, w13, w2, False)
-    torch.testing.assert_close(out2.float(), want2.float(), **tol(dtype))
-
-
-@pytest.mark.parametrize("route", list(ROUTES))
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_route_forms_bit_identical(route: str, rows: int) -> None:
-    """route_unroll / route_rank change how the routing runs, not what it computes: the same ids, weights, slots
-    and output, bit for bit, including ties (the lower expert index first) and renormalize on and off."""
-    norm_w, gate_w, w13, w2 = make_weights(torch.bfloat16, seed=8)
-    gate_w[3] = gate_w[5]  # experts 3 and 5 tie on every row
-    x, residual = make_x(8, torch.bfloat16, seed=9)
-    order = [5, 4, 0, 1, 2, 3, 6, 7][:rows]  # row 5 picks 3 over 5 at the k boundary; row 4 picks both, 3 first
-    x, residual = x[order], residual[order]
-    _, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
-    assert ids[0].tolist() == [1, 3] and (rows < 2 or ids[1].tolist() == [3, 5])  # the ties the test is about
-    for renormalize in (True, False):
-        base, ws0 = run(x, residual, norm_w, gate_w, w13, w2, renormalize)
-        out, ws = run(x, residual, norm_w, gate_w, w13, w2, renormalize, cfg=ROUTES[route])
-        assert torch.equal(out, base)
-        for name in ("topk_ids", "topk_weights", "row_slot"):
-            assert torch.equal(getattr(ws, name)[:rows], getattr(ws0, name)[:rows]), name
-        n = int(ws0.num_slots)
-        assert int(ws.num_slots) == n and torch.equal(ws.slot_expert[:n], ws0.slot_expert[:n])
-        assert torch.equal(ws.slot_weight[:n, :rows], ws0.slot_weight[:n, :rows])
-        assert torch.equal(ws.bitmap, ws0.bitmap)
-        check_routing_metadata(ws, rows)
 
 
 def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:

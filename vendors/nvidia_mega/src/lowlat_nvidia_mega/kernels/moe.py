@@ -21,6 +21,12 @@ Kernels (the routing one is in ``moe_route.py``):
    an H tile (atomic ticket per tile, self-resetting) sums the row's top-k partials in k order and adds the
    residual: deterministic (fixed order, no float atomics) and no extra combine kernel.
 
+One-row steps (``MoEKernelConfig.row1``, on): gate/up runs ``moe_row1._moe_gate_up_row1_kernel`` (the FMA loop of
+``gemv.py``, ``h`` as a 1-D vector) and down its ``ROW1`` form (the products on the FMA units, no ``tl.dot`` layout
+conversion of the [BLOCK_N, I] tile); grids, ticket and roundings unchanged. On the H200 at Qwen3-30B-A3B's shapes
+they take a layer's MoE from 42.0 to 32.5 µs (bench/results/2026-12-02-h200-mega-moe/call2,
+``bench_moe_head.py --sweep moe``). ``bench_moe_head.py --stages`` times route / gate_up / down (``MoEStages``).
+
 Why slot-major grids: every selected expert's weights are read exactly once (one tile covers all rows), and at
 batch 1 the 8 experts x 48 (gate/up) or x 128 (down) tiles give several programs per SM, enough memory requests
 in flight to approach the copy bandwidth; an (E, N) grid would launch 16x more programs that mostly exit.
@@ -41,9 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowlat_nvidia_mega.kernels.moe_down_loop import _moe_down_loop_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
-from lowlat_nvidia_mega.kernels.moe_row1 import _moe_down_row1_kernel, _moe_gate_up_row1_kernel, row1_block_k
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel, row1_block_k
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
 
@@ -62,21 +67,13 @@ class MoEKernelConfig:
     down_warps: int = 4
     route_warps: int = 4
     route_programs: int = 32
-    gate_up_row1: bool = False  # a one-row step's gate/up on the FMA units (moe_row1.py), with the row1_* tile
-    row1_block_n: int = 4
+    # A one-row step's expert GEMMs on the FMA units: gate/up in moe_row1.py with the row1_* tile (rows per program,
+    # K chunk, warps, stages), down in its kernel's ROW1 form with the down_* tile.
+    row1: bool = True
+    row1_block_n: int = 2
     row1_block_k: int = 1024
     row1_warps: int = 4
     row1_stages: int = 3
-    down_row1: bool = False  # a one-row step's down products on the FMA units (the down kernel's ROW1)
-    down_fused: bool = False  # a one-row step's down without split-K partials (moe_row1.py), with this tile:
-    down_fused_block_n: int = 4
-    down_fused_warps: int = 8
-    route_unroll: bool = False  # the routing kernel's row loop unrolled at the step's row count
-    route_rank: bool = False  # top-k in one rank pass per row instead of k rounds of max (implies route_unroll)
-    down_loop: bool = False  # a 2-8-row step's down as one program per column tile looping over the slots
-    down_loop_block_n: int = 16  # (moe_down_loop.py), with this tile
-    down_loop_warps: int = 4
-    down_loop_stages: int = 3
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -381,20 +378,19 @@ class MoEStages:
             t, hidden, ws.num_experts, float(self.eps), x.stride(0),
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
-            RENORM=bool(self.renormalize), UNROLL_ROWS=t if cfg.route_unroll or cfg.route_rank else 0,
-            RANK=cfg.route_rank, USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
+            RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
     @property
     def row1(self) -> bool:
-        """Whether the step has one row (the ``*_row1`` options apply)."""
-        return self.x.shape[0] == 1
+        """Whether the step runs the one-row FMA forms: one row and ``MoEKernelConfig.row1``."""
+        return self.x.shape[0] == 1 and self.cfg.row1
 
     def gate_up(self) -> None:
-        """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``gate_up_row1``):
+        """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``row1``):
         ``act = silu(gate_e(h)) * up_e(h)`` per slot."""
         ws, cfg = self.ws, self.cfg
         t, hidden = self.x.shape
-        if self.row1 and cfg.gate_up_row1:
+        if self.row1:
             bk = row1_block_k(cfg.row1_block_k, hidden)
             _moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n), self.slots)](
                 ws.h, self.w13, ws.act, ws.slot_expert, ws.num_slots, hidden, ws.inter,
@@ -410,33 +406,16 @@ class MoEStages:
             **launch_kwargs(self.pdl))
 
     def down(self) -> None:
-        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual; for one
-        row with ``down_fused``, ``moe_row1._moe_down_row1_kernel`` (all slots per program, no partials); for 2-8
-        rows with ``down_loop``, ``moe_down_loop._moe_down_loop_kernel`` (a loop over the slots, no partials)."""
+        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual."""
         ws, cfg, out = self.ws, self.cfg, self.out
         t, hidden = self.x.shape
         res = self.residual if self.residual is not None else out
-        if self.row1 and cfg.down_fused:
-            _moe_down_row1_kernel[(triton.cdiv(hidden, cfg.down_fused_block_n),)](
-                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.num_slots, hidden, ws.inter,
-                S=self.slots, S_PAD=triton.next_power_of_2(self.slots), ROWS_C=ROWS, BLOCK_N=cfg.down_fused_block_n,
-                I_PAD=triton.next_power_of_2(ws.inter), HAS_RESIDUAL=self.residual is not None, USE_PDL=self.pdl,
-                num_warps=cfg.down_fused_warps, **launch_kwargs(self.pdl))
-            return
-        if not self.row1 and cfg.down_loop:
-            _moe_down_loop_kernel[(triton.cdiv(hidden, cfg.down_loop_block_n),)](
-                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.num_slots,
-                t, hidden, ws.inter, out.stride(0), res.stride(0),
-                ROWS_C=ROWS, BLOCK_N=cfg.down_loop_block_n, I_PAD=triton.next_power_of_2(ws.inter),
-                HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, USE_PDL=self.pdl,
-                num_warps=cfg.down_loop_warps, num_stages=cfg.down_loop_stages, **launch_kwargs(self.pdl))
-            return
         _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
             t, hidden, ws.inter, out.stride(0), res.stride(0),
             TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
             BLOCK_N=cfg.down_block_n, I_PAD=triton.next_power_of_2(ws.inter),
-            HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1 and cfg.down_row1,
+            HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1,
             USE_PDL=self.pdl,
             num_warps=cfg.down_warps, **launch_kwargs(self.pdl))

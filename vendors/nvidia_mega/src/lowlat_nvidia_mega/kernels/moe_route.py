@@ -42,8 +42,7 @@ def moe_route_kernel(
     n_rows, H, E, eps, stride_x,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
     H_PAD: tl.constexpr, ROWS_C: tl.constexpr, BITS: tl.constexpr,
-    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, UNROLL_ROWS: tl.constexpr, RANK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     dtype = h_ptr.dtype.element_ty
@@ -54,20 +53,23 @@ def moe_route_kernel(
     # Pre-wait: the router rows are weights, written by no kernel of the step.
     wg = tl.load(gate_w_ptr + offs_e[:, None].to(tl.int64) * H + offs_h[None, :],
                  mask=mask_e[:, None] & mask_h[None, :], other=0.0)
-    nw = tl.zeros([H_PAD], dtype=tl.float32)
     if HAS_NORM:
         nw = tl.load(norm_w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     gdc_wait(USE_PDL)
     gdc_launch_dependents(USE_PDL)
 
-    if UNROLL_ROWS:  # the step's row count as a constant: every row's loads in flight together
-        for r in tl.static_range(UNROLL_ROWS):
-            _route_row(x_ptr, r, stride_x, offs_h, mask_h, nw, wg, h_ptr, logits_ptr, offs_e, mask_e, pid, H, E,
-                       eps, dtype, HAS_NORM)
-    else:
-        for r in range(n_rows):
-            _route_row(x_ptr, r, stride_x, offs_h, mask_h, nw, wg, h_ptr, logits_ptr, offs_e, mask_e, pid, H, E,
-                       eps, dtype, HAS_NORM)
+    for r in range(n_rows):
+        x = tl.load(x_ptr + r * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
+            h = to_act(nw * to_act(x * rstd, dtype).to(tl.float32), dtype)
+        else:
+            h = to_act(x, dtype)
+        if pid == 0:
+            tl.store(h_ptr + r * H + offs_h, h, mask=mask_h)
+        logit = to_act(tl.sum(wg.to(tl.float32) * h.to(tl.float32)[None, :], axis=1), dtype)
+        logit = logit.to(tl.float32)
+        tl.store(logits_ptr + r * E + offs_e, logit, mask=mask_e)
 
     tl.debug_barrier()
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
@@ -75,30 +77,26 @@ def moe_route_kernel(
         tl.atomic_xchg(counter_ptr, 0)
         _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                         num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
-                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, BITS, RENORM, UNROLL_ROWS, RANK)
+                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, BITS, RENORM)
 
 
 @triton.jit
-def _route_row(x_ptr, r, stride_x, offs_h, mask_h, nw, wg, h_ptr, logits_ptr, offs_e, mask_e, pid, H, E, eps,
-               dtype: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Row r: its normalized input ``h`` (stored by program 0) and this program's block of router logits."""
-    x = tl.load(x_ptr + r * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / H + eps)
-        h = to_act(nw * to_act(x * rstd, dtype).to(tl.float32), dtype)
-    else:
-        h = to_act(x, dtype)
-    if pid == 0:
-        tl.store(h_ptr + r * H + offs_h, h, mask=mask_h)
-    logit = to_act(tl.sum(wg.to(tl.float32) * h.to(tl.float32)[None, :], axis=1), dtype)
-    tl.store(logits_ptr + r * E + offs_e, logit.to(tl.float32), mask=mask_e)
-
-
-@triton.jit
-def _topk_by_max(p, valid, ee, kk, ROWS_C: tl.constexpr, E_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
-                 TOP_K: tl.constexpr):
-    """Top-k of every row of ``p`` [ROWS_C, E_PAD] by k rounds of (max, lowest index among equals)."""
+def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
+                    num_slots_ptr, bitmap_ptr, n_rows, E, dtype: tl.constexpr,
+                    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS_C: tl.constexpr,
+                    BITS: tl.constexpr, RENORM: tl.constexpr):
+    rows = tl.arange(0, ROWS_C)
+    ee = tl.arange(0, E_PAD)
+    kk = tl.arange(0, TOPK_PAD)
+    row_ok = rows < n_rows
+    valid = row_ok[:, None] & (ee < E)[None, :]
+    lg = tl.load(logits_ptr + rows[:, None] * E + ee[None, :], mask=valid, other=float("-inf"),
+                 cache_modifier=".cg")
+    mx = tl.where(row_ok, tl.max(lg, axis=1), 0.0)
+    p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
+    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
     work = tl.where(valid, p, -1.0)
+
     sel = tl.zeros([ROWS_C, E_PAD], dtype=tl.int32)
     sel_w = tl.zeros([ROWS_C, E_PAD], dtype=tl.float32)
     ids = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.int32)
@@ -112,55 +110,6 @@ def _topk_by_max(p, valid, ee, kk, ROWS_C: tl.constexpr, E_PAD: tl.constexpr, TO
         ids = tl.where(kk[None, :] == k, idx[:, None], ids)
         wts = tl.where(kk[None, :] == k, best[:, None], wts)
         work = tl.where(hit, -2.0, work)
-    return sel, sel_w, ids, wts
-
-
-@triton.jit
-def _topk_by_rank(p, valid, ee, kk, rows, ROWS_C: tl.constexpr, E_PAD: tl.constexpr, TOPK_PAD: tl.constexpr,
-                  TOP_K: tl.constexpr, N_ROWS: tl.constexpr):
-    """The same top-k as ``_topk_by_max`` in one pass per row: expert e's rank is the number of experts ahead of
-    it (a larger probability, or an equal one and a lower index); rank < k selects it, rank j is the j-th pick."""
-    work = tl.where(valid, p, -1.0)
-    sel = tl.zeros([ROWS_C, E_PAD], dtype=tl.int32)
-    sel_w = tl.zeros([ROWS_C, E_PAD], dtype=tl.float32)
-    ids = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.int32)
-    wts = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.float32)
-    for r in tl.static_range(N_ROWS):
-        pr = tl.sum(tl.where(rows[:, None] == r, work, 0.0), axis=0)  # [E_PAD]: row r
-        pe = tl.sum(tl.where(rows[:, None] == r, p, 0.0), axis=0)
-        ahead = (pr[None, :] > pr[:, None]) | ((pr[None, :] == pr[:, None]) & (ee[None, :] < ee[:, None]))
-        rank = tl.sum(ahead.to(tl.int32), axis=1)  # [E_PAD]
-        picked = (rank < TOP_K) & (pr >= 0.0)
-        at_k = (rank[:, None] == kk[None, :]) & picked[:, None]  # [E_PAD, TOPK_PAD]
-        ids_r = tl.sum(tl.where(at_k, ee[:, None], 0), axis=0)
-        wts_r = tl.sum(tl.where(at_k, pe[:, None], 0.0), axis=0)
-        on_r = rows[:, None] == r
-        sel = tl.where(on_r, picked.to(tl.int32)[None, :], sel)
-        sel_w = tl.where(on_r, tl.where(picked, pe, 0.0)[None, :], sel_w)
-        ids = tl.where(on_r, ids_r[None, :], ids)
-        wts = tl.where(on_r, wts_r[None, :], wts)
-    return sel, sel_w, ids, wts
-
-
-@triton.jit
-def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
-                    num_slots_ptr, bitmap_ptr, n_rows, E, dtype: tl.constexpr,
-                    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS_C: tl.constexpr,
-                    BITS: tl.constexpr, RENORM: tl.constexpr, N_ROWS: tl.constexpr, RANK: tl.constexpr):
-    rows = tl.arange(0, ROWS_C)
-    ee = tl.arange(0, E_PAD)
-    kk = tl.arange(0, TOPK_PAD)
-    row_ok = rows < n_rows
-    valid = row_ok[:, None] & (ee < E)[None, :]
-    lg = tl.load(logits_ptr + rows[:, None] * E + ee[None, :], mask=valid, other=float("-inf"),
-                 cache_modifier=".cg")
-    mx = tl.where(row_ok, tl.max(lg, axis=1), 0.0)
-    p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
-    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
-    if RANK:
-        sel, sel_w, ids, wts = _topk_by_rank(p, valid, ee, kk, rows, ROWS_C, E_PAD, TOPK_PAD, TOP_K, N_ROWS)
-    else:
-        sel, sel_w, ids, wts = _topk_by_max(p, valid, ee, kk, ROWS_C, E_PAD, TOPK_PAD, TOP_K)
     if RENORM:
         denom = tl.where(row_ok, tl.sum(wts, axis=1), 1.0)
         wts = wts / denom[:, None]
