@@ -289,9 +289,17 @@ def main() -> None:
                   f"r1 gu {bn}x{bk} {wp}w {st}st")
                  for bn, bk, wp, st in ((4, 1024, 4, 3), (2, 2048, 4, 1), (8, 1024, 8, 3), (1, 1024, 4, 3))]
         row1 += [(dict(down_block_n=bn, down_warps=wp), f"r1 down {bn} {wp}w") for bn, wp in ((8, 4), (32, 8), (16, 8))]
+        # down in I chunks (its K loop): (BLOCK_N, I chunk, warps, stages), at 8 rows and at 1 (row1 forms)
+        moe_sweep += [(dict(down_block_n=bn, down_block_i=bi, down_warps=wp, down_stages=st),
+                       f"down8 {bn}x{bi} {wp}w {st}st") for bn, bi, wp, st in
+                      ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
+                       (64, 128, 8, 4), (128, 256, 8, 3), (32, 128, 4, 4))]
+        row1 += [(dict(down_block_n=bn, down_block_i=bi, down_warps=wp, down_stages=st),
+                  f"r1 down {bn}x{bi} {wp}w {st}st") for bn, bi, wp, st in
+                 ((16, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 1), (64, 256, 8, 3))]
         for kwargs, label in moe_sweep + row1:
             cfg = MoEKernelConfig(**kwargs)
-            for rows in (1,) if label.startswith("r1") else (1, 8):
+            for rows in (1,) if label.startswith("r1") else (8,) if label.startswith("down8") else (1, 8):
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":

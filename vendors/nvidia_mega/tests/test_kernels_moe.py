@@ -130,6 +130,22 @@ def test_row1_forms_match(dtype: torch.dtype, rows: int) -> None:
     check_routing_metadata(ws, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_down_in_i_chunks_matches(rows: int, cfg: MoEKernelConfig, dtype: torch.dtype) -> None:
+    """down_block_i < I (here 16 of 32: two chunks, the second one inside the K loop) gives the one-chunk result
+    up to the fp32 summation order, in both forms."""
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=12)
+    x, residual = make_x(rows, dtype, seed=13)
+    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=cfg)
+    out, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(cfg, down_block_i=16))
+    want, _, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
+    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+    torch.testing.assert_close(out.float(), base.float(), atol=1e-5 if dtype == torch.float32 else 0.0625,
+                               rtol=1e-5 if dtype == torch.float32 else 0.02)
+
+
 def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:
     """Slots, presence bitmap and the (row, k) -> slot map agree with the top-k ids; tickets are reset."""
     ids = ws.topk_ids[:rows].long().cpu()
