@@ -62,9 +62,12 @@ class MoEKernelConfig:
     gate_up_block_k: int = 256
     gate_up_warps: int = 4
     gate_up_stages: int = 4
-    down_block_n: int = 16
-    down_block_i: int = 1024  # I chunk of the down kernel (at least I: one chunk, loaded before the PDL wait)
-    down_warps: int = 4
+    # down: BLOCK_N output columns per program, I walked in chunks of down_block_i (the first loaded before the
+    # PDL wait); 64 x 256 with 8 warps (bench/results/2026-12-02-h200-mega-moe/call3): 33.0 -> 30.4 µs per layer at
+    # one row, 240.3 -> about 142 at 8 (16 x the whole of I before).
+    down_block_n: int = 64
+    down_block_i: int = 256
+    down_warps: int = 8
     down_stages: int = 3
     route_warps: int = 4
     route_programs: int = 32
