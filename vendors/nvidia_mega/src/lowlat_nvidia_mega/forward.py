@@ -10,7 +10,7 @@ Per decoder layer (dense)::
 
 At one row (a batch-1 DECODE step) the three projections run the one-row GEMV (``kernels.gemv``) where the
 shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row count alone. At 2-8 rows with
-``LOWLAT_MEGA_PRENORM=1`` (off by default, not yet measured end to end) the input norms of qkv_rope and gate_up
+``LOWLAT_MEGA_PRENORM=1`` (off by default: docs/kernels.md has its measurement) the input norms of qkv_rope and gate_up
 run as ``kernels.norm_rows`` launches into ``Workspaces.h`` and those GEMMs skip their norm prologue.
 
 A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
