@@ -294,6 +294,13 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(PluginBuildError, match=f"{var}='maybe'"):
             build(_binding(mc, torch.float32, params))
         monkeypatch.delenv(var)
+    monkeypatch.setenv("LOWLAT_MEGA_PRENROM", "1")  # a misspelled switch is refused, with the right name
+    with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_PRENROM: did you mean LOWLAT_MEGA_PRENORM"):
+        build(_binding(mc, torch.float32, params))
+    monkeypatch.delenv("LOWLAT_MEGA_PRENROM")
+    monkeypatch.setenv("LOWLAT_MEGA_COMPILE_CHECK", "1")  # the test suite's own switch is not refused
+    monkeypatch.setenv("LOWLAT_MEGA_PDL", "0")
+    build(_binding(mc, torch.float32, params))
     with pytest.raises(PluginBuildError, match="tp_size=1"):
         build(_binding(mc, torch.float32, params, tp_size=2))
     del params["model.layers.1.self_attn.k_norm.weight"]

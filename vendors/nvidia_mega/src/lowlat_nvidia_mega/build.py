@@ -9,6 +9,9 @@ and registers for the KV pool with ``binding.on_kv_pool_ready``.
 
 from __future__ import annotations
 
+import difflib
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,14 +20,40 @@ from lowlat.plugin import PluginBuildError
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
-from lowlat_nvidia_mega.kernels.norm_rows import prenorm_enabled
+from lowlat_nvidia_mega.kernels.norm_rows import PRENORM_ENV, prenorm_enabled
+from lowlat_nvidia_mega.kernels.pdl import ENV_SWITCH as PDL_ENV
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, num_sms, prefetch_act_enabled, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.small_gemm import (
+    MAX_ROWS,
+    PREFETCH_ENV,
+    num_sms,
+    prefetch_act_enabled,
+    splitk_workspace_numel,
+)
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV)  # the user-facing switches (README "Switches")
+TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK",)  # read by the test suite only
+
+
+def check_switch_names(environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse a ``LOWLAT_MEGA_*`` variable that names no switch: a misspelled switch would silently run (and
+    measure) the default variant.
+
+    Raises:
+        PluginBuildError: naming each unknown variable, the closest switch, and the known ones.
+    """
+    unknown = sorted(k for k in environ if k.startswith("LOWLAT_MEGA_") and k not in SWITCHES + TEST_SWITCHES)
+    if unknown:
+        hints = [f"{k}: did you mean {close[0]}?" for k in unknown
+                 if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
+        raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
+                               f"Known: {', '.join(SWITCHES)}; unset the others")
 
 
 def build(binding: Any) -> MegaForward:
@@ -37,8 +66,8 @@ def build(binding: Any) -> MegaForward:
         a MegaForward; it serves steps once the KV pool is attached.
     Raises:
         PluginBuildError: unsupported architecture, dtype, TP size or head_dim, a missing / misshapen
-            parameter (the message names it and the fix), or a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
-            ``LOWLAT_MEGA_PRENORM`` value.
+            parameter (the message names it and the fix), a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
+            ``LOWLAT_MEGA_PRENORM`` value, or an unknown ``LOWLAT_MEGA_*`` variable (``check_switch_names``).
     """
     mc, ec = binding.model_config, binding.engine_config
     dev, dt = torch.device(binding.device), binding.dtype
@@ -48,6 +77,7 @@ def build(binding: Any) -> MegaForward:
         raise PluginBuildError(f"nvidia_mega runs bfloat16, float16 or float32 models, not {dt}")
     if binding.tp_size != 1:
         raise PluginBuildError(f"nvidia_mega runs with tp_size=1, got {binding.tp_size}; use plugin='none' for TP")
+    check_switch_names()
     for switch in (prefetch_act_enabled, prenorm_enabled):  # read per launch / step; a bad value fails here first
         try:
             switch()
