@@ -329,7 +329,8 @@ def test_prefetch_is_bit_identical(dtype: torch.dtype, rows: int, hidden: int) -
 
 
 def test_config_refuses_bad_tiles() -> None:
-    for field, bad in (("block_v", 96), ("block_k", 24), ("num_warps", 3), ("num_stages", 0)):
+    for field, bad in (("block_v", 96), ("block_k", 24), ("num_warps", 3), ("num_stages", 0), ("block_v", 8),
+                       ("block_k", 8)):  # a tile side below 16 cannot be a tl.dot operand
         with pytest.raises(ValueError, match=f"LMHeadConfig.{field}={bad}"):
             LMHeadConfig(**{field: bad})
     assert LMHeadConfig().num_stages == 3  # stages need not be a power of two

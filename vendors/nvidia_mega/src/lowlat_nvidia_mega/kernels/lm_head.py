@@ -33,11 +33,11 @@ ROWS = 8
 
 @dataclass(frozen=True)
 class LMHeadConfig:
-    """Launch settings (powers of two; ``num_stages`` >= 1). ``block_v`` is used by ``lm_head_logits``;
-    ``lm_head_sample`` takes it from its workspace (the merge tree's shape depends on it). Defaults measured on the
-    H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128 with 3 stages take 155.0 µs
-    at 1 row and 150.9 at 8, against 177.6 and 163.7 for the earlier 64 / 4 stages (docs/kernels.md, "Launch
-    plans")."""
+    """Launch settings (powers of two, the two tile sides >= 16; ``num_stages`` >= 1). ``block_v`` is used by
+    ``lm_head_logits``; ``lm_head_sample`` takes it from its workspace (the merge tree's shape depends on it).
+    Defaults measured on the H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128
+    with 3 stages take 155.0 µs at 1 row and 150.9 at 8, against 177.6 and 163.7 for the earlier 64 / 4 stages
+    (docs/kernels.md, "Launch plans")."""
 
     block_v: int = 128
     block_k: int = 128
@@ -47,8 +47,9 @@ class LMHeadConfig:
     def __post_init__(self) -> None:
         for name in ("block_v", "block_k", "num_warps"):
             v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= 1")
+            low = 16 if name != "num_warps" else 1  # the tiles are tl.dot operands: each side at least 16
+            if v < low or v & (v - 1):
+                raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= {low}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be an integer >= 1")
 
