@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
@@ -144,6 +145,41 @@ def test_down_in_i_chunks_matches(rows: int, cfg: MoEKernelConfig, dtype: torch.
     torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
     torch.testing.assert_close(out.float(), base.float(), atol=1e-5 if dtype == torch.float32 else 0.0625,
                                rtol=1e-5 if dtype == torch.float32 else 0.02)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which kernels and constants MoEStages launches: the one-row gate/up and the down kernel's ROW1 exactly at one
+    row with ``row1``; the down kernel's I chunk from ``down_block_i`` (capped at I rounded up to a power of two)."""
+    from lowlat_nvidia_mega.kernels import moe
+
+    launched: list[tuple[str, dict]] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            return lambda *args, **kwargs: launched.append((self.name, {"grid": grid, **kwargs}))
+
+    for name in ("moe_route_kernel", "_moe_gate_up_kernel", "_moe_gate_up_row1_kernel", "_moe_down_kernel"):
+        monkeypatch.setattr(moe, name, Recorder(name))
+    norm_w, gate_w, w13, w2 = make_weights(torch.float32)
+    x, residual = make_x(rows, torch.float32)
+    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False)):
+        for block_i, want_i in ((16, 16), (1024, 32)):
+            launched.clear()
+            ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV)
+            moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, True,
+                        torch.empty_like(dev(x)), ws, pdl=False, config=dataclasses.replace(cfg, down_block_i=block_i))
+            names = [n for n, _ in launched]
+            assert names == ["moe_route_kernel", "_moe_gate_up_row1_kernel" if row1 else "_moe_gate_up_kernel",
+                             "_moe_down_kernel"]
+            gate_up, down = launched[1][1], launched[2][1]
+            slots = min(E, rows * K)
+            assert down["ROW1"] is row1 and down["BLOCK_I"] == want_i and down["grid"] == (H // cfg.down_block_n, slots)
+            bn = cfg.row1_block_n if row1 else cfg.gate_up_block_n
+            assert gate_up["grid"] == (triton.cdiv(I, bn), slots) and gate_up["BLOCK_N"] == bn
 
 
 def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:

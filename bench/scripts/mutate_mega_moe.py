@@ -1,0 +1,61 @@
+"""Mutation pass of nvidia_mega's MoE one-row forms and the down kernel's I chunks (kernels/moe_row1.py,
+kernels/moe_experts.py, MoEStages in kernels/moe.py): break the code in one place, run the MoE tests, expect a
+failure.
+
+    PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
+
+Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py runs under TRITON_INTERPRET=1,
+and the source is restored. Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was
+missed. PDL and the 16-byte loads are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX.
+"""
+
+import os
+import pathlib
+import sys
+
+import mutation_runner  # same directory
+
+K = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels")
+R, X, S = K / "moe_row1.py", K / "moe_experts.py", K / "moe.py"
+M = [  # (name, file, original text, mutated text)
+    ("one-row gate/up reads gate rows as up", R, "up_rows = gate_rows + INTER * H", "up_rows = gate_rows"),
+    ("one-row gate/up without SiLU", R, "a = rnd(g * tl.sigmoid(g), dtype) * rnd(acc_u, dtype)",
+     "a = rnd(g, dtype) * rnd(acc_u, dtype)"),
+    ("one-row gate/up stops a K chunk early", R, "for k0 in range(0, H, BLOCK_K):",
+     "for k0 in range(0, H - BLOCK_K, BLOCK_K):"),
+    ("one-row gate/up stores row 1", R, "tl.store(act_ptr + slot * ROWS_C * INTER + offs_n",
+     "tl.store(act_ptr + (slot * ROWS_C + 1) * INTER + offs_n"),
+    ("one-row gate/up reads another expert", R, "gate_rows = w13_ptr + e * (2 * INTER * H)",
+     "gate_rows = w13_ptr + (e + 1) % 2 * (2 * INTER * H)"),
+    ("one-row down skips the further I chunks", X,
+     "for i0 in range(BLOCK_I, INTER, BLOCK_I):  # further I chunks\n",
+     "for i0 in range(BLOCK_I, BLOCK_I, BLOCK_I):  # further I chunks\n"),
+    ("one-row down re-reads the first weight chunk", X,
+     "wi = tl.load(w_rows + oi[None, :], mask=nmask[:, None] & (oi < INTER)[None, :], other=0.0)",
+     "wi = tl.load(w_rows + offs_i[None, :], mask=nmask[:, None] & (oi < INTER)[None, :], other=0.0)"),
+    ("one-row down reads act row 1", X, "a_row = act_ptr + slot * ROWS_C * INTER",
+     "a_row = act_ptr + (slot * ROWS_C + 1) * INTER"),
+    ("one-row down ignores its chunk's act mask", X, "ai = tl.load(a_row + oi, mask=oi < INTER, other=0.0)",
+     "ai = tl.load(a_row + oi)"),
+    ("tl.dot down skips the further I chunks", X,
+     "for i0 in range(BLOCK_I, INTER, BLOCK_I):  # further I chunks, software-pipelined",
+     "for i0 in range(BLOCK_I, BLOCK_I, BLOCK_I):  # further I chunks, software-pipelined"),
+    ("tl.dot down re-reads the first act chunk", X, "a_ti = tl.load(a_rows + oi[:, None]",
+     "a_ti = tl.load(a_rows + offs_i[:, None]"),
+    ("tl.dot down's chunk ignores the I mask", X, "                im = oi < INTER\n",
+     "                im = oi < INTER + BLOCK_I\n"),
+    ("row1 never chosen", S, "return self.x.shape[0] == 1 and self.cfg.row1", "return False"),
+    ("row1 at more rows", S, "return self.x.shape[0] == 1 and self.cfg.row1",
+     "return self.x.shape[0] <= 3 and self.cfg.row1"),
+    ("row1 switch ignored", S, "return self.x.shape[0] == 1 and self.cfg.row1", "return self.x.shape[0] == 1"),
+    ("down I chunk ignored", S, "BLOCK_I=min(cfg.down_block_i, triton.next_power_of_2(ws.inter))",
+     "BLOCK_I=triton.next_power_of_2(ws.inter)"),
+    ("one-row gate/up grid one tile short", S, "_moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n),",
+     "_moe_gate_up_row1_kernel[(max(1, ws.inter // cfg.row1_block_n - 1),"),
+    ("stages not checked at the config", S, 'if f.name == "route_programs" or f.name.endswith("_stages"):',
+     'if f.name == "route_programs":'),
+]
+
+if __name__ == "__main__":
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_moe.py", env))
