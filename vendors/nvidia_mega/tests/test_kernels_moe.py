@@ -1,6 +1,8 @@
 """moe_forward against a torch reference (HF Qwen3-MoE order of operations), under TRITON_INTERPRET=1 on CPU.
 
 Tiny shapes: H 64, I 32, E 8, top-k 2; rows 1, 3, 8. Outputs and workspaces are poisoned (NaN / garbage) first.
+``SHAPES`` adds odd sizes and tiles (H, I <= 160, E <= 16, top-k 1..E, I walked in partial chunks) with NaN-tailed
+weights. ``test_nan_row_propagates_and_out_is_written`` fails on the current routing (NaN rows are dropped).
 """
 
 from __future__ import annotations
@@ -40,37 +42,39 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return w * h.to(x.dtype)
 
 
-def reference(x, residual, norm_w, gate_w, w13, w2, renormalize):  # type: ignore[no-untyped-def]
-    """HF Qwen3MoeSparseMoeBlock semantics, one (row, expert) at a time; float32 sum + residual, rounded once."""
+def reference(x, residual, norm_w, gate_w, w13, w2, renormalize, top_k=K):  # type: ignore[no-untyped-def]
+    """HF Qwen3MoeSparseMoeBlock semantics, one (row, expert) at a time; float32 sum + residual, rounded once.
+    Sizes come from the weights (I from w2), so the same reference serves every shape."""
+    inter = w2.shape[2]
     h = rms_norm(x, norm_w) if norm_w is not None else x
     probs = torch.softmax(F.linear(h, gate_w), dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, K, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.dtype)
     y = torch.zeros(x.shape, dtype=torch.float32)
     for r in range(x.shape[0]):
-        for j in range(K):
+        for j in range(top_k):
             e = int(ids[r, j])
-            act = F.silu(F.linear(h[r], w13[e, :I])) * F.linear(h[r], w13[e, I:])
+            act = F.silu(F.linear(h[r], w13[e, :inter])) * F.linear(h[r], w13[e, inter:])
             y[r] += F.linear(act, w2[e]).float() * weights[r, j].float()
     if residual is not None:
         y += residual.float()
     return y.to(x.dtype), ids, weights
 
 
-def make_weights(dtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
+def make_weights(dtype: torch.dtype, seed: int = 0, h: int = H, i: int = I, e: int = E):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(seed)
-    gate_w = (torch.randn(E, H, generator=g) * 0.3).to(dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.15).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=g) * 0.15).to(dtype)
-    norm_w = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    gate_w = (torch.randn(e, h, generator=g) * 0.3).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.15).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.15).to(dtype)
+    norm_w = (1 + 0.2 * torch.randn(h, generator=g)).to(dtype)
     return norm_w, gate_w, w13, w2
 
 
-def make_x(rows: int, dtype: torch.dtype, seed: int = 1):  # type: ignore[no-untyped-def]
+def make_x(rows: int, dtype: torch.dtype, seed: int = 1, h: int = H):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(rows, H, generator=g).to(dtype), torch.randn(rows, H, generator=g).to(dtype)
+    return torch.randn(rows, h, generator=g).to(dtype), torch.randn(rows, h, generator=g).to(dtype)
 
 
 def dev(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -82,12 +86,13 @@ def dev(t: torch.Tensor | None) -> torch.Tensor | None:
 CFG_ROW1 = dataclasses.replace(CFG, row1=True, row1_block_n=8, row1_block_k=32, row1_stages=3)
 
 
-def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None, cfg=CFG):  # type: ignore[no-untyped-def]
-    """moe_forward on DEV; returns the output on the CPU and the (DEV) workspace."""
-    ws = ws or MoEWorkspace.allocate(8, H, I, E, K, x.dtype, DEV, alloc=poisoned_alloc)
+def run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=None, cfg=CFG, top_k=K):  # type: ignore[no-untyped-def]
+    """moe_forward on DEV (sizes from the weights); returns the output on the CPU and the (DEV) workspace."""
+    e, hidden, inter = w2.shape
+    ws = ws or MoEWorkspace.allocate(8, hidden, inter, e, top_k, x.dtype, DEV, alloc=poisoned_alloc)
     out = torch.full_like(dev(x), float("nan"))
-    moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, renormalize, out, ws,
-                pdl=False, config=cfg)
+    moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), top_k, renormalize, out,
+                ws, pdl=False, config=cfg)
     return out.cpu(), ws
 
 
@@ -189,9 +194,9 @@ def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:
     n = int(ws.num_slots)
     assert n == len(experts)
     assert ws.slot_expert[:n].tolist() == experts  # slots in expert order (prefix population count)
-    assert int(ws.bitmap[0]) == sum(1 << e for e in experts)
+    assert int(ws.bitmap[0]) == sum(1 << e for e in experts)  # E <= 31 in these tests: one word
     for r in range(rows):
-        for j in range(K):
+        for j in range(ws.top_k):
             s = int(ws.row_slot[r, j])
             assert int(ws.slot_expert[s]) == int(ids[r, j])
             assert float(ws.slot_weight[s, r]) == float(ws.topk_weights[r, j])
@@ -273,3 +278,173 @@ def test_workspace_counts_its_bytes() -> None:
     slots = min(E, 8 * K)
     assert ws.act.shape == (slots, 8, I) and ws.partial.shape == (slots, 8, H)
     assert ws.nbytes >= ws.act.nbytes + ws.partial.nbytes + ws.h.nbytes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shapes and tiles off the happy path: H not a multiple of any column tile, I not a power of two and walked in
+# several chunks (the last one partial), row1_block_k above / below H and not dividing it, E not a power of two,
+# top_k 1 and E, rows 1..8, residual None / in place, norm_w None, renormalize False, the production defaults.
+# bf16 tl.dot cases keep every dot's K >= 16: a GPU needs it and MoEKernelConfig does not check it (down_block_i 8,
+# gate_up_block_k 8, or I or H < 16 fail to compile for sm90: "K >= 16").
+F32, BF16 = torch.float32, torch.bfloat16
+R1 = dataclasses.replace(CFG_ROW1, down_block_n=16, row1_block_n=4, route_programs=3)
+SHAPES = [  # (H, I, E, top_k, rows, dtype, config, flags); flags: r residual, i in place, n norm, z renormalize
+    pytest.param(100, 40, 6, 1, 1, F32, dataclasses.replace(R1, down_block_i=16, row1_block_n=16, row1_block_k=32),
+                 "rnz",
+                 id="row1-H100-I40x16-k1"),
+    pytest.param(72, 24, 5, 5, 1, BF16, dataclasses.replace(R1, down_block_i=8, row1_block_k=256), "rin",
+                 id="row1-bf16-bk>H-k=E-inplace"),
+    pytest.param(160, 100, 16, 8, 1, BF16, dataclasses.replace(R1, down_block_n=128, down_block_i=64, row1_block_n=8,
+                                                               row1_block_k=64), "nz", id="row1-bf16-I100-nores"),
+    pytest.param(24, 3, 3, 2, 1, F32, dataclasses.replace(MoEKernelConfig(), route_programs=2), "rnz",
+                 id="row1-defaults-I3"),
+    pytest.param(40, 56, 4, 3, 1, F32, dataclasses.replace(CFG, down_block_n=16, down_block_i=16), "r",
+                 id="tdot-1row-I56x16-nonorm"),
+    pytest.param(136, 72, 16, 16, 8, F32, dataclasses.replace(CFG, gate_up_block_n=16, gate_up_block_k=32,
+                                                              down_block_n=64, down_block_i=16), "rnz",
+                 id="tdot-8rows-k=E-I72x16"),
+    pytest.param(40, 20, 12, 3, 5, BF16, dataclasses.replace(CFG, gate_up_block_n=64, gate_up_block_k=16,
+                                                             down_block_n=8, down_block_i=16), "",
+                 id="tdot-bf16-5rows-bare"),
+    pytest.param(96, 48, 8, 1, 2, BF16, dataclasses.replace(MoEKernelConfig(), route_programs=3), "riz",
+                 id="tdot-defaults-k1-inplace"),
+    pytest.param(48, 33, 7, 2, 7, F32, dataclasses.replace(CFG, down_block_n=32, down_block_i=8), "rnz",
+                 id="tdot-7rows-I33x8"),
+]
+
+
+def nan_tailed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on DEV as a contiguous view at the front of a buffer whose tail is NaN: a weight load that ignores its
+    K / I mask at the last row reads NaN and poisons the output (NaN * 0 stays NaN)."""
+    buf = torch.full((t.numel() + 1024,), float("nan"), dtype=t.dtype, device=DEV)
+    view = buf[:t.numel()].view(t.shape)
+    view.copy_(dev(t))
+    return view
+
+
+def check_ids(ws: MoEWorkspace, ids: torch.Tensor, x, norm_w, gate_w) -> None:  # type: ignore[no-untyped-def]
+    """Top-k ids equal torch's, except in rows with tied router scores (the kernel picks the lower index there)."""
+    h = rms_norm(x, norm_w) if norm_w is not None else x
+    probs = torch.softmax(F.linear(h, gate_w), dim=-1, dtype=torch.float32)
+    got = ws.topk_ids[:x.shape[0]].long().cpu()
+    for r in range(x.shape[0]):
+        if len(set(probs[r].tolist())) == probs.shape[1]:
+            assert torch.equal(got[r], ids[r]), (r, got[r], ids[r])
+
+
+@pytest.mark.parametrize(("hidden", "inter", "experts", "top_k", "rows", "dtype", "cfg", "flags"), SHAPES)
+def test_shapes_and_tiles_match_reference(hidden: int, inter: int, experts: int, top_k: int, rows: int,
+                                          dtype: torch.dtype, cfg: MoEKernelConfig, flags: str) -> None:
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=hidden + inter, h=hidden, i=inter, e=experts)
+    norm_w = norm_w if "n" in flags else None
+    x, residual = make_x(rows, dtype, seed=rows + experts, h=hidden)
+    residual = residual if "r" in flags else None
+    want, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, "z" in flags, top_k=top_k)
+    if "i" in flags:  # out is the residual tensor itself
+        ws = MoEWorkspace.allocate(8, hidden, inter, experts, top_k, dtype, DEV, alloc=poisoned_alloc)
+        out = dev(residual.clone())
+        moe_forward(dev(x), out, dev(norm_w), EPS, nan_tailed(gate_w), nan_tailed(w13), nan_tailed(w2), top_k,
+                    "z" in flags, out, ws, pdl=False, config=cfg)
+        out = out.cpu()
+    else:
+        out, ws = run(x, residual, norm_w, nan_tailed(gate_w), nan_tailed(w13), nan_tailed(w2), "z" in flags,
+                      cfg=cfg, top_k=top_k)
+    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+    check_ids(ws, ids, x, norm_w, gate_w)
+    check_routing_metadata(ws, rows)
+
+
+def test_one_workspace_many_launches() -> None:
+    """One poisoned workspace serves launches of 8, 1 (one-row forms), 3, 1 (tl.dot) and 1 row again with other
+    tiles and flags: nothing stale (act rows, partials, slots, tickets) leaks from one launch into the next."""
+    hidden, inter, experts, top_k = 72, 40, 6, 2
+    norm_w, gate_w, w13, w2 = make_weights(F32, seed=21, h=hidden, i=inter, e=experts)
+    ws = MoEWorkspace.allocate(8, hidden, inter, experts, top_k, F32, DEV, alloc=poisoned_alloc)
+    chunked = dataclasses.replace(CFG, down_block_n=16, down_block_i=16)
+    plan = [(8, chunked, True), (1, R1, False), (3, CFG, True), (1, chunked, True),
+            (1, dataclasses.replace(R1, down_block_n=64, down_block_i=32, row1_block_k=128), False), (8, CFG, False)]
+    for seed, (rows, cfg, renormalize) in enumerate(plan):
+        x, residual = make_x(rows, F32, seed=30 + seed, h=hidden)
+        out, _ = run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=ws, cfg=cfg, top_k=top_k)
+        want, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, renormalize, top_k=top_k)
+        torch.testing.assert_close(out, want, **tol(F32), msg=lambda m, s=seed: f"launch {s}: {m}")
+        assert torch.equal(ws.topk_ids[:rows].long().cpu(), ids)
+        check_routing_metadata(ws, rows)
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
+def test_equal_router_scores_pick_the_lower_expert(cfg: MoEKernelConfig) -> None:
+    """Experts 2, 5 and 6 have identical router rows (the only nonzero ones): every row scores them equally and
+    must pick 2 then 5 (first-occurrence order, moe_route.py), weights 1/2 each after renormalization."""
+    norm_w, gate_w, w13, w2 = make_weights(F32, seed=40)
+    gate_w = torch.zeros_like(gate_w)
+    gate_w[[2, 5, 6]] = torch.rand(H, generator=torch.Generator().manual_seed(41)) + 0.1
+    for rows in (1, 4):
+        x, residual = make_x(rows, F32, seed=42)
+        out, ws = run(x.abs() + 0.1, residual, None, gate_w, w13, w2, True, cfg=cfg)
+        assert ws.topk_ids[:rows].tolist() == [[2, 5]] * rows
+        assert ws.topk_weights[:rows].tolist() == [[0.5, 0.5]] * rows
+        check_routing_metadata(ws, rows)
+        assert bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> None:
+    """x, residual and out as column slices of wider buffers (row stride > H, stride_x / stride_res / stride_out
+    differ), and out = residual = x (the residual stream updated in place, x read by the routing only)."""
+    norm_w, gate_w, w13, w2 = make_weights(F32, seed=50)
+    x, residual = make_x(rows, F32, seed=51)
+    want, _, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
+    ws = MoEWorkspace.allocate(8, H, I, E, K, F32, DEV, alloc=poisoned_alloc)
+    xb, rb, ob = (torch.full((rows, H + pad), float("nan"), device=DEV) for pad in (16, 40, 8))
+    xv, rv, ov = xb[:, 16:], rb[:, :H], ob[:, 8:]
+    xv.copy_(dev(x))
+    rv.copy_(dev(residual))
+    moe_forward(xv, rv, dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, True, ov, ws, pdl=False, config=cfg)
+    torch.testing.assert_close(ov.cpu(), want, **tol(F32))
+    assert bool(ob[:, :8].isnan().all()) and bool(rb[:, H:].isnan().all())  # nothing written outside the views
+    stream = dev(x.clone())
+    want, _, _ = reference(x, x, norm_w, gate_w, w13, w2, True)
+    moe_forward(stream, stream, dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, True, stream, ws, pdl=False,
+                config=cfg)
+    torch.testing.assert_close(stream.cpu(), want, **tol(F32))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("down_block_i", 0), ("down_block_i", 48), ("row1_block_n", 3), ("row1_block_k", 0), ("gate_up_block_k", 96),
+    ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
+    ("down_stages", 0), ("gate_up_stages", -1)])
+def test_config_rejects_bad_fields(field: str, value: int) -> None:
+    with pytest.raises(ValueError, match=field):
+        MoEKernelConfig(**{field: value})
+
+
+def test_config_and_workspace_accept_edges() -> None:
+    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=1, row1_block_n=1)
+    assert (cfg.route_programs, cfg.down_stages) == (3, 7)  # not powers of two: counts and depths
+    for args in ((0, H, I, E, K), (8, H, 0, E, K), (8, H, I, E, 0), (8, H, I, E, E + 1)):
+        with pytest.raises(ValueError):
+            MoEWorkspace.allocate(*args, F32, DEV)
+    ws = MoEWorkspace.allocate(1, H, I, E, E, F32, DEV)  # top_k = E at one row: E slots
+    assert ws.slot_expert.shape == (E,) and int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_nan_row_propagates_and_out_is_written(rows: int, cfg: MoEKernelConfig) -> None:
+    """A NaN in row 0 makes its softmax NaN. HF (torch.topk ranks NaN highest) then gives a NaN output row.
+    moe_route's top-k finds no ``work == best`` there, so it stores id E_PAD (out of [0, E)), selects no expert
+    for the row and, at renormalize=False, gives it weight 0: the row comes out as the residual (rows=2), and at
+    one row num_slots is 0, so the down kernel never writes ``out`` at all (rows=1: stale memory)."""
+    norm_w, gate_w, w13, w2 = (dev(t) for t in make_weights(F32, seed=60))
+    x, residual = (dev(t) for t in make_x(rows, F32, seed=61))
+    x[0, 3] = float("nan")
+    ws = MoEWorkspace.allocate(8, H, I, E, K, F32, DEV, alloc=poisoned_alloc)
+    out = torch.zeros_like(x)
+    moe_forward(x, residual, norm_w, EPS, gate_w, w13, w2, K, False, out, ws, pdl=False, config=cfg)
+    problems = [] if bool(out[0].isnan().all()) else [f"NaN row came out finite: {out[0, :4].tolist()}..."]
+    if int(ws.topk_ids[:rows].max()) >= E:
+        problems.append(f"top-k ids {ws.topk_ids[:rows].tolist()} out of [0, {E})")
+    assert not problems, "; ".join(problems)
+    assert int(ws.counters.abs().sum()) == 0
