@@ -1,12 +1,13 @@
-"""Mutation pass of nvidia_mega's MoE one-row forms and the down kernel's I chunks (kernels/moe_row1.py,
-kernels/moe_experts.py, MoEStages in kernels/moe.py): break the code in one place, run the MoE tests, expect a
-failure.
+"""Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
+(kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages and MoEKernelConfig in kernels/moe.py):
+break the code in one place, run the MoE tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
 
 Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py runs under TRITON_INTERPRET=1,
 and the source is restored. Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was
-missed. PDL and the 16-byte loads are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX.
+missed. PDL, the 16-byte loads and the K-side padding to 16 (``max(16, ...)``) are not visible on CPU:
+test_compile_sm90_moe.py checks the compiled PTX.
 """
 
 import os
@@ -16,7 +17,7 @@ import sys
 import mutation_runner  # same directory
 
 K = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels")
-R, X, S = K / "moe_row1.py", K / "moe_experts.py", K / "moe.py"
+R, X, S, P = K / "moe_row1.py", K / "moe_experts.py", K / "moe.py", K / "moe_route.py"
 M = [  # (name, file, original text, mutated text)
     ("one-row gate/up reads gate rows as up", R, "up_rows = gate_rows + INTER * H", "up_rows = gate_rows"),
     ("one-row gate/up without SiLU", R, "a = rnd(g * tl.sigmoid(g), dtype) * rnd(acc_u, dtype)",
@@ -48,10 +49,15 @@ M = [  # (name, file, original text, mutated text)
     ("row1 at more rows", S, "return self.x.shape[0] == 1 and self.cfg.row1",
      "return self.x.shape[0] <= 3 and self.cfg.row1"),
     ("row1 switch ignored", S, "return self.x.shape[0] == 1 and self.cfg.row1", "return self.x.shape[0] == 1"),
-    ("down I chunk ignored", S, "BLOCK_I=min(cfg.down_block_i, triton.next_power_of_2(ws.inter))",
-     "BLOCK_I=triton.next_power_of_2(ws.inter)"),
+    ("down I chunk ignored", S, "BLOCK_I=max(16, min(cfg.down_block_i, triton.next_power_of_2(ws.inter)))",
+     "BLOCK_I=max(16, triton.next_power_of_2(ws.inter))"),
     ("one-row gate/up grid one tile short", S, "_moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n),",
      "_moe_gate_up_row1_kernel[(max(1, ws.inter // cfg.row1_block_n - 1),"),
+    ("NaN probabilities not ranked first", P, "work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)",
+     "work = tl.where(valid, p, -1.0)"),
+    ("a NaN row's weight kept at the 2.0 stand-in", P,
+     'tl.where(best > 1.0, float("nan"), best)[:, None]', "best[:, None]"),
+    ("K sides below 16 accepted", S, 'for name in ("gate_up_block_k", "down_block_i"):', "for name in ():"),
     ("stages not checked at the config", S, 'if f.name == "route_programs" or f.name.endswith("_stages"):',
      'if f.name == "route_programs":'),
 ]

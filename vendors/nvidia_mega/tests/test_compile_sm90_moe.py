@@ -35,12 +35,13 @@ KERNELS = {"route": ("moe_route_kernel", "route"), "gate_up": ("_moe_gate_up_ker
 ORIGINAL = {name: getattr(moe, name) for name, _ in KERNELS.values()}  # before a test swaps one for a recorder
 
 
-def _stages(rows: int, cfg: moe.MoEKernelConfig) -> moe.MoEStages:
+def _stages(rows: int, cfg: moe.MoEKernelConfig, h: int = H, i: int = I, e: int = E,
+            k: int = K) -> moe.MoEStages:
     def t(*shape: int, dtype: torch.dtype = DT) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=META)
-    ws = moe.MoEWorkspace.allocate(8, H, I, E, K, DT, META)
-    x = t(rows, H)
-    return moe.moe_stages(x, x, t(H), 1e-6, t(E, H), t(E, 2 * I, H), t(E, H, I), K, True, t(rows, H), ws, pdl=True,
+    ws = moe.MoEWorkspace.allocate(8, h, i, e, k, DT, META)
+    x = t(rows, h)
+    return moe.moe_stages(x, x, t(h), 1e-6, t(e, h), t(e, 2 * i, h), t(e, h, i), k, True, t(rows, h), ws, pdl=True,
                           config=cfg)
 
 
@@ -65,3 +66,14 @@ def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelC
     if stage != "route":  # expert weights stream as 16-byte loads
         assert any(("ld.global" in ln or "cp.async" in ln) and ("v4" in ln or "0x10" in ln)
                    for ln in ptx.splitlines()), "expert weights must load 16 bytes at a time"
+
+
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+def test_tiny_sizes_compile(stage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """H and I below 16 (a tiny test model): the launcher pads the tl.dot K chunk to 16, which sm90 needs."""
+    name, method = KERNELS[stage]
+    monkeypatch.setattr(moe, "pdl_supported", lambda device=None: True)
+    stages = _stages(8, TDOT, h=8, i=4, e=4, k=2)
+    bound, options = capture(monkeypatch, moe, name, getattr(stages, method))
+    assert bound["BLOCK_K" if stage == "gate_up" else "BLOCK_I"] == 16
+    compile_ptx(ORIGINAL[name], bound, options)

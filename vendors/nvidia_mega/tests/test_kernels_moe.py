@@ -284,15 +284,15 @@ def test_workspace_counts_its_bytes() -> None:
 # Shapes and tiles off the happy path: H not a multiple of any column tile, I not a power of two and walked in
 # several chunks (the last one partial), row1_block_k above / below H and not dividing it, E not a power of two,
 # top_k 1 and E, rows 1..8, residual None / in place, norm_w None, renormalize False, the production defaults.
-# bf16 tl.dot cases keep every dot's K >= 16: a GPU needs it and MoEKernelConfig does not check it (down_block_i 8,
-# gate_up_block_k 8, or I or H < 16 fail to compile for sm90: "K >= 16").
+# Every dot's K side is >= 16, as a GPU needs: MoEKernelConfig refuses smaller K chunks, and the launcher pads a
+# chunk to 16 where I or H is smaller (the I3 case).
 F32, BF16 = torch.float32, torch.bfloat16
 R1 = dataclasses.replace(CFG_ROW1, down_block_n=16, row1_block_n=4, route_programs=3)
 SHAPES = [  # (H, I, E, top_k, rows, dtype, config, flags); flags: r residual, i in place, n norm, z renormalize
     pytest.param(100, 40, 6, 1, 1, F32, dataclasses.replace(R1, down_block_i=16, row1_block_n=16, row1_block_k=32),
                  "rnz",
                  id="row1-H100-I40x16-k1"),
-    pytest.param(72, 24, 5, 5, 1, BF16, dataclasses.replace(R1, down_block_i=8, row1_block_k=256), "rin",
+    pytest.param(72, 24, 5, 5, 1, BF16, dataclasses.replace(R1, down_block_i=16, row1_block_k=256), "rin",
                  id="row1-bf16-bk>H-k=E-inplace"),
     pytest.param(160, 100, 16, 8, 1, BF16, dataclasses.replace(R1, down_block_n=128, down_block_i=64, row1_block_n=8,
                                                                row1_block_k=64), "nz", id="row1-bf16-I100-nores"),
@@ -308,8 +308,8 @@ SHAPES = [  # (H, I, E, top_k, rows, dtype, config, flags); flags: r residual, i
                  id="tdot-bf16-5rows-bare"),
     pytest.param(96, 48, 8, 1, 2, BF16, dataclasses.replace(MoEKernelConfig(), route_programs=3), "riz",
                  id="tdot-defaults-k1-inplace"),
-    pytest.param(48, 33, 7, 2, 7, F32, dataclasses.replace(CFG, down_block_n=32, down_block_i=8), "rnz",
-                 id="tdot-7rows-I33x8"),
+    pytest.param(48, 33, 7, 2, 7, F32, dataclasses.replace(CFG, down_block_n=32, down_block_i=16), "rnz",
+                 id="tdot-7rows-I33x16"),
 ]
 
 
@@ -414,14 +414,15 @@ def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> Non
 @pytest.mark.parametrize(("field", "value"), [
     ("down_block_i", 0), ("down_block_i", 48), ("row1_block_n", 3), ("row1_block_k", 0), ("gate_up_block_k", 96),
     ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
-    ("down_stages", 0), ("gate_up_stages", -1)])
+    ("down_stages", 0), ("gate_up_stages", -1), ("down_block_i", 8), ("gate_up_block_k", 8), ("row1", "no"),
+    ("down_block_n", 16.0)])  # K sides below 16 cannot be tl.dot operands; no strings or floats
 def test_config_rejects_bad_fields(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         MoEKernelConfig(**{field: value})
 
 
 def test_config_and_workspace_accept_edges() -> None:
-    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=1, row1_block_n=1)
+    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=16, row1_block_n=1)
     assert (cfg.route_programs, cfg.down_stages) == (3, 7)  # not powers of two: counts and depths
     for args in ((0, H, I, E, K), (8, H, 0, E, K), (8, H, I, E, 0), (8, H, I, E, E + 1)):
         with pytest.raises(ValueError):
@@ -433,10 +434,9 @@ def test_config_and_workspace_accept_edges() -> None:
 @pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
 @pytest.mark.parametrize("rows", [1, 2])
 def test_nan_row_propagates_and_out_is_written(rows: int, cfg: MoEKernelConfig) -> None:
-    """A NaN in row 0 makes its softmax NaN. HF (torch.topk ranks NaN highest) then gives a NaN output row.
-    moe_route's top-k finds no ``work == best`` there, so it stores id E_PAD (out of [0, E)), selects no expert
-    for the row and, at renormalize=False, gives it weight 0: the row comes out as the residual (rows=2), and at
-    one row num_slots is 0, so the down kernel never writes ``out`` at all (rows=1: stale memory)."""
+    """A NaN in row 0 makes its softmax NaN; HF (torch.topk ranks NaN highest) then gives a NaN output row. The
+    routing must rank NaN first too: before, its top-k found no ``work == best``, stored id E_PAD, selected no
+    expert, so the row came out as the residual (rows=2) or ``out`` was never written (rows=1, num_slots 0)."""
     norm_w, gate_w, w13, w2 = (dev(t) for t in make_weights(F32, seed=60))
     x, residual = (dev(t) for t in make_x(rows, F32, seed=61))
     x[0, 3] = float("nan")
@@ -446,5 +446,7 @@ def test_nan_row_propagates_and_out_is_written(rows: int, cfg: MoEKernelConfig) 
     problems = [] if bool(out[0].isnan().all()) else [f"NaN row came out finite: {out[0, :4].tolist()}..."]
     if int(ws.topk_ids[:rows].max()) >= E:
         problems.append(f"top-k ids {ws.topk_ids[:rows].tolist()} out of [0, {E})")
+    if not bool(ws.topk_weights[0].isnan().all()):  # HF: the NaN probabilities are the weights
+        problems.append(f"the NaN row's weights are {ws.topk_weights[0].tolist()}")
     assert not problems, "; ".join(problems)
     assert int(ws.counters.abs().sum()) == 0

@@ -83,13 +83,20 @@ class MoEKernelConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.type in (bool, "bool"):
+                if not isinstance(v, bool):
+                    raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be True or False")
                 continue
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be an integer")
             if f.name == "route_programs" or f.name.endswith("_stages"):
                 if v < 1:
                     raise ValueError(f"MoEKernelConfig.{f.name}={v} must be >= 1")
                 continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v} must be a power of two >= 1")
+        for name in ("gate_up_block_k", "down_block_i"):  # the K side of a tl.dot operand
+            if getattr(self, name) < 16:
+                raise ValueError(f"MoEKernelConfig.{name}={getattr(self, name)} must be >= 16 (a tl.dot K side)")
         if self.down_block_n < 8:
             raise ValueError(f"down_block_n={self.down_block_n} must be >= 8 (the workspace counts H/8 tiles)")
 
@@ -304,7 +311,7 @@ class MoEStages:
             ws.h, self.w13, ws.act, ws.slot_expert, ws.slot_weight, ws.num_slots,
             t, hidden, ws.inter,
             ROWS_C=ROWS, BLOCK_N=cfg.gate_up_block_n,
-            BLOCK_K=min(cfg.gate_up_block_k, triton.next_power_of_2(hidden)),
+            BLOCK_K=max(16, min(cfg.gate_up_block_k, triton.next_power_of_2(hidden))),  # tl.dot: K side >= 16
             DOT_F32=self._dot_f32, USE_PDL=self.pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
             **launch_kwargs(self.pdl))
 
@@ -318,7 +325,7 @@ class MoEStages:
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
             t, hidden, ws.inter, out.stride(0), res.stride(0),
             TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
-            BLOCK_N=cfg.down_block_n, BLOCK_I=min(cfg.down_block_i, triton.next_power_of_2(ws.inter)),
+            BLOCK_N=cfg.down_block_n, BLOCK_I=max(16, min(cfg.down_block_i, triton.next_power_of_2(ws.inter))),
             HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1,
             USE_PDL=self.pdl,
             num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_kwargs(self.pdl))

@@ -4,7 +4,8 @@ renormalization, expert presence bitmap and per-expert 8-row tiles.
 Routing semantics are HF ``Qwen3MoeSparseMoeBlock`` (and ``lowlat.layers.moe.route``): router logits are computed
 in the activation dtype (``F.linear`` output, then rounded), ``softmax`` over all experts in float32, ``topk``,
 division by the sum of the k weights when ``renormalize`` (``norm_topk_prob``), and a cast of the weights to the
-activation dtype. Among equal probabilities the lower expert index wins (first-occurrence order).
+activation dtype. Among equal probabilities the lower expert index wins (first-occurrence order); a NaN probability
+ranks first (as in ``torch.topk``), so a row with a NaN or inf input is routed and comes out NaN.
 
 One launch, grid ``(cdiv(E, E_BLOCK),)``:
 
@@ -95,7 +96,10 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     mx = tl.where(row_ok, tl.max(lg, axis=1), 0.0)
     p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
     p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
-    work = tl.where(valid, p, -1.0)
+    # A NaN probability (a NaN or inf in the row) ranks above every other, as torch.topk ranks NaN: 2.0 stands for
+    # it in the search (a probability is at most 1) and is turned back into NaN as the weight, so the row is routed
+    # and its output comes out NaN instead of the row being dropped.
+    work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)
 
     sel = tl.zeros([ROWS_C, E_PAD], dtype=tl.int32)
     sel_w = tl.zeros([ROWS_C, E_PAD], dtype=tl.float32)
@@ -108,7 +112,7 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
         sel = tl.where(hit, 1, sel)
         sel_w = tl.where(hit, p, sel_w)
         ids = tl.where(kk[None, :] == k, idx[:, None], ids)
-        wts = tl.where(kk[None, :] == k, best[:, None], wts)
+        wts = tl.where(kk[None, :] == k, tl.where(best > 1.0, float("nan"), best)[:, None], wts)
         work = tl.where(hit, -2.0, work)
     if RENORM:
         denom = tl.where(row_ok, tl.sum(wts, axis=1), 1.0)
