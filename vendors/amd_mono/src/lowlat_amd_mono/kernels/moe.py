@@ -27,6 +27,9 @@ def route(rl_ptr, T, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NO
           DT: tl.constexpr, INTERP: tl.constexpr, XC: tl.constexpr):
     """Routing of the step's rows from ``router_logits [8, E]`` (float32, already rounded to the model dtype).
 
+    Among equal probabilities the lower expert id wins; a NaN probability ranks first (torch.topk's order), so a
+    row with a NaN or inf input is routed and its weights, and so its output, are NaN rather than the row dropped.
+
     Returns ``(w [16, E_P2] float32 routing weight of each (row, expert), 0 where not chosen or row >= T;
     sel [E_P2] int32 1 where any token chose the expert; rank [E_P2] its slot; n_unique)``.
     """
@@ -37,10 +40,12 @@ def route(rl_ptr, T, E: tl.constexpr, E_P2: tl.constexpr, TOPK: tl.constexpr, NO
     mx = tl.max(logits, axis=1)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     p = tl.where(valid, tl.exp(logits - mx[:, None]), 0.0)
-    p = p / tl.maximum(tl.sum(p, axis=1), 1e-30)[:, None]
+    den = tl.sum(p, axis=1)
+    p = p / tl.where(den != den, den, tl.maximum(den, 1e-30))[:, None]  # a NaN sum stays NaN (tl.maximum drops it)
     chosen = tl.zeros([16, E_P2], tl.int32)
+    ranked = tl.where(p != p, 2.0, p)  # NaN (a NaN or inf input) ranks first, as in torch.topk: the row is routed
     for _ in tl.static_range(TOPK):
-        cand = tl.where(valid & (chosen == 0), p, -1.0)
+        cand = tl.where(valid & (chosen == 0), ranked, -1.0)
         best = tl.max(cand, axis=1)
         idx = tl.min(tl.where(cand == best[:, None], e[None, :], E_P2), axis=1)
         chosen = tl.where((e[None, :] == idx[:, None]) & valid, 1, chosen)
