@@ -100,6 +100,16 @@ def mega_kernels(o: Options) -> list[Step]:
             Step("bench moe/head", 150, [PY, "vendors/nvidia_mega/bench_moe_head.py"], "bench_moe_head.txt", r"\|")]
 
 
+def mega_moe(o: Options) -> list[Step]:
+    """nvidia_mega's MoE at Qwen3-30B-A3B's shapes: route / gate_up / down per stage (chain prefixes and each
+    alone), ``MOE_SWEEP=1`` adds the tile sweep; then the MoE kernel tests on CUDA."""
+    sweep = ["--sweep", "moe"] if os.environ.get("MOE_SWEEP") == "1" else []
+    return [Step("moe stages", 300, [PY, "vendors/nvidia_mega/bench_moe_head.py", "--stages", *sweep],
+                 "moe_stages.txt", r"check|^moe"),
+            Step("moe tests", 120, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    "vendors/nvidia_mega/tests/test_kernels_moe.py"], "moe_tests.txt")]
+
+
 def mega_tune(o: Options) -> list[Step]:
     """nvidia_mega's launch-plan sweep for the given models (their winners go to kernels/tuned_plans.py)."""
     return [Step("tune plans", 330, [PY, "vendors/nvidia_mega/tune_plans.py", "--models", ",".join(o.models),
@@ -240,7 +250,7 @@ def diag_alternating(o: Options) -> list[Step]:
 
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
-    "bench": bench, "mega-kernels": mega_kernels, "mega-tune": mega_tune, "mega-row1": mega_row1,
+    "bench": bench, "mega-kernels": mega_kernels, "mega-moe": mega_moe, "mega-tune": mega_tune, "mega-row1": mega_row1,
     "mega-prenorm": mega_prenorm,
     "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
@@ -315,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
             "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
             "SPEC_ADAPTIVE", "MUTANTS",
-            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS")}, "steps": records}, indent=1))
+            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
           f"{len(records)} steps ok")
