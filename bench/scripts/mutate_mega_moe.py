@@ -4,10 +4,10 @@ break the code in one place, run the MoE tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
 
-Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py runs under TRITON_INTERPRET=1,
-and the source is restored. Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was
-missed. PDL, the 16-byte loads and the K-side padding to 16 (``max(16, ...)``) are not visible on CPU:
-test_compile_sm90_moe.py checks the compiled PTX.
+Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py and
+test_kernels_moe_edges.py run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
+failing test) or MISSED per mutation; exits 1 if any was missed. PDL, the 16-byte loads and the K-side padding to 16
+(``max(16, ...)``) are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX.
 """
 
 import os
@@ -64,4 +64,5 @@ M = [  # (name, file, original text, mutated text)
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_moe.py", env))
+    sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_moe.py", env,
+                                 pytest_args=("vendors/nvidia_mega/tests/test_kernels_moe_edges.py",)))
