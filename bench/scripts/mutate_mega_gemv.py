@@ -3,8 +3,9 @@ one place, run its CPU tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_gemv.py   # from the root
 
-Each mutation is applied to the source, the GEMV tests of vendors/nvidia_mega/tests/test_kernels_dense.py
-(``-k "gemv or gemm_runs or qkv_rope_one_row"``, the last for qkv_rope's one-row loop) run under TRITON_INTERPRET=1,
+Each mutation is applied to the source, the GEMV tests of vendors/nvidia_mega/tests/test_kernels_gemv.py and
+test_kernels_dense.py (``-k "gemv or gemm_runs or qkv_rope_one_row"``, the last for qkv_rope's one-row loop) run
+under TRITON_INTERPRET=1,
 and the source is restored. Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was
 missed. The PDL order (weights before ``gdc_wait``) and the
 16-byte weight loads are not visible on CPU: test_compile_sm90.py checks them in the compiled PTX.
@@ -101,4 +102,5 @@ M = [  # (name, file, original text, mutated text)
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_dense.py", env,
-                                 pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row")))
+                                 pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row",
+                                              "vendors/nvidia_mega/tests/test_kernels_gemv.py")))
