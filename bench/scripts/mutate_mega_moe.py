@@ -7,7 +7,7 @@ break the code in one place, run the MoE tests, expect a failure.
 Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py and
 test_kernels_moe_edges.py run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
 failing test) or MISSED per mutation; exits 1 if any was missed. PDL, the 16-byte loads and the K-side padding to 16
-(``max(16, ...)``) are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX.
+(``k_chunk(..., 16)``) are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX.
 """
 
 import os
@@ -49,8 +49,8 @@ M = [  # (name, file, original text, mutated text)
     ("row1 at more rows", S, "return self.x.shape[0] == 1 and self.cfg.row1",
      "return self.x.shape[0] <= 3 and self.cfg.row1"),
     ("row1 switch ignored", S, "return self.x.shape[0] == 1 and self.cfg.row1", "return self.x.shape[0] == 1"),
-    ("down I chunk ignored", S, "BLOCK_I=max(16, min(cfg.down_block_i, triton.next_power_of_2(ws.inter)))",
-     "BLOCK_I=max(16, triton.next_power_of_2(ws.inter))"),
+    ("down I chunk ignored", S, "BLOCK_I=k_chunk(cfg.down_block_i, ws.inter, 16),",
+     "BLOCK_I=k_chunk(1 << 30, ws.inter, 16),"),
     ("one-row gate/up grid one tile short", S, "_moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n),",
      "_moe_gate_up_row1_kernel[(max(1, ws.inter // cfg.row1_block_n - 1),"),
     ("NaN probabilities not ranked first", P, "work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)",

@@ -48,7 +48,7 @@ import triton
 
 from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_up_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
-from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel, row1_block_k
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
 from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
 
 
@@ -168,6 +168,12 @@ class MoEWorkspace:
         return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
 
+def k_chunk(block: int, size: int, low: int = 1) -> int:
+    """The K chunk a launch runs: ``block`` capped at ``size`` rounded up to a power of two, and at least ``low``
+    (16 for a ``tl.dot`` operand's K side; the masks cover the padding)."""
+    return max(low, min(block, triton.next_power_of_2(size)))
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
@@ -272,6 +278,11 @@ class MoEStages:
         return min(self.ws.num_experts, self.x.shape[0] * self.top_k)
 
     @property
+    def row1(self) -> bool:
+        """Whether the step runs the one-row FMA forms: one row and ``MoEKernelConfig.row1``."""
+        return self.x.shape[0] == 1 and self.cfg.row1
+
+    @property
     def _dot_f32(self) -> bool:
         # exact fp32 products; the interpreter's bf16 dot is wrong
         return self.x.dtype == torch.float32 or interpreting()
@@ -290,18 +301,13 @@ class MoEStages:
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
             RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
-    @property
-    def row1(self) -> bool:
-        """Whether the step runs the one-row FMA forms: one row and ``MoEKernelConfig.row1``."""
-        return self.x.shape[0] == 1 and self.cfg.row1
-
     def gate_up(self) -> None:
         """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``row1``):
         ``act = silu(gate_e(h)) * up_e(h)`` per slot."""
         ws, cfg = self.ws, self.cfg
         t, hidden = self.x.shape
         if self.row1:
-            bk = row1_block_k(cfg.row1_block_k, hidden)
+            bk = k_chunk(cfg.row1_block_k, hidden)
             _moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n), self.slots)](
                 ws.h, self.w13, ws.act, ws.slot_expert, ws.num_slots, hidden, ws.inter,
                 ROWS_C=ROWS, BLOCK_N=cfg.row1_block_n, BLOCK_K=bk, EVEN_K=hidden % bk == 0, USE_PDL=self.pdl,
@@ -311,7 +317,7 @@ class MoEStages:
             ws.h, self.w13, ws.act, ws.slot_expert, ws.slot_weight, ws.num_slots,
             t, hidden, ws.inter,
             ROWS_C=ROWS, BLOCK_N=cfg.gate_up_block_n,
-            BLOCK_K=max(16, min(cfg.gate_up_block_k, triton.next_power_of_2(hidden))),  # tl.dot: K side >= 16
+            BLOCK_K=k_chunk(cfg.gate_up_block_k, hidden, 16),
             DOT_F32=self._dot_f32, USE_PDL=self.pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
             **launch_kwargs(self.pdl))
 
@@ -325,7 +331,7 @@ class MoEStages:
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
             t, hidden, ws.inter, out.stride(0), res.stride(0),
             TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
-            BLOCK_N=cfg.down_block_n, BLOCK_I=max(16, min(cfg.down_block_i, triton.next_power_of_2(ws.inter))),
+            BLOCK_N=cfg.down_block_n, BLOCK_I=k_chunk(cfg.down_block_i, ws.inter, 16),
             HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1,
             USE_PDL=self.pdl,
             num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_kwargs(self.pdl))

@@ -54,8 +54,3 @@ def _moe_gate_up_row1_kernel(
         a = rnd(g * tl.sigmoid(g), dtype) * rnd(acc_u, dtype)
         tl.store(act_ptr + slot * ROWS_C * INTER + offs_n, to_act(a, dtype), mask=n_mask)
 
-
-def row1_block_k(block_k: int, hidden: int) -> int:
-    """The K chunk the one-row kernel runs: ``block_k`` capped at H rounded up to a power of two."""
-    return min(block_k, triton.next_power_of_2(hidden))
-
