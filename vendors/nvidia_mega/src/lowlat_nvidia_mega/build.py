@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,19 +40,25 @@ SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV)  # the user-facing switches (REA
 TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK",)  # read by the test suite only
 
 
-def check_switch_names(environ: Mapping[str, str] = os.environ) -> None:
-    """Refuse a ``LOWLAT_MEGA_*`` variable that names no switch: a misspelled switch would silently run (and
-    measure) the default variant.
+def check_switches() -> None:
+    """Refuse, at build, what the switches read at each launch or step would refuse later, or would ignore: a
+    ``LOWLAT_MEGA_*`` variable that names no switch (a misspelled switch would silently run, and measure, the
+    default variant) and a value ``LOWLAT_MEGA_PREFETCH_ACT`` / ``LOWLAT_MEGA_PRENORM`` does not parse.
 
     Raises:
-        PluginBuildError: naming each unknown variable, the closest switch, and the known ones.
+        PluginBuildError: naming each unknown variable, the closest switch and the known ones, or the bad value.
     """
-    unknown = sorted(k for k in environ if k.startswith("LOWLAT_MEGA_") and k not in SWITCHES + TEST_SWITCHES)
+    unknown = sorted(k for k in os.environ if k.startswith("LOWLAT_MEGA_") and k not in SWITCHES + TEST_SWITCHES)
     if unknown:
         hints = [f"{k}: did you mean {close[0]}?" for k in unknown
                  if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
                                f"Known: {', '.join(SWITCHES)}; unset the others")
+    for switch in (prefetch_act_enabled, prenorm_enabled):
+        try:
+            switch()
+        except ValueError as e:
+            raise PluginBuildError(str(e)) from None
 
 
 def build(binding: Any) -> MegaForward:
@@ -67,7 +72,7 @@ def build(binding: Any) -> MegaForward:
     Raises:
         PluginBuildError: unsupported architecture, dtype, TP size or head_dim, a missing / misshapen
             parameter (the message names it and the fix), a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
-            ``LOWLAT_MEGA_PRENORM`` value, or an unknown ``LOWLAT_MEGA_*`` variable (``check_switch_names``).
+            ``LOWLAT_MEGA_PRENORM`` value, or an unknown ``LOWLAT_MEGA_*`` variable (``check_switches``).
     """
     mc, ec = binding.model_config, binding.engine_config
     dev, dt = torch.device(binding.device), binding.dtype
@@ -77,12 +82,7 @@ def build(binding: Any) -> MegaForward:
         raise PluginBuildError(f"nvidia_mega runs bfloat16, float16 or float32 models, not {dt}")
     if binding.tp_size != 1:
         raise PluginBuildError(f"nvidia_mega runs with tp_size=1, got {binding.tp_size}; use plugin='none' for TP")
-    check_switch_names()
-    for switch in (prefetch_act_enabled, prenorm_enabled):  # read per launch / step; a bad value fails here first
-        try:
-            switch()
-        except ValueError as e:
-            raise PluginBuildError(str(e)) from None
+    check_switches()
     d = mc.head_dim
     if d < 32 or d & (d - 1):
         raise PluginBuildError(f"nvidia_mega needs a power-of-two head_dim >= 32, got {d}")
