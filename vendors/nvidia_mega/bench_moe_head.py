@@ -24,7 +24,7 @@ import triton.language as tl
 from bench_kernels import copy_bandwidth, time_chain  # the same timing method as the kernel bench
 from lowlat.layers.norm import rms_norm
 from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample
-from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward, moe_stages
+from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEStages, MoEWorkspace, moe_forward, moe_stages
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
 
 H, E, TOP_K, INTER, V = 2048, 128, 8, 768, 151936
@@ -76,9 +76,10 @@ def moe_reference(x, residual, norm_w, gate_w, w13, w2):  # type: ignore[no-unty
 TDOT_CFG = MoEKernelConfig(row1=False)  # the tl.dot forms at one row too, checked and timed beside the default
 
 
-def check_moe(layers: MoELayers, gen: torch.Generator, cfg: MoEKernelConfig) -> list[str]:
+def check_moe(layers: MoELayers, gen: torch.Generator, cfg: MoEKernelConfig, row_counts: tuple[int, ...] = (1, 8),
+              form: str = "") -> list[str]:
     notes = []
-    for rows in (1, 8) if cfg == MoEKernelConfig() else (1,):
+    for rows in row_counts:
         x, res = rand(gen, rows, H, std=1.0), rand(gen, rows, H, std=1.0)
         ws = MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV)
         outs = []
@@ -91,7 +92,6 @@ def check_moe(layers: MoELayers, gen: torch.Generator, cfg: MoEKernelConfig) -> 
         err = ((outs[0].float() - want.float()).norm() / (want.float() - res.float()).norm()).item()
         same_ids = torch.equal(ws.topk_ids[:rows].long(), ids)
         ok = err < 2e-2 and same_ids and all(torch.equal(outs[0], o) for o in outs[1:])
-        form = "" if cfg == MoEKernelConfig() else " (tl.dot forms)"
         notes.append(f"moe rows={rows}{form}: rel err {err:.2e}, top-k ids equal: {same_ids}, "
                      f"pdl on/off/on bitwise equal: {all(torch.equal(outs[0], o) for o in outs[1:])} "
                      f"-> {'OK' if ok else 'FAILED'}")
@@ -153,18 +153,27 @@ def check_lm_head(w: torch.Tensor, norm_w: torch.Tensor, gen: torch.Generator, w
             f"(same noise): {sample_ok} {toks.cpu().tolist()} vs {ref} -> {'OK' if ok else 'FAILED'}"]
 
 
+def moe_chain(layers: MoELayers, rows: int, gen: torch.Generator, cfg: MoEKernelConfig,
+              pdl: bool) -> tuple[list[MoEStages], list[MoEWorkspace]]:
+    """One ``MoEStages`` per layer (checked once, by ``moe_stages``) and its workspace: layer i reads layer i-1's
+    output, like the residual stream."""
+    x = rand(gen, rows, H, std=1.0)
+    outs = [torch.empty_like(x) for _ in layers.gate]
+    wss = [MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV) for _ in layers.gate]
+    stages = [moe_stages(x if i == 0 else outs[i - 1], x if i == 0 else outs[i - 1], layers.norm[i], EPS,
+                         layers.gate[i], layers.w13[i], layers.w2[i], TOP_K, True, outs[i], wss[i], pdl=pdl,
+                         config=cfg) for i in range(len(layers.gate))]
+    return stages, wss
+
+
 def bench_moe(layers: MoELayers, rows: int, pdl: bool, reps: int, gen: torch.Generator, bw: float,
               cfg: MoEKernelConfig) -> tuple[float, float]:
     n = len(layers.gate)
-    x = rand(gen, rows, H, std=1.0)
-    outs = [torch.empty_like(x) for _ in range(n)]
-    wss = [MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV) for _ in range(n)]
+    stages, wss = moe_chain(layers, rows, gen, cfg, pdl)
 
     def chain() -> int:
-        for i in range(n):  # layer i reads layer i-1's output, like the residual stream
-            src = x if i == 0 else outs[i - 1]
-            moe_forward(src, src, layers.norm[i], EPS, layers.gate[i], layers.w13[i], layers.w2[i], TOP_K, True,
-                        outs[i], wss[i], pdl=pdl, config=cfg)
+        for st in stages:  # moe_forward's three launches
+            st.route(), st.gate_up(), st.down()
         return n
     sec = graph_seconds(chain, reps)
     experts = sum(int(ws.num_slots) for ws in wss) / n
@@ -185,12 +194,7 @@ def bench_moe_stages(layers: MoELayers, rows: int, reps: int, gen: torch.Generat
     dependency on the stage before it; the prefixes' differences are each stage's cost inside the chain.
     Returns (label, seconds, floor seconds: the weight bytes of the stages launched at ``bw``)."""
     n = len(layers.gate)
-    x = rand(gen, rows, H, std=1.0)
-    outs = [torch.empty_like(x) for _ in range(n)]
-    wss = [MoEWorkspace.allocate(8, H, INTER, E, TOP_K, DT, DEV) for _ in range(n)]
-    stages = [moe_stages(x if i == 0 else outs[i - 1], x if i == 0 else outs[i - 1], layers.norm[i], EPS,
-                         layers.gate[i], layers.w13[i], layers.w2[i], TOP_K, True, outs[i], wss[i],
-                         pdl=DEV == "cuda", config=cfg) for i in range(n)]
+    stages, wss = moe_chain(layers, rows, gen, cfg, DEV == "cuda")
     for st in stages:  # a full pass: every workspace holds its routing and act
         st.route(), st.gate_up(), st.down()
     experts = sum(int(ws.num_slots) for ws in wss) / n
@@ -259,7 +263,7 @@ def main() -> None:
     lm_norm = [(1 + 0.1 * torch.randn(H, generator=gen, device=DEV)).to(DT) for _ in range(3)]
     lm_ws = LMHeadWorkspace.allocate(8, V, DEV)
     moe_cfg, lm_cfg = MoEKernelConfig(), LMHeadConfig()
-    notes = [n for c in (moe_cfg, TDOT_CFG) for n in check_moe(layers, gen, c)]
+    notes = check_moe(layers, gen, moe_cfg) + check_moe(layers, gen, TDOT_CFG, (1,), " (tl.dot forms)")
     for note in notes + check_lm_head(lm_w[0], lm_norm[0], gen, lm_ws):
         print("check:", note)
 
@@ -278,28 +282,31 @@ def main() -> None:
             for label, sec, floor in bench_moe_stages(layers, rows, args.reps, gen, bw, cfg):
                 table.append((f"moe {label}", rows, DEV == "cuda", name, sec, floor))
     if args.sweep in ("all", "moe") and DEV == "cuda":
-        moe_sweep = [(dict(gate_up_block_n=gn, gate_up_block_k=gk, down_block_n=dn), f"gu {gn}x{gk} down {dn}")
+        both, one, eight = (1, 8), (1,), (8,)  # the row counts each entry is timed at
+        moe_sweep = [(dict(gate_up_block_n=gn, gate_up_block_k=gk, down_block_n=dn), f"gu {gn}x{gk} down {dn}", both)
                      for gn, gk, dn in ((32, 256, 16), (16, 512, 16), (16, 128, 16), (16, 256, 32), (32, 128, 32))]
-        moe_sweep += [(dict(route_warps=rw, route_programs=rp), f"route {rp}x{rw}w")
+        moe_sweep += [(dict(route_warps=rw, route_programs=rp), f"route {rp}x{rw}w", both)
                       for rw, rp in ((1, 32), (2, 32), (4, 16), (4, 64))]
-        moe_sweep += [(dict(gate_up_stages=st, gate_up_warps=wp), f"gu {st}st {wp}w") for st, wp in ((3, 4), (4, 8))]
+        moe_sweep += [(dict(gate_up_stages=st, gate_up_warps=wp), f"gu {st}st {wp}w", both)
+                      for st, wp in ((3, 4), (4, 8))]
         # the one-row forms (1 row only): off, and gate/up tiles (rows per program, K chunk, warps, stages)
-        row1 = [(dict(row1=False), "r1 off (tl.dot forms)")]
-        row1 += [(dict(row1_block_n=bn, row1_block_k=bk, row1_warps=wp, row1_stages=st),
-                  f"r1 gu {bn}x{bk} {wp}w {st}st")
-                 for bn, bk, wp, st in ((4, 1024, 4, 3), (2, 2048, 4, 1), (8, 1024, 8, 3), (1, 1024, 4, 3))]
-        row1 += [(dict(down_block_n=bn, down_warps=wp), f"r1 down {bn} {wp}w") for bn, wp in ((8, 4), (32, 8), (16, 8))]
+        moe_sweep += [(dict(row1=False), "r1 off (tl.dot forms)", one)]
+        moe_sweep += [(dict(row1_block_n=bn, row1_block_k=bk, row1_warps=wp, row1_stages=st),
+                       f"r1 gu {bn}x{bk} {wp}w {st}st", one)
+                      for bn, bk, wp, st in ((4, 1024, 4, 3), (2, 2048, 4, 1), (8, 1024, 8, 3), (1, 1024, 4, 3))]
+        moe_sweep += [(dict(down_block_n=bn, down_warps=wp), f"r1 down {bn} {wp}w", one)
+                      for bn, wp in ((8, 4), (32, 8), (16, 8))]
         # down in I chunks (its K loop): (BLOCK_N, I chunk, warps, stages), at 8 rows and at 1 (row1 forms)
         moe_sweep += [(dict(down_block_n=bn, down_block_i=bi, down_warps=wp, down_stages=st),
-                       f"down8 {bn}x{bi} {wp}w {st}st") for bn, bi, wp, st in
+                       f"down8 {bn}x{bi} {wp}w {st}st", eight) for bn, bi, wp, st in
                       ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 3),
                        (64, 128, 8, 4), (128, 256, 8, 3), (32, 128, 4, 4))]
-        row1 += [(dict(down_block_n=bn, down_block_i=bi, down_warps=wp, down_stages=st),
-                  f"r1 down {bn}x{bi} {wp}w {st}st") for bn, bi, wp, st in
-                 ((16, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 1), (64, 256, 8, 3))]
-        for kwargs, label in moe_sweep + row1:
+        moe_sweep += [(dict(down_block_n=bn, down_block_i=bi, down_warps=wp, down_stages=st),
+                       f"r1 down {bn}x{bi} {wp}w {st}st", one) for bn, bi, wp, st in
+                      ((16, 256, 4, 3), (32, 256, 8, 3), (32, 512, 8, 1), (64, 256, 8, 3))]
+        for kwargs, label, row_counts in moe_sweep:
             cfg = MoEKernelConfig(**kwargs)
-            for rows in (1,) if label.startswith("r1") else (8,) if label.startswith("down8") else (1, 8):
+            for rows in row_counts:
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":
