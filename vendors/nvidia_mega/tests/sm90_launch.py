@@ -24,14 +24,18 @@ PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.int32: "*i32", tor
 OPTIONS = ("num_warps", "num_stages")
 
 
-class _Capture:
-    """Stands in for a ``@triton.jit`` kernel: records ``kernel[grid](*args, **kwargs)``."""
+Launch = tuple[str, tuple[int, ...], tuple[Any, ...], dict[str, Any]]  # (kernel name, grid, args, kwargs)
 
-    def __init__(self) -> None:
-        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+class LaunchRecorder:
+    """Stands in for a ``@triton.jit`` kernel named ``name``: each ``kernel[grid](*args, **kwargs)`` appends
+    ``(name, grid, args, kwargs)`` to ``log`` (shared by the recorders of one test) and launches nothing."""
+
+    def __init__(self, name: str, log: list[Launch]) -> None:
+        self.name, self.log = name, log
 
     def __getitem__(self, grid: tuple[int, ...]):  # type: ignore[no-untyped-def]
-        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+        return lambda *args, **kwargs: self.log.append((self.name, grid, args, kwargs))
 
 
 def capture(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, launch: Callable[[], None],
@@ -40,12 +44,12 @@ def capture(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, laun
     arguments (by parameter name) and its ``num_warps`` / ``num_stages``. ``pdl_modules``' ``pdl_supported`` is
     made true (meta tensors stand in for a GPU)."""
     kernel = getattr(module, name)
-    cap = _Capture()
-    monkeypatch.setattr(module, name, cap)
+    log: list[Launch] = []
+    monkeypatch.setattr(module, name, LaunchRecorder(name, log))
     for m in pdl_modules:
         monkeypatch.setattr(m, "pdl_supported", lambda device=None: True)
     launch()
-    (args, kwargs), = cap.calls
+    (_, _, args, kwargs), = log
     names = kernel.arg_names
     bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
     return bound, {k: kwargs[k] for k in OPTIONS if k in kwargs}

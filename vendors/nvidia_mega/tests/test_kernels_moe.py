@@ -157,30 +157,23 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
     """Which kernels and constants MoEStages launches: the one-row gate/up and the down kernel's ROW1 exactly at one
     row with ``row1``; the down kernel's I chunk from ``down_block_i`` (capped at I rounded up to a power of two)."""
     from lowlat_nvidia_mega.kernels import moe
+    from sm90_launch import LaunchRecorder
 
-    launched: list[tuple[str, dict]] = []
-
-    class Recorder:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            return lambda *args, **kwargs: launched.append((self.name, {"grid": grid, **kwargs}))
-
+    log: list = []
     for name in ("moe_route_kernel", "_moe_gate_up_kernel", "_moe_gate_up_row1_kernel", "_moe_down_kernel"):
-        monkeypatch.setattr(moe, name, Recorder(name))
+        monkeypatch.setattr(moe, name, LaunchRecorder(name, log))
     norm_w, gate_w, w13, w2 = make_weights(torch.float32)
     x, residual = make_x(rows, torch.float32)
     for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False)):
         for block_i, want_i in ((16, 16), (1024, 32)):
-            launched.clear()
+            log.clear()
             ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV)
             moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, True,
                         torch.empty_like(dev(x)), ws, pdl=False, config=dataclasses.replace(cfg, down_block_i=block_i))
-            names = [n for n, _ in launched]
+            names = [n for n, *_ in log]
             assert names == ["moe_route_kernel", "_moe_gate_up_row1_kernel" if row1 else "_moe_gate_up_kernel",
                              "_moe_down_kernel"]
-            gate_up, down = launched[1][1], launched[2][1]
+            gate_up, down = ({"grid": grid, **kwargs} for _, grid, _, kwargs in log[1:])
             slots = min(E, rows * K)
             assert down["ROW1"] is row1 and down["BLOCK_I"] == want_i and down["grid"] == (H // cfg.down_block_n, slots)
             bn = cfg.row1_block_n if row1 else cfg.gate_up_block_n
