@@ -106,8 +106,9 @@ def mega_moe(o: Options) -> list[Step]:
     sweep = ["--sweep", "moe"] if os.environ.get("MOE_SWEEP") == "1" else []
     return [Step("moe stages", 300, [PY, "vendors/nvidia_mega/bench_moe_head.py", "--stages", *sweep],
                  "moe_stages.txt", r"check|^moe"),
-            Step("moe tests", 120, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                    "vendors/nvidia_mega/tests/test_kernels_moe.py"], "moe_tests.txt")]
+            Step("moe tests", 180, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                    "vendors/nvidia_mega/tests/test_kernels_moe.py",
+                                    "vendors/nvidia_mega/tests/test_kernels_moe_edges.py"], "moe_tests.txt")]
 
 
 def mega_tune(o: Options) -> list[Step]:

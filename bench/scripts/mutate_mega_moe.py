@@ -1,5 +1,6 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
 (kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages and MoEKernelConfig in kernels/moe.py):
+the routing grid's one program per (router block, row);
 break the code in one place, run the MoE tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
@@ -7,7 +8,10 @@ break the code in one place, run the MoE tests, expect a failure.
 Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py and
 test_kernels_moe_edges.py run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
 failing test) or MISSED per mutation; exits 1 if any was missed. PDL, the 16-byte loads and the K-side padding to 16
-(``k_chunk(..., 16)``) are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX.
+(``k_chunk(..., 16)``) are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX. Nor is a routing
+ticket that counts one row's programs only (``ticket == tl.num_programs(0) - 1``): the interpreter runs the programs
+one after another, so the selection runs again at every multiple and the last run sees every row; on a GPU it races
+with the other rows' logits (test_kernels_moe.py's 8-row cases on CUDA).
 """
 
 import os
@@ -57,6 +61,9 @@ M = [  # (name, file, original text, mutated text)
      "work = tl.where(valid, p, -1.0)"),
     ("a NaN row's weight kept at the 2.0 stand-in", P,
      'tl.where(best > 1.0, float("nan"), best)[:, None]', "best[:, None]"),
+    ("routing grid one row", S, 'moe_route_kernel[(rp["grid"], t)](', 'moe_route_kernel[(rp["grid"], 1)]('),
+    ("routing h stored by every program of row 0 only", P, "        tl.store(h_ptr + r * H + offs_h, h, mask=mask_h)",
+     "        tl.store(h_ptr + offs_h, h, mask=mask_h & (r == 0))"),
     ("K sides below 16 accepted", S, 'for name in ("gate_up_block_k", "down_block_i"):', "for name in ():"),
     ("stages not checked at the config", S, 'if f.name == "route_programs" or f.name.endswith("_stages"):',
      'if f.name == "route_programs":'),

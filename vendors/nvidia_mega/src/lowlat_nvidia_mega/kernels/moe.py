@@ -8,8 +8,8 @@ Math (HF ``Qwen3MoeSparseMoeBlock``, ``lowlat.layers.moe``)::
 
 Kernels (the routing one is in ``moe_route.py``):
 
-1. ``moe_route_kernel``: norm + router + softmax + top-k + presence bitmap; each selected expert gets a slot, one
-   8-row tile (rows that did not select it have weight 0 and are masked). No sort.
+1. ``moe_route_kernel``, grid ``(cdiv(E, E_BLOCK), T)``: norm + router + softmax + top-k + presence bitmap; each
+   selected expert gets a slot, one 8-row tile (rows that did not select it have weight 0 and are masked). No sort.
 2. ``_moe_gate_up_kernel``, grid ``(cdiv(I, BLOCK_N), S)`` with ``S = min(E, T * top_k)`` (static for a given T, so
    CUDA-graph capturable): program (n, s) streams rows ``[n*BLOCK_N, (n+1)*BLOCK_N)`` of the gate and up weights
    of slot s's expert once, for all rows of the tile at once, and writes ``silu(gate) * up``. Programs whose slot
@@ -292,7 +292,7 @@ class MoEStages:
         x, ws, cfg = self.x, self.ws, self.cfg
         t, hidden = x.shape
         rp = route_launch_params(hidden, ws.num_experts, self.top_k, cfg.route_programs)
-        moe_route_kernel[(rp["grid"],)](
+        moe_route_kernel[(rp["grid"], t)](
             x, self.norm_w if self.norm_w is not None else x, self.gate_w,
             ws.h, ws.logits, ws.topk_ids, ws.topk_weights, ws.row_slot,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
