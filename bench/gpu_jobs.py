@@ -127,6 +127,14 @@ def mega_row1(o: Options) -> list[Step]:
             for m in o.models]
 
 
+def mega_attn(o: Options) -> list[Step]:
+    """nvidia_mega's attention launch-plan sweep (``AttnPlan``: splits, KV block, warps, stages) for the given models,
+    DECODE at batch 1-8 and VERIFY 1 x 6 at context 1024 (winners go to ``tuned_plans.TUNED_ATTN``)."""
+    return [Step("tune attention", 420, [PY, "vendors/nvidia_mega/tune_attention.py", "--models", ",".join(o.models),
+                                         "--json", f"{os.environ.get('OUT', '/tmp/out')}/attn.json"],
+                 "tune_attention.txt", r"production|TUNED|NVIDIA|rejected|WRONG|device")]
+
+
 def mega_prenorm(o: Options) -> list[Step]:
     """nvidia_mega with and without prenorm (``LOWLAT_MEGA_PRENORM=1``: the 2-8-row steps' input norms in their own
     ``norm_rows`` launch) per model, DECODE at 2, 4 and 8 rows and VERIFY x6, one after the other in one call."""
@@ -252,7 +260,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-moe": mega_moe, "mega-tune": mega_tune, "mega-row1": mega_row1,
-    "mega-prenorm": mega_prenorm,
+    "mega-prenorm": mega_prenorm, "mega-attn": mega_attn,
     "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "oot-vendor": oot_vendor, **SPEED_JOBS,

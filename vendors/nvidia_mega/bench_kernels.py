@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import apply_rotary
-from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel, plan_splits
+from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import make_plan, num_sms, small_gemm, splitk_workspace_numel
-from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
+from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, qkv_plan
 
 SHAPES = {  # shapes without a lowlat preset; a preset name maps through preset_shape
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=128, layers=2, vocab=96, qk_norm=True,
@@ -189,14 +189,14 @@ class Case:
         s = self.s
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         rpi, seq, _, _ = self.decode_batch(b, r)
-        splits = plan_splits(b, hkv, self.ctx, d, self.sms)
-        n_o, n_l = partial_numel(b, hq, hkv, d, r, splits)
+        plan = attn_plan(b, r, hq, hkv, d, self.ctx, self.sms, self.dt, device=self.dev)
+        n_o, n_l = partial_numel(b, hq, hkv, d, r, plan)
         o_p, l_p = torch.empty(n_o, device=self.dev), torch.empty(n_l, device=self.dev)
 
         def chain() -> int:
             for kb, vb in zip(self.kb, self.vb):
                 paged_decode_attention(self.q, kb, vb, self.rtt, rpi, seq, self.attn, rows_per_req=r,
-                                       sm_scale=d ** -0.5, num_splits=splits, o_partial=o_p, lse_partial=l_p,
+                                       sm_scale=d ** -0.5, plan=plan, o_partial=o_p, lse_partial=l_p,
                                        use_pdl=pdl)
             return len(self.kb)
         return chain
@@ -262,8 +262,8 @@ class Case:
         rpi, seq, pos, loc = self.decode_batch(t, 1)
         qplan = qkv_plan(hq, hkv, d, h, self.dt, self.dev)
         qws = torch.zeros(max(1, qkv_workspace_numel(qplan, hq, hkv, d)), device=self.dev)
-        splits = plan_splits(t, hkv, self.ctx, d, self.sms)
-        n_o, n_l = partial_numel(t, hq, hkv, d, 1, splits)
+        aplan = attn_plan(t, 1, hq, hkv, d, self.ctx, self.sms, self.dt, device=self.dev)
+        n_o, n_l = partial_numel(t, hq, hkv, d, 1, aplan)
         o_p, l_p = torch.empty(n_o, device=self.dev), torch.empty(n_l, device=self.dev)
         oplan = gemm_plan(h, hq * d, self.dt, self.dev)
         guplan = gemm_plan(s["inter"], h, self.dt, self.dev, gated=True)
@@ -281,7 +281,7 @@ class Case:
                          k_buffer=self.kb[i], v_buffer=self.vb[i], eps=EPS, plan=qplan, workspace=qws,
                          counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
                 paged_decode_attention(self.q, self.kb[i], self.vb[i], self.rtt, rpi, seq, self.attn, rows_per_req=1,
-                                       sm_scale=d ** -0.5, num_splits=splits, o_partial=o_p, lse_partial=l_p,
+                                       sm_scale=d ** -0.5, plan=aplan, o_partial=o_p, lse_partial=l_p,
                                        use_pdl=pdl)
                 gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
                 gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],

@@ -10,7 +10,7 @@ and warps around the two best, then stages around the best; the same weights thr
 none of the fusions) are timed as a reference. It prints the production plan (``tuned_plans``: the
 measured table, else the heuristic), the best found and the ratio; ``--json`` keeps every candidate's time. Add
 a winner to ``tuned_plans.TUNED`` only from such a run. ``--smoke`` runs a few candidates at tiny shapes on the
-CPU (``TRITON_INTERPRET=1``) to check the script.
+CPU (``TRITON_INTERPRET=1``) to check the script. The attention's plans: ``tune_attention.py``.
 """
 
 from __future__ import annotations

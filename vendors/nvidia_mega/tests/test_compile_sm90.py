@@ -29,6 +29,7 @@ if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
 
 from lowlat_nvidia_mega.kernels import gemv, tuned_plans  # noqa: E402
 from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
+    AttnPlan,
     _attn_merge_kernel,
     _attn_split_kernel,
     attention_block_m,
@@ -171,16 +172,30 @@ def test_qkv_rope_tuned_row1_compiles_for_sm90(model: str, plans) -> None:  # ty
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("rows", [1, 8])
-def test_attention_compiles_for_sm90(model: str, rows: int) -> None:
+def _compile_attention(model: str, rows: int, plan: AttnPlan) -> None:
     _, hq, hkv, d, _, _ = MODELS[model]
     bm = attention_block_m(hq, hkv, rows)
-    _assert_pdl(_compile(_attn_split_kernel, ATTN_SIG, dict(
-        HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=64, NUM_SPLITS=32, DOT_F32=False, USE_PDL=True),
-        warps=4 if bm * d <= 4096 else 8, stages=2))
-    _assert_pdl(_compile(_attn_merge_kernel, MERGE_SIG, dict(
-        HQ=hq, HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=64, NUM_SPLITS=32, USE_PDL=True)))
+    consts = dict(HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=plan.block_kv, NUM_SPLITS=plan.num_splits,
+                  USE_PDL=True)
+    _assert_pdl(_compile(_attn_split_kernel, ATTN_SIG, dict(consts, DOT_F32=False), warps=plan.split_warps,
+                         stages=plan.split_stages))
+    _assert_pdl(_compile(_attn_merge_kernel, MERGE_SIG, dict(consts, HQ=hq), warps=plan.merge_warps))
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("batch,rows", [(1, 1), (8, 1), (1, 8)])
+def test_attention_compiles_for_sm90(model: str, batch: int, rows: int, plans) -> None:  # type: ignore[no-untyped-def]
+    """The plan ``MegaForward`` runs at engine max_context_len 2048."""
+    _, hq, hkv, d, _, _ = MODELS[model]
+    _compile_attention(model, rows, plans.attn_plan(batch, rows, hq, hkv, d, 2048, 132, torch.bfloat16, device=CUDA))
+
+
+# corners of tune_attention.py's candidates: (splits, BLOCK_KV, split warps, split stages, merge warps)
+@pytest.mark.parametrize("plan", [AttnPlan(64, 32, 2, 1, 1), AttnPlan(16, 128, 8, 3, 4), AttnPlan(4, 128, 2, 3, 2)],
+                         ids=str)
+def test_attention_sweep_corners_compile_for_sm90(plan: AttnPlan) -> None:
+    for model in MODELS:
+        _compile_attention(model, 8, plan)
 
 
 # ---------------------------------------------------------------- one-row GEMV

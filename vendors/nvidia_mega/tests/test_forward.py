@@ -24,7 +24,8 @@ from lowlat.plugin.binding import PluginBinding
 from lowlat_nvidia_mega import build as build_mod
 from lowlat_nvidia_mega import forward as forward_mod
 from lowlat_nvidia_mega.build import build
-from lowlat_nvidia_mega.kernels import pdl
+from lowlat_nvidia_mega.kernels import pdl, tuned_plans
+from lowlat_nvidia_mega.kernels.attention import AttnPlan, partial_numel
 from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
@@ -179,6 +180,25 @@ def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, monkeypat
     monkeypatch.setattr(build_mod, "qkv_plan", with_row1)
     _check_step(arch, dtype, ForwardMode.DECODE, [11], 1)
     assert seen, "the build must take qkv_rope's plan from qkv_plan"
+
+
+@pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS[:2], ids=["llama-decode", "qwen3-verify"])
+def test_step_with_a_tuned_attention_plan(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int],
+                                          rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``TUNED_ATTN`` entry with more splits and smaller KV blocks than the heuristic (1 split of 64 here): the
+    build takes it for that (batch, rows) only, capped at one block of MAX_CTX per split, sizes the attention
+    workspaces for it, and the step still matches the reference."""
+    b = len(prefix_lens)
+    dt = str(dtype).removeprefix("torch.")
+    monkeypatch.setattr(tuned_plans, "device_name", lambda dev: "Test GPU")
+    monkeypatch.setitem(tuned_plans.TUNED_ATTN, ("Test GPU", "attn", b, rows, 4, 2, 32, dt), (64, 16, 2, 1, 1))
+    _check_step(arch, dtype, mode, prefix_lens, rows)
+    fwd = build(_binding(_config(arch), dtype, _params(_config(arch), dtype)))
+    plan = AttnPlan(MAX_CTX // 16, 16, 2, 1, 1)
+    assert fwd.attn_plans[(b, rows)] == plan
+    assert fwd.attn_plans[(1, 1)].num_splits == 1 and fwd.attn_plans[(1, 1)].block_kv == 64
+    n_o, n_l = partial_numel(b, 4, 2, 32, rows, plan)
+    assert fwd.ws.o_partial.numel() >= n_o and fwd.ws.lse_partial.numel() >= n_l
 
 
 @pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])

@@ -1,4 +1,5 @@
-"""Each dense nvidia_mega kernel against a torch reference built from the general path's layers.
+"""Each dense nvidia_mega kernel against a torch reference built from the general path's layers (the paged decode
+attention: test_kernels_attention.py).
 
 Runs on CPU under ``TRITON_INTERPRET=1`` (tiny shapes) and, unchanged, on a CUDA GPU. Outputs are poisoned
 (NaN) beyond the rows a kernel may write; KV writes are checked slot by slot against sentinel values.
@@ -11,13 +12,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from lowlat.layers.attention import decode_attention_torch
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels import qkv_rope as qkv_mod
 from lowlat_nvidia_mega.kernels import small_gemm as small_gemm_mod
-from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import (
     GemvPlan,
@@ -332,53 +331,6 @@ def test_rope_tables_are_the_general_paths() -> None:
     cos, sin = rope_cos_sin(64, 500000.0, 100, rs, DEV)
     general = RotaryEmbedding(64, 500000.0, rs, 100, device=DEV)
     assert torch.equal(cos, general.cos_cache[:, :32]) and torch.equal(sin, general.sin_cache[:, :32])
-
-
-# ---------------------------------------------------------------- paged decode attention
-
-# (requests, rows per request, KV splits): T = 1, 3, 3, 8, 8; DECODE and VERIFY; one and several splits
-ATTN_CASES = [(1, 1, 4), (3, 1, 1), (1, 3, 4), (8, 1, 4), (2, 4, 1)]
-
-
-def _attention_case(batch: int, rows: int, dtype: torch.dtype, seed: int):  # type: ignore[no-untyped-def]
-    g = _gen(seed)
-    max_len, slots = 160, 1024
-    kb = (torch.randn(slots, HKV, D, generator=g)).to(dtype=dtype, device=DEV)
-    vb = (torch.randn(slots, HKV, D, generator=g)).to(dtype=dtype, device=DEV)
-    rtt = torch.stack([torch.randperm(slots - 1, generator=g)[:max_len] + 1 for _ in range(batch + 2)])
-    rtt = rtt.to(torch.int32)
-    rpi = torch.randperm(batch + 2, generator=g)[:batch]
-    seq = torch.randint(rows, max_len, (batch,), generator=g).to(torch.int32)
-    seq[0] = rows  # a request whose cache holds only this step's rows
-    q = torch.randn(batch * rows, HQ, D, generator=g).to(dtype=dtype, device=DEV)
-    return q, kb, vb, rtt.to(DEV), rpi.to(DEV), seq.to(DEV)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch,rows,splits", ATTN_CASES)
-def test_paged_decode_attention_matches_torch(dtype: torch.dtype, batch: int, rows: int, splits: int) -> None:
-    q, kb, vb, rtt, rpi, seq = _attention_case(batch, rows, dtype, seed=20 + batch * 8 + rows)
-    t = batch * rows
-    n_o, n_l = partial_numel(batch, HQ, HKV, D, rows, splits)
-    o_part = torch.full((n_o,), float("nan"), device=DEV)
-    lse_part = torch.full((n_l,), float("nan"), device=DEV)
-    buf = torch.full((8, HQ * D), float("nan"), dtype=dtype, device=DEV)
-    kb0, vb0 = kb.clone(), vb.clone()
-    paged_decode_attention(q, kb, vb, rtt, rpi, seq, buf[:t], rows_per_req=rows, sm_scale=D ** -0.5,
-                           num_splits=splits, o_partial=o_part, lse_partial=lse_part)
-    ref = decode_attention_torch(q, kb, vb, rtt, rpi, seq, rows, D ** -0.5)
-    torch.testing.assert_close(buf[:t].view(t, HQ, D).float(), ref.float(), **_tol(dtype))
-    assert torch.isnan(buf[t:].float()).all(), "rows beyond T were written"
-    assert torch.equal(kb, kb0) and torch.equal(vb, vb0), "attention must not write the KV pool"
-
-
-def test_paged_decode_attention_rejects_mismatched_rows() -> None:
-    q, kb, vb, rtt, rpi, seq = _attention_case(2, 1, torch.float32, seed=3)
-    n_o, n_l = partial_numel(2, HQ, HKV, D, 2, 1)
-    with pytest.raises(ValueError, match="rows_per_req"):
-        paged_decode_attention(q, kb, vb, rtt, rpi, seq, torch.empty(2, HQ * D, device=DEV), rows_per_req=2,
-                               sm_scale=1.0, num_splits=1, o_partial=torch.empty(n_o, device=DEV),
-                               lse_partial=torch.empty(n_l, device=DEV))
 
 
 # ---------------------------------------------------------------- PDL switches

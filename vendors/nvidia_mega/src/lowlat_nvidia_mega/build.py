@@ -2,7 +2,8 @@
 
 Runs after the general model's weights are loaded and before the KV pool is sized. It takes views of the
 loaded parameters (no weight copies: the kernels read the brief's layouts directly), picks launch plans for
-every GEMM shape by heuristics (no autotuning, so nothing tunes during CUDA-graph capture), allocates every
+every GEMM shape and the attention's for every (batch, rows per request) from ``kernels.tuned_plans`` (measured
+tables, else heuristics; no autotuning, so nothing tunes during CUDA-graph capture), allocates every
 intermediate once through ``binding.alloc_workspace`` (so the memory is accounted before the KV pool is sized)
 and registers for the KV pool with ``binding.on_kv_pool_ready``.
 """
@@ -17,7 +18,7 @@ import torch
 from lowlat.plugin import PluginBuildError
 
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
-from lowlat_nvidia_mega.kernels.attention import partial_numel, plan_splits
+from lowlat_nvidia_mega.kernels.attention import AttnPlan, partial_numel
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
 from lowlat_nvidia_mega.kernels.norm_rows import PRENORM_ENV, prenorm_enabled
 from lowlat_nvidia_mega.kernels.pdl import ENV_SWITCH as PDL_ENV
@@ -30,7 +31,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     prefetch_act_enabled,
     splitk_workspace_numel,
 )
-from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
+from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, qkv_plan
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -120,7 +121,9 @@ def build(binding: Any) -> MegaForward:
     for name, n in tiles.items():
         counters[name] = cnt[off:off + n]
         off += n
-    n_o, n_l = _attention_partials(mc, ec.max_context_len, sms)
+    attn_plans = {(b, r): attn_plan(b, r, hq, hkv, d, ec.max_context_len, sms, dt, device=dev)
+                  for b in range(1, MAX_ROWS + 1) for r in range(1, MAX_ROWS // b + 1)}
+    n_o, n_l = _attention_partials(mc, attn_plans)
     cos, sin = binding.rope_cos_sin()  # plugin API 2: the general path's tables
     cos_ws, sin_ws = alloc("rope_cos", tuple(cos.shape), f32), alloc("rope_sin", tuple(sin.shape), f32)
     cos_ws.copy_(cos)
@@ -138,7 +141,7 @@ def build(binding: Any) -> MegaForward:
         head=_head_workspace(mc, dev, alloc),
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
-                      layers=layers, ws=ws, plans=plans, max_context_len=ec.max_context_len, sms=sms)
+                      layers=layers, ws=ws, plans=plans, attn_plans=attn_plans)
     binding.on_kv_pool_ready(fwd.attach_kv_pool)
     return fwd
 
@@ -184,14 +187,12 @@ def _layer(p: _Params, mc: Any, i: int) -> LayerWeights:
     return LayerWeights(**kw)  # type: ignore[arg-type]
 
 
-def _attention_partials(mc: Any, max_context_len: int, sms: int) -> tuple[int, int]:
-    """Largest (o_partial, lse_partial) fp32 sizes over every (batch, rows per request) with B * R <= 8."""
+def _attention_partials(mc: Any, attn_plans: dict[tuple[int, int], AttnPlan]) -> tuple[int, int]:
+    """Largest (o_partial, lse_partial) fp32 sizes over the plans of every (batch, rows per request), B * R <= 8."""
     n_o = n_l = 1
-    for b in range(1, MAX_ROWS + 1):
-        for r in range(1, MAX_ROWS // b + 1):
-            s = plan_splits(b, mc.num_key_value_heads, max_context_len, mc.head_dim, sms)
-            o, lse = partial_numel(b, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, r, s)
-            n_o, n_l = max(n_o, o), max(n_l, lse)
+    for (b, r), plan in attn_plans.items():
+        o, lse = partial_numel(b, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, r, plan)
+        n_o, n_l = max(n_o, o), max(n_l, lse)
     return n_o, n_l
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
-from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, plan_splits
+from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import moe_forward
@@ -103,17 +103,17 @@ class MegaForward:
         layers: one LayerWeights per decoder layer.
         ws: the Workspaces.
         plans: GemmPlan per call site: "qkv", "o_proj", "gate_up", "down" (the last two absent for MoE-only).
-        max_context_len: the engine's longest sequence (bounds the attention split plan).
-        sms: streaming multiprocessors of the device (for the split plans).
+        attn_plans: the attention's AttnPlan per (batch, rows per request), every pair with B * R <= 8
+            (``tuned_plans.attn_plan`` at build; the attention workspaces are sized for all of them).
     """
 
     def __init__(self, *, config: ModelConfig, device: torch.device, dtype: torch.dtype, embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, layers: list[LayerWeights], ws: Workspaces,
-                 plans: dict[str, GemmPlan], max_context_len: int, sms: int) -> None:
+                 plans: dict[str, GemmPlan], attn_plans: dict[tuple[int, int], AttnPlan]) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
         self.layers, self.ws, self.plans = layers, ws, plans
-        self.max_context_len, self.sms = max_context_len, sms
+        self.attn_plans = attn_plans
         self.eps = config.rms_norm_eps
         self.sm_scale = config.head_dim ** -0.5
         self.k_buffers: list[torch.Tensor] | None = None
@@ -175,7 +175,7 @@ class MegaForward:
         use_pdl = pdl_enabled(self.device)
         t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
         rows = t // b
-        splits = plan_splits(b, c.num_key_value_heads, self.max_context_len, c.head_dim, self.sms)
+        attn_plan = self.attn_plans[(b, rows)]
         x, q, attn = ws.x[:t], ws.q[:t], ws.attn[:t]
         h = self._prenorm_rows(t)
         torch.index_select(self.embed, 0, batch.input_ids, out=x)
@@ -188,7 +188,7 @@ class MegaForward:
                      counters=ws.counters["qkv"], use_pdl=use_pdl)
             paged_decode_attention(q, self.k_buffers[i], self.v_buffers[i], self.req_to_token,
                                    batch.req_pool_indices, batch.seq_lens, attn, rows_per_req=rows,
-                                   sm_scale=self.sm_scale, num_splits=splits, o_partial=ws.o_partial,
+                                   sm_scale=self.sm_scale, plan=attn_plan, o_partial=ws.o_partial,
                                    lse_partial=ws.lse_partial, use_pdl=use_pdl)
             gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
                  workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)

@@ -11,7 +11,8 @@ Split-KV ("flash-decoding", Dao et al. 2023) in two kernels:
 2. ``_attn_merge_kernel``, grid (T * Hq,): combines the splits of one (row, head) by their LSE weights and
    writes ``out[t, h * D:(h + 1) * D]`` in the model dtype.
 
-K/V are gathered through ``req_to_token`` (one slot per position, so any page size works).
+K/V are gathered through ``req_to_token`` (one slot per position, so any page size works). The launch plan, an
+``AttnPlan`` (S, BLOCK_KV, warps and stages of each kernel), comes from ``tuned_plans.attn_plan`` per shape.
 
 PDL overlap: the page-table entries and the first K/V block of the chunk are loaded *before* ``gdc_wait``,
 masked to positions ``< L - R`` (written by earlier steps, never by this step's QKV kernel); positions of
@@ -19,6 +20,8 @@ this step's new tokens are loaded after it, together with q.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -143,29 +146,82 @@ def attention_block_m(num_heads: int, num_kv_heads: int, rows_per_req: int) -> i
 
 
 def attention_block_kv(head_dim: int) -> int:
-    """KV positions per block: 64 (a [64, D] K tile is 8 to 16 KB in bf16)."""
+    """The heuristic's KV positions per block: 64 (a [64, D] K tile is 8 to 16 KB in bf16)."""
     return 64
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnPlan:
+    """Launch plan of ``paged_decode_attention`` for one shape (chosen at build from shapes alone, never autotuned
+    at capture: ``tuned_plans.attn_plan``).
+
+    Fields (all ints):
+        num_splits: KV splits per (request, KV head), a power of two in 1..``MAX_SPLITS``: the split kernel's
+            second grid axis and the merge kernel's reduction width.
+        block_kv: KV positions per block of the split kernel's loop, a power of two >= 16 (a ``tl.dot`` side);
+            both kernels derive the chunk ``ceil(ceil(L / S) / block_kv) * block_kv`` from it.
+        split_warps: warps per split program, a power of two in 1..32.
+        split_stages: software-pipelining stages of the split kernel's KV loop, >= 1.
+        merge_warps: warps per merge program, a power of two in 1..32.
+    Raises:
+        ValueError: naming the field, for a non-integer or out-of-range value.
+    """
+
+    num_splits: int
+    block_kv: int = 64
+    split_warps: int = 4
+    split_stages: int = 2
+    merge_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"AttnPlan.{f.name}={v!r} must be an integer")
+        for name, lo, hi in (("num_splits", 1, MAX_SPLITS), ("block_kv", 16, None), ("split_warps", 1, 32),
+                             ("merge_warps", 1, 32)):
+            v = getattr(self, name)
+            if v < lo or (hi is not None and v > hi) or v & (v - 1):
+                rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+                raise ValueError(f"AttnPlan.{name}={v} must be a power of two {rng}")
+        if self.split_stages < 1:
+            raise ValueError(f"AttnPlan.split_stages={self.split_stages} must be >= 1")
+
+
+def split_cap(max_context_len: int, block_kv: int) -> int:
+    """Most useful splits: one ``block_kv`` block of ``max_context_len`` per split, as a power of two <= MAX_SPLITS
+    (more splits than blocks only add empty programs)."""
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(max_context_len, block_kv))))
 
 
 def plan_splits(batch_size: int, num_kv_heads: int, max_context_len: int, head_dim: int, sms: int) -> int:
     """KV splits per (request, KV head): a power of two giving ~2 x ``sms`` programs, at most ``MAX_SPLITS`` and
     at most one block of ``max_context_len`` per split."""
     want = triton.cdiv(2 * sms, batch_size * num_kv_heads)
-    cap = min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(max_context_len, attention_block_kv(head_dim))))
-    return max(1, min(triton.next_power_of_2(want), cap))
+    return max(1, min(triton.next_power_of_2(want), split_cap(max_context_len, attention_block_kv(head_dim))))
+
+
+def default_attn_plan(batch_size: int, rows_per_req: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      max_context_len: int, sms: int) -> AttnPlan:
+    """The heuristic plan: ``plan_splits`` splits, ``attention_block_kv`` positions per block, 4 split warps (8 when
+    the query tile holds more than 4096 elements), 2 stages, 4 merge warps (8 when splits x D > 4096)."""
+    splits = plan_splits(batch_size, num_kv_heads, max_context_len, head_dim, sms)
+    tile = attention_block_m(num_heads, num_kv_heads, rows_per_req) * head_dim
+    return AttnPlan(num_splits=splits, block_kv=attention_block_kv(head_dim), split_warps=4 if tile <= 4096 else 8,
+                    split_stages=2, merge_warps=4 if splits * head_dim <= 4096 else 8)
 
 
 def partial_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rows_per_req: int,
-                  num_splits: int) -> tuple[int, int]:
-    """fp32 elements of (partial outputs, partial LSEs) one launch needs."""
-    n = batch_size * num_kv_heads * num_splits * attention_block_m(num_heads, num_kv_heads, rows_per_req)
+                  plan: AttnPlan) -> tuple[int, int]:
+    """fp32 elements of (partial outputs, partial LSEs) one launch with ``plan`` needs (its splits decide)."""
+    n = batch_size * num_kv_heads * plan.num_splits * attention_block_m(num_heads, num_kv_heads, rows_per_req)
     return n * head_dim, n
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, rows_per_req: int,
-    sm_scale: float, num_splits: int, o_partial: torch.Tensor, lse_partial: torch.Tensor,
+    sm_scale: float, plan: AttnPlan, o_partial: torch.Tensor, lse_partial: torch.Tensor,
     use_pdl: bool | None = None,
 ) -> torch.Tensor:
     """Attention of T = B * R new query rows over each request's cached K/V (new rows included).
@@ -179,12 +235,13 @@ def paged_decode_attention(
         out: [T, Hq * D] output in q's dtype, unit column stride.
         rows_per_req: R, 1 (DECODE) to 8 (VERIFY).
         sm_scale: softmax scale, usually D ** -0.5.
-        num_splits: KV splits, a power of two <= 64 (``plan_splits``).
-        o_partial, lse_partial: fp32 workspaces of >= ``partial_numel(...)`` elements.
+        plan: the launch plan (``tuned_plans.attn_plan``: splits, KV block, warps, stages); any valid plan gives
+            the same result up to rounding (the chunks of the online softmax differ).
+        o_partial, lse_partial: fp32 workspaces of >= ``partial_numel(..., plan)`` elements.
     Returns:
         ``out``.
     Raises:
-        ValueError: on a shape, stride, dtype or device mismatch.
+        ValueError: on a shape, stride, dtype or device mismatch, or a ``plan`` that is not an AttnPlan.
     """
     num_slots, hkv, d = k_buffer.shape if k_buffer.dim() == 3 else (0, 0, 0)
     if k_buffer.dim() != 3 or v_buffer.shape != k_buffer.shape or not (k_buffer.is_contiguous()
@@ -204,8 +261,8 @@ def paged_decode_attention(
         raise ValueError(f"T={t} rows must be batch {b} x rows_per_req {r} with 1 <= R <= {MAX_ROWS}")
     if d & (d - 1) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    if num_splits < 1 or num_splits > MAX_SPLITS or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two in 1..{MAX_SPLITS}, got {num_splits}")
+    if not isinstance(plan, AttnPlan):
+        raise ValueError(f"plan must be an AttnPlan, got {type(plan).__name__}")
     if out.shape != (t, hq * d) or out.stride(1) != 1 or out.dtype != q.dtype:
         raise ValueError(f"out must be [{t}, {hq * d}] {q.dtype} with unit column stride, got {tuple(out.shape)} "
                          f"{out.dtype}")
@@ -218,24 +275,24 @@ def paged_decode_attention(
         raise ValueError(f"req_pool_indices must be an integer [{b}] tensor")
     if seq_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError("seq_lens must be an integer tensor")
-    n_o, n_l = partial_numel(b, hq, hkv, d, r, num_splits)
+    n_o, n_l = partial_numel(b, hq, hkv, d, r, plan)
     if o_partial.dtype != torch.float32 or o_partial.numel() < n_o or lse_partial.dtype != torch.float32 \
             or lse_partial.numel() < n_l:
         raise ValueError(f"o_partial / lse_partial must be fp32 with >= {n_o} / {n_l} elements")
     use_pdl = pdl_enabled(q.device) if use_pdl is None else use_pdl
     g = hq // hkv
     block_m = attention_block_m(hq, hkv, r)
-    block_kv = attention_block_kv(d)
-    warps = 4 if block_m * d <= 4096 else 8
-    _attn_split_kernel[(b * hkv, num_splits)](
+    splits, block_kv = plan.num_splits, plan.block_kv  # the merge kernel's `used` needs the split kernel's chunk
+    _attn_split_kernel[(b * hkv, splits)](
         q2, q2.stride(0), k_buffer, v_buffer, k_buffer.stride(0), req_to_token, req_to_token.stride(0),
         req_pool_indices, seq_lens, o_partial, lse_partial, sm_scale * LOG2E,
-        HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=num_splits,
-        DOT_F32=dot_in_f32(q.dtype), USE_PDL=use_pdl, num_warps=warps, num_stages=2, **launch_kwargs(use_pdl),
+        HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=splits,
+        DOT_F32=dot_in_f32(q.dtype), USE_PDL=use_pdl, num_warps=plan.split_warps, num_stages=plan.split_stages,
+        **launch_kwargs(use_pdl),
     )
     _attn_merge_kernel[(t * hq,)](
         o_partial, lse_partial, seq_lens, out, out.stride(0),
-        HQ=hq, HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=num_splits,
-        USE_PDL=use_pdl, num_warps=4 if num_splits * d <= 4096 else 8, **launch_kwargs(use_pdl),
+        HQ=hq, HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=splits,
+        USE_PDL=use_pdl, num_warps=plan.merge_warps, **launch_kwargs(use_pdl),
     )
     return out

@@ -1,4 +1,5 @@
-"""Launch plans measured per GPU model, with the heuristics of ``plan_gemm`` / ``plan_qkv`` as the fallback.
+"""Launch plans measured per GPU model, with the heuristics of ``plan_gemm`` / ``plan_qkv`` /
+``default_attn_plan`` as the fallback.
 
 Like the per-device Triton config files of vLLM's and SGLang's fused MoE, the table holds, for the shapes of the
 models we serve, the plan ``tune_plans.py`` found fastest on a given GPU (CUDA-graph replays of a chain of
@@ -7,6 +8,7 @@ at build, never at capture.
 
 Key: (``torch.cuda.get_device_name()``, kind, N, K, dtype), kind ``"qkv"`` (N = (Hq + 2 Hkv) * D, K = hidden),
 ``"gemm"`` or ``"gated"`` (N = output width, K = reduction). Value: (BLOCK_N, BLOCK_K, split-K, warps, stages).
+``TUNED_ATTN`` holds the paged decode attention's plans (``tune_attention.py``), keyed by the step's shape.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import dataclasses
 import torch
 import triton
 
+from lowlat_nvidia_mega.kernels.attention import AttnPlan, default_attn_plan, split_cap
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
 
@@ -57,6 +60,13 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 128, 8, 1, 8),   # qwen3-30b qkv   11.36 -> 8.66
     ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (8, 2048, 8, 1),      # qwen3-30b o      7.24 -> 5.97
 }
+
+
+# Paged decode attention. Key: (device name, "attn", batch B, rows per request R, Hq, Hkv, D, dtype). Value: AttnPlan
+# fields (num_splits, block_kv, split_warps, split_stages, merge_warps), the fastest of a `tune_attention.py` run at
+# its context (1024 tokens); attn_plan caps the splits at one block of max_context_len per split. Empty until a
+# GPU sweep measures an entry.
+TUNED_ATTN: dict[tuple[str, str, int, int, int, int, int, str], tuple[int, int, int, int, int]] = {}
 
 
 def default_row1(k: int, *, gated: bool) -> GemvPlan:
@@ -106,3 +116,19 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
                      weight_rows=head_dim)
     row1 = _tuned(TUNED_ROW1, "qkv", n, hidden, dtype, device)
     return plan if row1 is None or row1[0] != head_dim else dataclasses.replace(plan, row1=GemvPlan(*row1))
+
+
+def attn_plan(batch_size: int, rows_per_req: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              max_context_len: int, sms: int, dtype: torch.dtype, *, device: torch.device) -> AttnPlan:
+    """The paged decode attention's plan for a step of ``batch_size`` requests x ``rows_per_req`` rows on
+    ``device``: the ``TUNED_ATTN`` entry of this shape (its splits capped by ``split_cap(max_context_len,
+    block_kv)``), else ``default_attn_plan`` (``sms`` and ``max_context_len`` choose its splits). Shapes only,
+    never the batch's lengths, so a CUDA graph records one plan per batch size."""
+    key = (device_name(device), "attn", batch_size, rows_per_req, num_heads, num_kv_heads, head_dim,
+           str(dtype).removeprefix("torch."))
+    hit = TUNED_ATTN.get(key)
+    if hit is None:
+        return default_attn_plan(batch_size, rows_per_req, num_heads, num_kv_heads, head_dim, max_context_len, sms)
+    splits, block_kv, split_warps, split_stages, merge_warps = hit
+    return AttnPlan(num_splits=min(splits, split_cap(max_context_len, block_kv)), block_kv=block_kv,
+                    split_warps=split_warps, split_stages=split_stages, merge_warps=merge_warps)
