@@ -1,6 +1,6 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
 (kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages and MoEKernelConfig in kernels/moe.py):
-the routing grid's one program per (router block, row) and its one-max top-k key;
+the routing grid's one program per (router block, row);
 break the code in one place, run the MoE tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
@@ -57,17 +57,13 @@ M = [  # (name, file, original text, mutated text)
      "BLOCK_I=k_chunk(1 << 30, ws.inter, 16),"),
     ("one-row gate/up grid one tile short", S, "_moe_gate_up_row1_kernel[(triton.cdiv(ws.inter, cfg.row1_block_n),",
      "_moe_gate_up_row1_kernel[(max(1, ws.inter // cfg.row1_block_n - 1),"),
-    ("NaN probabilities ranked last", P, "work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)",
-     "work = tl.where(valid, tl.where(p != p, -0.5, p), -1.0)"),
+    ("NaN probabilities not ranked first", P, "work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)",
+     "work = tl.where(valid, p, -1.0)"),
     ("a NaN row's weight kept at the 2.0 stand-in", P,
      'tl.where(best > 1.0, float("nan"), best)[:, None]', "best[:, None]"),
     ("routing grid one row", S, 'moe_route_kernel[(rp["grid"], t)](', 'moe_route_kernel[(rp["grid"], 1)]('),
     ("routing h stored by every program of row 0 only", P, "        tl.store(h_ptr + r * H + offs_h, h, mask=mask_h)",
      "        tl.store(h_ptr + offs_h, h, mask=mask_h & (r == 0))"),
-    ("top-k ties pick the higher index", P, "low = (E_PAD - 1 - ee).to(tl.int64)", "low = ee.to(tl.int64)"),
-    ("top-k picks stay live", P, "key = tl.where(hit, TAKEN, key)", "key = tl.where(hit, key, key)"),
-    ("top-k index from the high word", P, "idx = E_PAD - 1 - top.to(tl.int32)  # the low word",
-     "idx = E_PAD - 1 - (top >> 32).to(tl.int32)  # the low word"),
     ("K sides below 16 accepted", S, 'for name in ("gate_up_block_k", "down_block_i"):', "for name in ():"),
     ("stages not checked at the config", S, 'if f.name == "route_programs" or f.name.endswith("_stages"):',
      'if f.name == "route_programs":'),

@@ -37,7 +37,6 @@ from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait
 from lowlat_nvidia_mega.kernels.small_gemm import to_act
 
 ROWS = 8  # every MoE kernel is specialized for at most 8 rows
-TAKEN: tl.constexpr = tl.constexpr(-(1 << 62))  # the top-k key of a picked expert: below every live key
 
 
 @triton.jit
@@ -103,30 +102,22 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
     # A NaN probability (a NaN or inf in the row) ranks above every other, as torch.topk ranks NaN: 2.0 stands for
     # it in the search (a probability is at most 1) and is turned back into NaN as the weight, so the row is routed
-    # and its output comes out NaN instead of the row being dropped. (A positive NaN's bits would rank first in the
-    # integer key below by themselves; a negative NaN's would rank last, so the stand-in stays.)
+    # and its output comes out NaN instead of the row being dropped.
     work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)
 
     sel = tl.zeros([ROWS_C, E_PAD], dtype=tl.int32)
     sel_w = tl.zeros([ROWS_C, E_PAD], dtype=tl.float32)
     ids = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.int32)
     wts = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.float32)
-    # One max per pick over a 64-bit key: the float32 bits of the score (order-preserving as signed integers for
-    # scores >= 0, and every stand-in below 0 stays below them) above the complement of the expert index, so the
-    # largest key is the best score and, among equal scores, the lowest index (two reductions, a max and then a min
-    # over the tied indices, took twice the dependent steps).
-    low = (E_PAD - 1 - ee).to(tl.int64)
-    key = (work.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
     for k in tl.static_range(TOP_K):
-        top = tl.max(key, axis=1)
-        idx = E_PAD - 1 - top.to(tl.int32)  # the low word
-        best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        best = tl.max(work, axis=1)
+        idx = tl.min(tl.where(work == best[:, None], ee[None, :], E_PAD), axis=1)
         hit = ee[None, :] == idx[:, None]
         sel = tl.where(hit, 1, sel)
         sel_w = tl.where(hit, p, sel_w)
         ids = tl.where(kk[None, :] == k, idx[:, None], ids)
         wts = tl.where(kk[None, :] == k, tl.where(best > 1.0, float("nan"), best)[:, None], wts)
-        key = tl.where(hit, TAKEN, key)
+        work = tl.where(hit, -2.0, work)
     if RENORM:
         denom = tl.where(row_ok, tl.sum(wts, axis=1), 1.0)
         wts = wts / denom[:, None]
