@@ -26,7 +26,9 @@ from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan,
 # default heuristic -> tuned, us per launch at 1 row.
 TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
     ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"): (64, 256, 4, 4, 3),     # llama-3.2-1b   13.07 -> 9.45
-    ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 64, 8, 4, 2),     # qwen3-30b-a3b  17.71 -> 11.11
+    # qwen3-30b-a3b: at 2-8 rows since its one-row kernel (TUNED_ROW1) serves 1 row; the 1-row winner
+    # (128, 64, 8, 4, 2) -> the 8-row winner, µs at 8 rows (bench/results/2026-12-02-h200-mega-route-rows/call2).
+    ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 128, 4, 8, 3),    # qwen3-30b-a3b  22.80 -> 13.47
     ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"): (64, 64, 8, 2, 2),     # llama o_proj    6.00 -> 5.21
     ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (64, 128, 8, 2, 5),    # qwen3 o_proj    9.13 -> 7.15
     ("NVIDIA H200", "gated", 8192, 2048, "bfloat16"): (32, 256, 1, 4, 3),   # llama gate_up  25.57 -> 22.32
@@ -64,9 +66,26 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
 
 # Paged decode attention. Key: (device name, "attn", batch B, rows per request R, Hq, Hkv, D, dtype). Value: AttnPlan
 # fields (num_splits, block_kv, split_warps, split_stages, merge_warps), the fastest of a `tune_attention.py` run at
-# its context (1024 tokens); attn_plan caps the splits at one block of max_context_len per split. Empty until a
-# GPU sweep measures an entry.
-TUNED_ATTN: dict[tuple[str, str, int, int, int, int, int, str], tuple[int, int, int, int, int]] = {}
+# its context (1024 tokens); attn_plan caps the splits at one block of max_context_len per split. Entries of
+# 2026-12-02 (bench/results/2026-12-02-h200-mega-route-rows/call2): the heuristic -> the best, µs per attention call
+# (split + merge; the heuristic planned for the engine's default max_context_len of 2048).
+TUNED_ATTN: dict[tuple[str, str, int, int, int, int, int, str], tuple[int, int, int, int, int]] = {
+    ("NVIDIA H200", "attn", 1, 1, 32, 8, 64, "bfloat16"): (16, 64, 4, 2, 1),  # llama-3.2-1b decode 5.02 -> 3.60
+    ("NVIDIA H200", "attn", 2, 1, 32, 8, 64, "bfloat16"): (16, 64, 4, 1, 1),  # llama-3.2-1b decode 5.50 -> 3.87
+    ("NVIDIA H200", "attn", 4, 1, 32, 8, 64, "bfloat16"): (16, 64, 4, 1, 1),  # llama-3.2-1b decode 6.25 -> 5.74
+    ("NVIDIA H200", "attn", 8, 1, 32, 8, 64, "bfloat16"): (4, 128, 4, 3, 1),  # llama-3.2-1b decode 11.33 -> 8.96
+    ("NVIDIA H200", "attn", 1, 6, 32, 8, 64, "bfloat16"): (8, 128, 4, 1, 1),  # llama-3.2-1b verify 6.80 -> 4.63
+    ("NVIDIA H200", "attn", 1, 1, 32, 8, 128, "bfloat16"): (32, 32, 4, 1, 1),  # qwen3-8b decode 7.25 -> 4.37
+    ("NVIDIA H200", "attn", 2, 1, 32, 8, 128, "bfloat16"): (16, 64, 8, 1, 1),  # qwen3-8b decode 10.70 -> 6.25
+    ("NVIDIA H200", "attn", 4, 1, 32, 8, 128, "bfloat16"): (16, 32, 4, 2, 1),  # qwen3-8b decode 14.09 -> 8.90
+    ("NVIDIA H200", "attn", 8, 1, 32, 8, 128, "bfloat16"): (8, 32, 2, 3, 1),  # qwen3-8b decode 22.88 -> 14.14
+    ("NVIDIA H200", "attn", 1, 6, 32, 8, 128, "bfloat16"): (16, 32, 4, 2, 4),  # qwen3-8b verify 8.44 -> 7.66
+    ("NVIDIA H200", "attn", 1, 1, 32, 4, 128, "bfloat16"): (32, 32, 4, 2, 1),  # qwen3-30b-a3b decode 6.30 -> 3.98
+    ("NVIDIA H200", "attn", 2, 1, 32, 4, 128, "bfloat16"): (32, 32, 4, 3, 1),  # qwen3-30b-a3b decode 7.29 -> 5.03
+    ("NVIDIA H200", "attn", 4, 1, 32, 4, 128, "bfloat16"): (16, 64, 8, 1, 1),  # qwen3-30b-a3b decode 11.43 -> 6.39
+    ("NVIDIA H200", "attn", 8, 1, 32, 4, 128, "bfloat16"): (8, 64, 8, 1, 1),  # qwen3-30b-a3b decode 15.30 -> 9.44
+    ("NVIDIA H200", "attn", 1, 6, 32, 4, 128, "bfloat16"): (16, 32, 4, 2, 2),  # qwen3-30b-a3b verify 8.57 -> 6.50
+}
 
 
 def default_row1(k: int, *, gated: bool) -> GemvPlan:
