@@ -68,19 +68,20 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
 # fields (num_splits, block_kv, split_warps, split_stages, merge_warps), the fastest of a `tune_attention.py` run at
 # its context (1024 tokens); attn_plan caps the splits at one block of max_context_len per split. Entries of
 # 2026-12-02 (bench/results/2026-12-02-h200-mega-route-rows/call2): the heuristic -> the best, µs per attention call
-# (split + merge; the heuristic planned for the engine's default max_context_len of 2048).
+# (split + merge; the heuristic planned for the engine's default max_context_len of 2048). Four winners of that
+# sweep are left out because the whole step was slower with them (lowlat bench, call3 against call1 and the
+# session before): llama-3.2-1b DECODE 1 x 1 (5.02 -> 3.60 alone; step 0.841 -> 0.851 ms) and VERIFY 1 x 6
+# (6.80 -> 4.63; 1.149 -> 1.163 ms), qwen3-8b VERIFY 1 x 6 (8.44 -> 7.66; 4.830 -> 5.002 ms), qwen3-30b-a3b
+# DECODE 1 x 1 (6.30 -> 3.98; 2.550 -> 2.616 ms): alone, attention follows attention; in the step it follows
+# qkv_rope and precedes o_proj, which its PDL overlap shares the SMs with.
 TUNED_ATTN: dict[tuple[str, str, int, int, int, int, int, str], tuple[int, int, int, int, int]] = {
-    ("NVIDIA H200", "attn", 1, 1, 32, 8, 64, "bfloat16"): (16, 64, 4, 2, 1),  # llama-3.2-1b decode 5.02 -> 3.60
     ("NVIDIA H200", "attn", 2, 1, 32, 8, 64, "bfloat16"): (16, 64, 4, 1, 1),  # llama-3.2-1b decode 5.50 -> 3.87
     ("NVIDIA H200", "attn", 4, 1, 32, 8, 64, "bfloat16"): (16, 64, 4, 1, 1),  # llama-3.2-1b decode 6.25 -> 5.74
     ("NVIDIA H200", "attn", 8, 1, 32, 8, 64, "bfloat16"): (4, 128, 4, 3, 1),  # llama-3.2-1b decode 11.33 -> 8.96
-    ("NVIDIA H200", "attn", 1, 6, 32, 8, 64, "bfloat16"): (8, 128, 4, 1, 1),  # llama-3.2-1b verify 6.80 -> 4.63
     ("NVIDIA H200", "attn", 1, 1, 32, 8, 128, "bfloat16"): (32, 32, 4, 1, 1),  # qwen3-8b decode 7.25 -> 4.37
     ("NVIDIA H200", "attn", 2, 1, 32, 8, 128, "bfloat16"): (16, 64, 8, 1, 1),  # qwen3-8b decode 10.70 -> 6.25
     ("NVIDIA H200", "attn", 4, 1, 32, 8, 128, "bfloat16"): (16, 32, 4, 2, 1),  # qwen3-8b decode 14.09 -> 8.90
     ("NVIDIA H200", "attn", 8, 1, 32, 8, 128, "bfloat16"): (8, 32, 2, 3, 1),  # qwen3-8b decode 22.88 -> 14.14
-    ("NVIDIA H200", "attn", 1, 6, 32, 8, 128, "bfloat16"): (16, 32, 4, 2, 4),  # qwen3-8b verify 8.44 -> 7.66
-    ("NVIDIA H200", "attn", 1, 1, 32, 4, 128, "bfloat16"): (32, 32, 4, 2, 1),  # qwen3-30b-a3b decode 6.30 -> 3.98
     ("NVIDIA H200", "attn", 2, 1, 32, 4, 128, "bfloat16"): (32, 32, 4, 3, 1),  # qwen3-30b-a3b decode 7.29 -> 5.03
     ("NVIDIA H200", "attn", 4, 1, 32, 4, 128, "bfloat16"): (16, 64, 8, 1, 1),  # qwen3-30b-a3b decode 11.43 -> 6.39
     ("NVIDIA H200", "attn", 8, 1, 32, 4, 128, "bfloat16"): (8, 64, 8, 1, 1),  # qwen3-30b-a3b decode 15.30 -> 9.44
