@@ -22,9 +22,11 @@ Per shape it prints the production plan and µs, the best and µs, the ratio and
 both timings (add them to ``kernels/tuned_plans.py`` only from such a run). ``--json`` keeps every candidate.
 
 About 240 candidates and 220 kernel compiles over the 15 shapes: ``--jobs`` processes (default min(8, cores / 2))
-compile each stage's plans ahead into Triton's cache while the timing process waits, so the run should take 2-4
-minutes on an H200 (an estimate: not yet run there). ``--smoke`` runs a few candidates at a tiny shape on the CPU
-(``TRITON_INTERPRET=1``) to check the script; its times are nan.
+compile each stage's plans ahead into Triton's cache while the timing process waits: 74 s for the three presets
+on the H200 (2026-12-02). ``--smoke`` runs a few candidates at a tiny shape on the CPU (``TRITON_INTERPRET=1``) to
+check the script; its times are nan. The candidates are timed alone (attention after attention); in a step the
+attention sits between qkv_rope and o_proj, and four winners of the 2026-12-02 sweep, faster alone, made the step
+slower (``kernels/tuned_plans.py`` lists them): confirm a new entry with ``lowlat bench`` before keeping it.
 """
 
 from __future__ import annotations
