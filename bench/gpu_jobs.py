@@ -129,10 +129,18 @@ def mega_row1(o: Options) -> list[Step]:
 
 def mega_attn(o: Options) -> list[Step]:
     """nvidia_mega's attention launch-plan sweep (``AttnPlan``: splits, KV block, warps, stages) for the given models,
-    DECODE at batch 1-8 and VERIFY 1 x 6 at context 1024 (winners go to ``tuned_plans.TUNED_ATTN``)."""
-    return [Step("tune attention", 420, [PY, "vendors/nvidia_mega/tune_attention.py", "--models", ",".join(o.models),
-                                         "--json", f"{os.environ.get('OUT', '/tmp/out')}/attn.json"],
-                 "tune_attention.txt", r"production|TUNED|NVIDIA|rejected|WRONG|device")]
+    DECODE at batch 1-8 and VERIFY 1 x 6 at context 1024 (winners go to ``tuned_plans.TUNED_ATTN``), each plan timed
+    alone; ``ATTN_IN_LAYER=1`` times each in the layer chain instead (``--in-layer``: qkv_rope -> attention ->
+    o_proj per layer, µs per layer), ``ATTN_IN_LAYER=full`` with gate_up -> down (or the MoE) too (not yet run on a
+    GPU)."""
+    mode = os.environ.get("ATTN_IN_LAYER", "")
+    mode = "attn" if mode == "1" else "" if mode == "0" else mode
+    extra = ["--in-layer", mode] if mode else []  # tune_attention.py refuses a mode other than attn / full
+    tag = f"_inlayer_{slug(mode)}" if mode else ""
+    return [Step(f"tune attention{' in-layer ' + mode if mode else ''}", 420,
+                 [PY, "vendors/nvidia_mega/tune_attention.py", "--models", ",".join(o.models), *extra, "--json",
+                  f"{os.environ.get('OUT', '/tmp/out')}/attn{tag}.json"],
+                 f"tune_attention{tag}.txt", r"production|TUNED|NVIDIA|rejected|WRONG|device")]
 
 
 def mega_prenorm(o: Options) -> list[Step]:
@@ -334,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
             "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
             "SPEC_ADAPTIVE", "MUTANTS",
-            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP")}, "steps": records}, indent=1))
+            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP", "ATTN_IN_LAYER")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
           f"{len(records)} steps ok")

@@ -118,3 +118,15 @@ def test_serve_job_with_speculation_parses(jobs, monkeypatch):
     args = build_parser().parse_args(step.argv[3:])
     assert args.speculative == "simulated:3.51" and args.num_draft_tokens == 5 and args.speculative_only
     assert args.serve_arg == ["--no-spec-adaptive"] and step.out.endswith("_simulated_3.51.txt")
+
+
+@pytest.mark.parametrize(("env", "flags", "out"), [("", [], "tune_attention.txt"),
+                                                   ("1", ["--in-layer", "attn"], "tune_attention_inlayer_attn.txt"),
+                                                   ("full", ["--in-layer", "full"], "tune_attention_inlayer_full.txt")])
+def test_mega_attn_in_layer_env(jobs, monkeypatch, env, flags, out):
+    """``ATTN_IN_LAYER`` picks tune_attention.py's in-layer mode, with its own output files."""
+    monkeypatch.setenv("ATTN_IN_LAYER", env)
+    (step,) = jobs.mega_attn(jobs.Options(["llama-3.2-1b"], ["nvidia_mega"], 1.0))
+    argv = step.argv[2:]
+    assert [a for a in argv if a in ("--in-layer", "attn", "full")] == flags and step.out == out
+    assert argv[argv.index("--json") + 1].endswith(out.replace("tune_attention", "attn").replace(".txt", ".json"))

@@ -27,6 +27,15 @@ on the H200 (2026-12-02). ``--smoke`` runs a few candidates at a tiny shape on t
 check the script; its times are nan. The candidates are timed alone (attention after attention); in a step the
 attention sits between qkv_rope and o_proj, and four winners of the 2026-12-02 sweep, faster alone, made the step
 slower (``kernels/tuned_plans.py`` lists them): confirm a new entry with ``lowlat bench`` before keeping it.
+
+``--in-layer`` times every candidate inside the step's chain instead (``attn_chain.py``): per layer qkv_rope ->
+attention -> o_proj with the production plans and forward.py's launches, each layer its own weights and KV pool,
+PDL on; ``--in-layer full`` adds gate_up -> down (a MoE preset: the MoE), which the next layer's qkv_rope follows.
+Its times are µs per layer (each candidate prints one line: the chain's µs per layer and the attention's share,
+that minus the base: the same chain without the attention, timed once per shape); the stages' ranking, the confirm
+timings, the 3% rule and the ``TUNED_ATTN`` lines use the chain's times (not the share). Each shape also reports
+production and best timed alone and checks the chain's own attention output (``--json``: ``base_us`` and the rest
+per shape). Not yet run on a GPU; ``--smoke --in-layer full`` runs it on the CPU, with a MoE preset too.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
+from attn_chain import MODES, LayerChain  # noqa: E402
 from lowlat.layers.attention import decode_attention_torch  # noqa: E402
 from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     MAX_SPLITS,
@@ -161,17 +171,26 @@ def _compile_job(job: tuple) -> None:
 
 
 def sweep(case: AttnCase, prod: AttnPlan, grid: Grid, reps: int, tol: float, bw: float,
-          ahead: Precompiler | None = None) -> dict:
+          ahead: Precompiler | None = None, layer: LayerChain | None = None) -> dict:
     """Time the production plan and the staged candidates for one shape (µs per call; ``tol``: the output check's
-    tolerance, ``bw``: bytes/s of the floor; ``ahead``: compiles each stage's new plans first); returns its result
-    row, ``wrong`` listing plans that failed the check."""
+    tolerance, ``bw``: bytes/s of the floor; ``ahead``: compiles each stage's new plans first; ``layer``: time each
+    plan in that chain instead, µs per layer); returns its result row, ``wrong`` listing plans that failed the
+    check (and, in a chain, a failed check of the chain's own attention output)."""
     times: dict[AttnPlan, float] = {}
     errors: dict[AttnPlan, float] = {}
+    chain = case.chain if layer is None else layer.chain
+
+    def clock(p: AttnPlan | None) -> float:
+        return bk.time_chain(chain(p), case.dev, reps) * 1e6
+
+    base = clock(None) if layer is not None else math.nan  # the chain without the attention, once per shape
 
     def measure(p: AttnPlan) -> None:
         try:
-            times[p] = bk.time_chain(case.chain(p), case.dev, reps) * 1e6
+            times[p] = clock(p)
             errors[p] = case.error(p)
+            if layer is not None:
+                print(f"    {_fmt(p)}: {times[p]:.2f} us/layer (attention {times[p] - base:.2f})", flush=True)
         except Exception as e:  # a plan the compiler rejects (e.g. out of shared memory) is skipped, not fatal
             if case.dev.type != "cuda":
                 raise
@@ -200,34 +219,67 @@ def sweep(case: AttnCase, prod: AttnPlan, grid: Grid, reps: int, tol: float, bw:
     stage([dataclasses.replace(p, split_stages=st) for p in ranked()[:1] for st in grid.split_stages])
     stage([dataclasses.replace(p, merge_warps=mw) for p in ranked()[:1] for mw in grid.merge_warps])
     best = (ranked() or [prod])[0]
-    again = {p: bk.time_chain(case.chain(p), case.dev, reps) * 1e6 if times[p] != math.inf else math.inf
-             for p in {prod, best}}
+    again = {p: clock(p) if times[p] != math.inf else math.inf for p in {prod, best}}
     floor = case.kv_bytes / bw * 1e6
     wrong = [dataclasses.asdict(p) for p in times if not errors[p] <= tol and times[p] != math.inf]
+    extra: dict = {}
+    if layer is not None:  # the base chain, the two plans alone, and the chain's own output check
+        alone = {p: bk.time_chain(case.chain(p), case.dev, reps) * 1e6 if times[p] != math.inf else math.inf
+                 for p in {prod, best}}
+        extra = dict(in_layer=layer.mode, layers=layer.layers, base_us=base, production_alone_us=alone[prod],
+                     best_alone_us=alone[best], chain_error=layer.error(prod))
+        if not extra["chain_error"] <= tol:
+            print(f"    WRONG CHAIN OUTPUT {_fmt(prod)}: error {extra['chain_error']:.3g}", flush=True)
+            wrong.append(dict(chain_check=dataclasses.asdict(prod), error=extra["chain_error"]))
     return dict(batch=case.b, rows=case.r, ctx=case.ctx, heads=case.hq, kv_heads=case.hkv, head_dim=case.d,
                 kv_copies=len(case.kb), kv_bytes=case.kv_bytes, floor_us=floor,
                 production=dataclasses.asdict(prod), production_us=times[prod], production_confirm_us=again[prod],
                 best=dataclasses.asdict(best), best_us=times[best], best_confirm_us=again[best],
                 candidates=len(times), wrong=wrong,
                 all=sorted(([dataclasses.asdict(p), times[p], errors[p]] for p in times),
-                           key=lambda row: row[1] if row[1] == row[1] else math.inf))
+                           key=lambda row: row[1] if row[1] == row[1] else math.inf), **extra)
 
 
 def _shape_row(m: str, shape: dict, b: int, r: int, ctx: int, max_ctx: int, sms: int, dev: torch.device,
                dtype: torch.dtype, grid: Grid, args: argparse.Namespace, tol: float, ahead: Precompiler | None) -> dict:
     case = AttnCase(shape, b, r, ctx, dev, dtype)
     prod = attn_plan(b, r, case.hq, case.hkv, case.d, max_ctx, sms, dtype, device=dev)
+    layer = LayerChain(shape, b, r, ctx, dev, dtype, args.in_layer) if args.in_layer else None
     return dict(model=m, mode="decode" if r == 1 else "verify",
-                **sweep(case, prod, grid, args.reps, tol, args.bw, ahead))
+                **sweep(case, prod, grid, args.reps, tol, args.bw, ahead, layer))
 
 
 def _line(row: dict) -> str:
     prod, best = AttnPlan(**row["production"]), AttnPlan(**row["best"])
-    return (f"  {row['model']:14} {row['mode']:6} B={row['batch']} R={row['rows']}: production "
+    head = f"  {row['model']:14} {row['mode']:6} B={row['batch']} R={row['rows']}:"
+    if "base_us" in row:  # in-layer: µs per layer, the attention's share after the semicolon
+        base = row["base_us"]
+        return (f"{head} in-layer {row['in_layer']} ({row['layers']} layers, base {base:.2f} us) | production "
+                f"{row['production_us']:6.2f} us/layer ({row['production_confirm_us']:6.2f}; attention "
+                f"{row['production_us'] - base:5.2f}) {_fmt(prod)} | best {row['best_us']:6.2f} "
+                f"({row['best_confirm_us']:6.2f}; attention {row['best_us'] - base:5.2f}) {_fmt(best)} "
+                f"({row['production_us'] / row['best_us']:.3f}x, {row['candidates']} plans) | alone "
+                f"{row['production_alone_us']:.2f} -> {row['best_alone_us']:.2f} us | floor {row['floor_us']:.2f} us")
+    return (f"{head} production "
             f"{row['production_us']:6.2f} us ({row['production_confirm_us']:6.2f}) {_fmt(prod)} | best "
             f"{row['best_us']:6.2f} us ({row['best_confirm_us']:6.2f}) {_fmt(best)} "
             f"({row['production_us'] / row['best_us']:.2f}x, {row['candidates']} plans) | floor "
             f"{row['floor_us']:.2f} us")
+
+
+def _tuned_line(row: dict, device: str, dtype: torch.dtype) -> str | None:
+    """The ``TUNED_ATTN`` line of a shape whose best beat production by more than 3% on both timings (in-layer: µs
+    per layer of the chain, the attention's share and the two plans alone in the comment), else None."""
+    gain = min(row["production_us"] / row["best_us"], row["production_confirm_us"] / row["best_confirm_us"])
+    if not gain > 1.03:
+        return None
+    key = (device, "attn", row["batch"], row["rows"], row["heads"], row["kv_heads"], row["head_dim"],
+           str(dtype).removeprefix("torch."))
+    note = (f" in-layer {row['in_layer']} (attention {row['production_us'] - row['base_us']:.2f} -> "
+            f"{row['best_us'] - row['base_us']:.2f}; alone {row['production_alone_us']:.2f} -> "
+            f"{row['best_alone_us']:.2f})" if "base_us" in row else "")
+    return (f"    {key!r}: {tuple(dataclasses.astuple(AttnPlan(**row['best'])))!r},  # {row['model']} {row['mode']} "
+            f"{row['production_us']:.2f} -> {row['best_us']:.2f}{note}")
 
 
 def main() -> None:
@@ -242,6 +294,9 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write every candidate here")
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes compiling each stage's plans ahead (default: 0 on the CPU, else min(8, cores / 2))")
+    ap.add_argument("--in-layer", nargs="?", const="attn", default=None, choices=MODES,
+                    help="time each plan in the step's chain, µs per layer: qkv_rope -> attention -> o_proj ('attn', "
+                         "the default), 'full': then gate_up -> down (or the MoE)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, a few plans, CPU interpreter")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -253,12 +308,13 @@ def main() -> None:
     models = args.models.split(",")
     if args.smoke:
         grid, ctx, max_ctx, cases, models = SMOKE_GRID, 40, 64, [(2, 1), (1, 3)], ["tiny"]
+        models += ["tiny-qwen3-moe"] if args.in_layer == "full" else []  # the MoE layer's chain too
     sms = num_sms(dev)
     jobs = args.jobs if args.jobs is not None else 0 if dev.type != "cuda" else min(8, (os.cpu_count() or 2) // 2)
     ahead = Precompiler(jobs) if jobs > 0 else None
     print(f"device {device_name(dev)} ({sms} SMs), torch {torch.__version__}, triton {triton.__version__}; context "
-          f"{ctx} tokens, engine max_context_len {max_ctx}, {dtype}, PDL {'on' if pdl_enabled(dev) else 'off'}",
-          flush=True)
+          f"{ctx} tokens, engine max_context_len {max_ctx}, {dtype}, PDL {'on' if pdl_enabled(dev) else 'off'}"
+          + (f"; timed in the layer chain ({args.in_layer})" if args.in_layer else ""), flush=True)
     t0, rows = time.monotonic(), []
     try:
         for m in models:
@@ -269,19 +325,16 @@ def main() -> None:
     finally:
         if ahead is not None:
             ahead.close()
-    print("TUNED_ATTN entries (best faster than production by > 3% on both timings):")
+    print("TUNED_ATTN entries (best faster than production by > 3% on both timings"
+          + (", µs per layer of the in-layer chain):" if args.in_layer else "):"))
     for row in rows:
-        gain = min(row["production_us"] / row["best_us"], row["production_confirm_us"] / row["best_confirm_us"])
-        if gain > 1.03:
-            bp = AttnPlan(**row["best"])
-            key = (device_name(dev), "attn", row["batch"], row["rows"], row["heads"], row["kv_heads"], row["head_dim"],
-                   str(dtype).removeprefix("torch."))
-            print(f"    {key!r}: {tuple(dataclasses.astuple(bp))!r},  # {row['model']} {row['mode']} "
-                  f"{row['production_us']:.2f} -> {row['best_us']:.2f}")
+        line = _tuned_line(row, device_name(dev), dtype)
+        if line:
+            print(line)
     if args.json:
         meta = dict(device=device_name(dev), sms=sms, torch=torch.__version__, triton=triton.__version__, ctx=ctx,
                     max_context_len=max_ctx, dtype=str(dtype), pdl=pdl_enabled(dev), reps=args.reps, bw=args.bw,
-                    seconds=time.monotonic() - t0)
+                    in_layer=args.in_layer, seconds=time.monotonic() - t0)
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, results=rows), f, indent=1)
     wrong = [(row["model"], row["mode"], row["batch"], row["rows"], w) for row in rows for w in row["wrong"]]

@@ -57,23 +57,37 @@ def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:
         assert r["row1_best"]["split_k"] >= 1 and "cublas_us" in r and r["candidates"] >= 1
 
 
-def test_tune_attention_smoke_runs_the_sweep(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--in-layer"], ["--in-layer", "full"]], ids=["alone", "in-layer", "full"])
+def test_tune_attention_smoke_runs_the_sweep(tmp_path: Path, mode: list[str]) -> None:
     """``tune_attention.py --smoke`` (CPU interpreter, tiny shape) runs every stage of the attention plan sweep for
     a DECODE and a VERIFY shape, with two processes launching each stage's plans ahead (the GPU run's compile
     workers), checks each candidate's output against the torch reference (exit status 1 if one fails) and writes
-    its JSON; on a GPU the same code times them."""
+    its JSON; on a GPU the same code times them. ``--in-layer`` times each plan in the layer chain instead
+    (qkv_rope -> attention -> o_proj; ``full``: then the dense MLP, and a MoE preset's MoE) and checks the chain's
+    attention output too."""
     script = Path(__file__).resolve().parents[1] / "tune_attention.py"
     out = tmp_path / "attn.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    subprocess.run([sys.executable, str(script), "--smoke", "--jobs", "2", "--json", str(out)], check=True, env=env,
+    jobs = [] if mode else ["--jobs", "2"]
+    subprocess.run([sys.executable, str(script), "--smoke", *jobs, *mode, "--json", str(out)], check=True, env=env,
                    capture_output=True, timeout=600)
-    rows = json.loads(out.read_text())["results"]
-    assert [(r["mode"], r["batch"], r["rows"]) for r in rows] == [("decode", 2, 1), ("verify", 1, 3)]
+    data = json.loads(out.read_text())
+    rows = data["results"]
+    models = ["tiny", "tiny-qwen3-moe"] if "full" in mode else ["tiny"]
+    assert [(r["model"], r["mode"], r["batch"], r["rows"]) for r in rows] == [
+        (m, mo, b, r) for m in models for mo, b, r in [("decode", 2, 1), ("verify", 1, 3)]]
     for r in rows:
         assert r["candidates"] >= 3 and not r["wrong"] and r["floor_us"] > 0
         plans = [c[0] for c in r["all"]]
         assert r["production"] in plans and {p["block_kv"] for p in plans} == {16, 64}
         assert all(err <= 1e-4 for _, _, err in r["all"])
+    if mode:
+        assert data["meta"]["in_layer"] == (mode + ["attn"])[1]
+        for r in rows:
+            assert r["in_layer"] == data["meta"]["in_layer"] and r["layers"] == 2 and r["chain_error"] <= 1e-4
+            assert {"base_us", "production_alone_us", "best_alone_us"} <= set(r)
+    else:
+        assert data["meta"]["in_layer"] is None and "base_us" not in rows[0]
 
 
 @pytest.mark.parametrize("fields", [(3, 1024, 4, 1), (8, 1000, 4, 1), (8, 1024, 6, 1), (8, 1024, 4, 0),
