@@ -1,8 +1,8 @@
 """The loop of a source-mutation pass: apply one mutation, run a test file, expect a failure, restore the source.
 
 Used by ``mutate_peer_allreduce.py``, ``mutate_amd_counters.py``, ``mutate_amd_step.py``, ``mutate_amd_row1.py``,
-``mutate_mega_gemv.py``, ``mutate_mega_prenorm.py``, ``mutate_mega_moe.py`` and ``mutate_fused_kernels.py`` (run
-from the repository root).
+``mutate_mega_gemv.py``, ``mutate_mega_prenorm.py``, ``mutate_mega_moe.py``, ``mutate_mega_attn.py`` and
+``mutate_fused_kernels.py`` (run from the repository root).
 """
 
 import pathlib
