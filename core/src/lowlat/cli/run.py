@@ -220,10 +220,9 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
                        f"{dtype}, tp={engine.config.tp_size}, "
                        f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
                        f"overlapped loop {'on' if getattr(engine, 'overlap', None) is not None else 'off'}"))
-    sel = runner.plugin_host.selection
-    console.print(Text(f"plugin {sel.plugin.name} ({sel.plugin.distribution} {sel.plugin.version}): {sel.reason}"
-                       if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))
-    for line in runner.plugin_host.rejections:
+    path = runner.plugin_host.describe(engine.config.plugin)  # lowlat serve prints the same at startup
+    console.print(Text(path["summary"]))
+    for line in path["skipped"]:
         console.print(Text(f"  auto skipped {line}", style="dim"))
     spec = engine.speculator
     if spec is not None:
