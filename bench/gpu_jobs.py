@@ -78,7 +78,8 @@ def contract(o: Options) -> list[Step]:
 
 
 def compare(o: Options) -> list[Step]:
-    """Greedy 256 tokens on the general path and each plugin: token agreement, logit difference, speed."""
+    """Greedy 256 tokens on the general path and each plugin: token agreement, logit difference, speed; rc 1 only
+    on a divergence that is no near-tie of the general logits (``lowlat run --compare``'s verdict line)."""
     return [Step(f"compare {p} {m}", 200, [*LOWLAT, "run", "--compare", "--plugin", p, "--model", m, "--device",
                                            "cuda", "--dtype", "bfloat16", "--max-new-tokens", "256",
                                            "--max-context-len", "1024", "--prompt", "The capital of France"],

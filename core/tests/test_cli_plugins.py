@@ -42,13 +42,19 @@ def test_plugins_table_and_explain(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "nvidia_mega" in out.stdout and "Qwen3MoeForCausalLM" in out.stdout and "guard here: fail" in out.stdout
     assert "loaded, guards pass here for 0 of 3 architectures" in out.stdout  # no bare "ok" beside failing guards
+    # the platform reason all 3 architectures share is printed once per plugin, not once per architecture
+    text = " ".join(out.stdout.split())
+    assert text.count("guards fail here for all 3 architectures: platform: needs platform ") == 2, text
+    assert text.count("this machine: cpu (Triton interpreter off)") == 2, text
+    assert text.count("guard here: fail (as above)") == 6, text
     interp = {"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"}
     out = lowlat(site, "plugins", "--device", "cpu", env_extra=interp)
     assert out.returncode == 0, out.stderr
     # --dtype auto is float32 on a CPU, which nvidia_mega refuses: a fail, as `lowlat run --plugin nvidia_mega` fails
     text = " ".join(out.stdout.split())
-    assert "guard here: fail (dtype: needs dtype bfloat16; the engine runs float32, what --dtype auto computes in on" \
-           " a CPU (pass --dtype bfloat16))" in text, text
+    assert "guards fail here for all 3 architectures: dtype: needs dtype bfloat16; the engine runs float32, what " \
+           "--dtype auto computes in on a CPU (pass --dtype bfloat16) LlamaForCausalLM" in text, text
+    assert text.count("needs dtype bfloat16;") == 1 and text.count("guard here: fail (as above)") == 3, text
     out = lowlat(site, "plugins", "--device", "cpu", "--dtype", "bf16", env_extra=interp)
     assert out.returncode == 0, out.stderr
     # requirements it could not check (no --model) are "not checked", never a "pass"
@@ -76,6 +82,42 @@ def test_plugins_table_and_explain(tmp_path):
                  "--model", "tiny-qwen3", env_extra=interp)
     assert out.returncode == 0, out.stderr
     assert "nvidia_mega (lowlat-nvidia-mega 0" in out.stdout and ": PASS  coverage" in out.stdout, out.stdout
+
+
+def _spec(arch, guard, *failures):
+    trace = [{"requirement": "architecture", "status": "pass", "reason": arch}]
+    trace += [{"requirement": r, "status": "fail", "reason": why} for r, why in failures]
+    return {"architecture": arch, "coverage": "DECODE", "requirements": {
+        "platforms": ["cuda"], "dtypes": ["bfloat16"], "tp_sizes": [1], "page_sizes": "any", "features_required": [],
+        "features_refused": [], "libraries": [], "model": {}}, "guard": guard, "not_checked": [],
+        "reason": "; ".join(f"{r}: {why}" for r, why in failures) or "ok", "trace": trace}
+
+
+def _table(capsys, *specs):
+    from lowlat.cli.plugins import _print_table
+
+    _print_table({"core_version": "0", "platform": "cpu", "model": None, "plugins": [{
+        "name": "p", "distribution": "lowlat-p", "version": "1", "core_range": "(any)", "status": "ok", "error": None,
+        "specs": list(specs)}]})
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_plugins_table_prints_a_shared_guard_failure_once(capsys):
+    """A reason every architecture's guard fails with is printed once under the plugin; each architecture's row
+    keeps what it adds (nothing is lost); without a reason shared by all, each row keeps its whole reason."""
+    plat = ("platform", "needs platform cuda; this machine: cpu")
+    text = _table(capsys, _spec("A", "fail", plat), _spec("B", "fail", plat, ("model.head_dim", "needs 64; has 96")),
+                  _spec("C", "fail", ("dtype", "needs bfloat16"), plat))
+    assert text.count("needs platform cuda") == 1, text
+    assert "guards fail here for all 3 architectures: platform: needs platform cuda; this machine: cpu A " in text
+    assert "A DECODE guard here: fail (as above)" in text
+    assert "B DECODE guard here: fail (as above; also model.head_dim: needs 64; has 96)" in text
+    assert "C DECODE guard here: fail (as above; also dtype: needs bfloat16)" in text
+    text = _table(capsys, _spec("A", "fail", plat), _spec("B", "pass"))
+    assert "guards fail here" not in text and "A DECODE guard here: fail (platform: needs platform cuda; " \
+           "this machine: cpu)" in text and "B DECODE guard here: pass" in text, text
+    text = _table(capsys, _spec("A", "fail", plat))  # one architecture: nothing to share
+    assert "guards fail here" not in text and "A DECODE guard here: fail (platform: needs platform cuda" in text
 
 
 def test_unknown_allowlisted_plugin_is_a_clear_cli_error(tmp_path):

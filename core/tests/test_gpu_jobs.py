@@ -49,6 +49,21 @@ def test_lowlat_commands_parse(jobs):
             parser.parse_args(s.argv[3:])  # SystemExit on an unknown flag
 
 
+def test_compare_steps_echo_the_verdict(jobs):
+    """The compare step's summary shows ``lowlat run --compare``'s verdict line, whichever it is (its rc: 0 for
+    identical tokens or a near-tie, 1 for a divergence)."""
+    import re
+
+    opts = jobs.Options(["llama-3.2-1b"], ["nvidia_mega"], 1.0)
+    (step,) = jobs.compare(opts)
+    assert "--compare" in step.argv and "--compare-strict" not in step.argv
+    for line in ("verdict: tokens identical (exit 0)", "verdict: tokens differ in 1 of 1 request, each first at a "
+                 "near-tie within the documented bound (docs/contract.md): accepted (exit 0; --compare-strict exits "
+                 "1 on any difference)", "verdict: DIVERGED: tokens differ in 1 of 1 request; the first difference "
+                 "of request 0 is not a near-tie within the documented bound (exit 1)"):
+        assert re.search(step.show, line), line
+
+
 def test_unknown_job_is_an_error_naming_the_jobs(jobs, capsys):
     with pytest.raises(SystemExit):
         jobs.main(["no-such-job"])

@@ -90,6 +90,26 @@ def test_cli_make_checkpoint(tmp_path, capsys) -> None:
     assert "unknown preset 'nope'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002], ids=["022", "077", "002"])
+def test_cli_make_checkpoint_files_follow_the_umask(tmp_path, capsys, umask) -> None:
+    """Every file written, the safetensors shards included (safetensors itself writes 0600), gets a new file's
+    mode: 0644 under umask 022, as config.json does."""
+    import os
+    import stat
+
+    out = tmp_path / "ckpt"
+    args = _parser().parse_args(["make-checkpoint", "--preset", "tiny-llama", "--out", str(out),
+                                 "--max-shard-gb", "0.0001"])  # several shards
+    old = os.umask(umask)
+    try:
+        assert args.func(args) == 0
+    finally:
+        os.umask(old)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert sum(n.endswith(".safetensors") for n in modes) > 1 and "config.json" in modes, modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), {n: oct(m) for n, m in modes.items()}
+
+
 @pytest.mark.parametrize("nbytes, text", [(512, "512 bytes"), (1500, "1.5 KB"), (428_900, "428.9 KB"),
                                           (999_950, "1.0 MB"), (64_000_000, "64.0 MB"), (2_470_000_000, "2.47 GB")])
 def test_make_checkpoint_size_has_the_right_unit(nbytes, text) -> None:

@@ -26,11 +26,57 @@ def client(server):
 def test_models_health_metrics(server, client):
     url = server[0]
     assert [m.id for m in client.models.list().data] == [MODEL]
+    path = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["serving_path"]  # tiny-llama, float32
+    assert path["plugin"] is None and path["summary"] == "plugin: none (auto: every step on the general path)"
+    assert any(s.startswith("nvidia_mega: dtype: needs dtype bfloat16") for s in path["skipped"]), path
     assert httpx.get(f"{url}/health", timeout=5).status_code == 200
     text = httpx.get(f"{url}/metrics", timeout=5).text
     for name in ("lowlat_requests_total", "lowlat_time_to_first_token_seconds", "lowlat_queue_depth",
                  "lowlat_steps_total", "lowlat_generation_tokens_total"):
         assert name in text
+
+
+@pytest.mark.parametrize("plugins,dtype,want", [
+    ("mirror", "float32", ["lowlat serve: plugin mirror (lowlat-test-mirror 1.0): auto: made for cpu and its guard"]),
+    ("good", "bfloat16", ["lowlat serve: plugin: none (auto: every step on the general path)",
+                          "  auto skipped good: dtype: needs dtype float32; the engine runs bfloat16"]),
+])
+def test_serve_says_which_path_serves_before_it_listens(plugins, dtype, want, tmp_path, monkeypatch, capsys):
+    """``lowlat serve`` prints what ``lowlat run`` prints about the path (the plugin and why, or the general path
+    and why auto skipped each plugin) before it listens, and /v1/models lists it as ``serving_path``."""
+    import argparse
+
+    import uvicorn
+    from fastapi.testclient import TestClient
+    from lowlat.cli import serve as serve_cli
+    from plugin_dists import GOOD_SPEC, activate, make_plugin_dist
+    from plugin_fakes import mirror_source
+
+    site = tmp_path / "site"
+    make_plugin_dist(site, "mirror", mirror_source())
+    make_plugin_dist(site, "good", GOOD_SPEC)
+    activate(site, monkeypatch)
+    monkeypatch.setenv("LOWLAT_PLUGINS", plugins)
+    seen = {}
+
+    def run(self, sockets=None):  # instead of listening: what was printed by now, and what /v1/models says
+        seen["err"] = capsys.readouterr().err
+        seen["models"] = TestClient(self.config.app).get("/v1/models").json()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    parser = argparse.ArgumentParser(prog="lowlat")
+    serve_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "--device", "cpu", "--port", "0", "--dtype", dtype, "--max-context-len",
+                              "64", "--no-cuda-graph"])
+    assert serve_cli.serve(args) == 0, capsys.readouterr().err
+    lines = seen["err"].splitlines()
+    for i, prefix in enumerate(want):
+        assert lines[i].startswith(prefix), seen["err"]
+    assert lines[len(want)].startswith(f"lowlat serve: {MODEL} (LlamaForCausalLM) on http://"), seen["err"]
+    path = seen["models"]["data"][0]["serving_path"]
+    assert path["plugin"] == (plugins if plugins == "mirror" else None)
+    assert lines[0] == f"lowlat serve: {path['summary']}"
+    assert [f"  auto skipped {s}" for s in path["skipped"]] == lines[1:len(want)]
 
 
 def test_completion_non_streaming_and_streaming_agree(client):

@@ -65,6 +65,9 @@ def test_sigterm_drains_and_exits_0(tp, tmp_path):
         assert proc.wait(timeout=30) == 0
         out = proc.stdout.read()
         assert "lowlat serve: stopped" in out and "Traceback" not in out
+        # the path that serves (float32 on a CPU: the general path) is printed before the server listens
+        assert out.index("lowlat serve: plugin: none (auto: every step on the general path)") \
+            < out.index("lowlat serve: mine (LlamaForCausalLM) on http://"), out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -105,7 +105,7 @@ def test_controller_turns_off_when_speculation_is_slower_and_probes():
     d = drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)  # 1.3 tokens per step at twice the cost: off
     assert d[0] is False and not c.on and c.switches == 1 and "off" in c.reason
     # the line names the threshold that would switch it back: the ratio 2.00 plus the 10% hysteresis band
-    assert "ratio 2.00 at batch 2 (plain DECODE is faster; back on above 2.20, the ratio plus the 10% hysteresis)" \
+    assert "drafting excluded); plain DECODE is faster; back on above 2.20, the ratio plus the 10% hysteresis" \
         in c.reason, c.reason
     probes = [i for i, spec in enumerate(d) if spec][1:]  # VERIFY probes after switching off keep tau measured
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -116,9 +116,15 @@ def test_controller_on_state_says_its_threshold():
     c = Controller(probe_every=10)
     drive(c, 50, t_decode=1.0, t_verify=2.0, tau=3.5)  # 3.5 tokens per step at twice the cost: stays on
     assert c.on and c.switches == 0
-    assert c.reason == ("on: recent acceptance length 3.50 (moving average of the last VERIFY steps) vs VERIFY/DECODE "
-                        "step-time ratio 2.00 at batch 2 (speculation pays while the length is above the ratio; off "
-                        "below 1.80, the ratio less the 10% hysteresis)"), c.reason
+    # both moving averages say what they measure and in what unit: the acceptance length (tokens, kept drafts + 1,
+    # over about how many steps) and the step-time ratio (its break-even), unlike the steps table's whole-run ms/step
+    assert c.reason == ("on: recent acceptance length 3.50 tokens per request per VERIFY step (kept drafts + 1; "
+                        "moving average, the last 8 VERIFY steps weigh 90%) vs step-time ratio 2.00 at batch 2 "
+                        "((drafting + VERIFY) / plain DECODE step host time, moving averages of the loop's own steps: "
+                        "the break-even acceptance length; the steps table's ms/step are whole-run means, drafting "
+                        "excluded); speculation pays while the length is above the ratio; off below 1.80, the ratio "
+                        "less the 10% hysteresis"), c.reason
+    assert Controller(ewma=0.5).recent_steps == 3 and Controller(ewma=0.1).recent_steps == 22
 
 
 def test_controller_stays_on_when_speculation_pays_and_turns_back_on():
@@ -186,9 +192,11 @@ def test_engine_falls_back_to_decode_when_nothing_is_ever_accepted():
                "end, speculation off; recent acceptance length" in summary, summary
         assert "off-switch: off" not in summary and "not triggered" not in summary
         # the run's mean and the off-switch's moving average are two figures: each line says which it is
-        assert "mean acceptance length" in summary and "over the run" in summary
-        assert re.search(r"recent acceptance length \d\.\d\d \(moving average of the last VERIFY steps\) < "
-                         r"VERIFY/DECODE step-time ratio 3\.00 at batch 2", c.reason), c.reason
+        assert re.search(r"mean acceptance length \d\.\d\d tokens per request per VERIFY step \(kept drafts \+ 1\) "
+                         r"over the run", summary), summary
+        assert re.search(r"recent acceptance length \d\.\d\d tokens per request per VERIFY step \(kept drafts \+ 1; "
+                         r"moving average, the last 8 VERIFY steps weigh 90%\) < step-time ratio 3\.00 at batch 2 "
+                         r"\(\(drafting \+ VERIFY\) / plain DECODE step host time", c.reason), c.reason
 
 
 # -- CLI -------------------------------------------------------------------------------------------------------

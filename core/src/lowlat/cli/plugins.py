@@ -140,15 +140,38 @@ def _print_table(report: dict[str, Any]) -> None:
                   if p["status"] == "ok" else f"[red]{p['status']}[/]: {p['error']}")
         console.print(f"\n[bold]{p['name']}[/]  {p['distribution']} {p['version']}  core range {p['core_range']}  "
                       f"{status}")
+        shared = _shared_failures(p["specs"])
         shown = None
-        for s in p["specs"]:
+        for i, s in enumerate(p["specs"]):
             if s["requirements"] != shown:
                 shown = s["requirements"]
                 console.print(f"  requirements: {_describe_requirements(shown)}")
-            guard = {"pass": "[green]pass[/]", "fail": f"[yellow]fail[/] ({s['reason']})"}.get(s["guard"]) or (
-                f"[yellow]not checked[/]: {_unchecked(s['not_checked'], report.get('model'))}; "
-                "the checked requirements pass")
+            if i == 0 and shared:  # once, above the architectures, instead of once on each
+                console.print(f"  [yellow]guards fail[/] here for all {len(p['specs'])} architectures: "
+                              f"{_failures_text(shared)}")
+            if s["guard"] == "fail" and shared:  # only what this architecture adds to the shared reason
+                own = [r for r in s["trace"] if r["status"] == "fail" and r not in shared]
+                guard = "[yellow]fail[/] (as above" + (f"; also {_failures_text(own)}" if own else "") + ")"
+            else:
+                guard = {"pass": "[green]pass[/]", "fail": f"[yellow]fail[/] ({s['reason']})"}.get(s["guard"]) or (
+                    f"[yellow]not checked[/]: {_unchecked(s['not_checked'], report.get('model'))}; "
+                    "the checked requirements pass")
             console.print(f"  {s['architecture']:<22} {s['coverage']:<40} guard here: {guard}")
+
+
+def _shared_failures(specs: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The failed requirements, with their reasons, common to every one of a plugin's specs (its trace entries):
+    empty unless it has two or more specs and every guard fails. ``lowlat plugins`` prints them once, above the
+    architectures."""
+    if len(specs) < 2 or any(s["guard"] != "fail" for s in specs):
+        return []
+    failed = [[r for r in s["trace"] if r["status"] == "fail"] for s in specs]
+    return [r for r in failed[0] if all(r in f for f in failed[1:])]
+
+
+def _failures_text(results: list[dict[str, str]]) -> str:
+    """Failed trace entries as ``GuardTrace.summary`` joins them: "requirement: reason; ..."."""
+    return "; ".join(f"{r['requirement']}: {r['reason']}" for r in results)
 
 
 def _unchecked(names: list[str], model_arch: str | None) -> str:

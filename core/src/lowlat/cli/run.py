@@ -77,7 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one with the run's step stats, instead of the streamed text and tables")
     p.add_argument("--compare", action="store_true",
                    help="run the prompts greedily on the general path and with the plugin, and compare tokens, "
-                        "logits and decode speed")
+                        "logits and decode speed; exits 0 when the tokens are identical or each request's first "
+                        "differing token is a near-tie of the general path's logits within the contract's bound "
+                        "(docs/contract.md), 1 on any other difference")
+    p.add_argument("--compare-strict", action="store_true",
+                   help="--compare, but exit 1 on any differing token, near-ties included")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -126,8 +130,8 @@ def run(args: argparse.Namespace) -> int:
     from lowlat.runtime.engine import Engine
 
     config, params, prompts = configs_from_args(args)
-    if args.compare:
-        return _compare(config, params, prompts)
+    if args.compare or args.compare_strict:
+        return _compare(config, params, prompts, strict=args.compare_strict)
     stop = [s for s in (args.stop or []) if s]
     with Engine(config) as engine:
         show = engine.rank == 0 and not args.json
@@ -176,14 +180,16 @@ def _live(engine: Any, prompts: list[str], params: Any, stop: list[str]) -> list
         return stream_generate(engine, prompts, params, stop=stop, on_text=on_text)
 
 
-def _compare(config: EngineConfig, params: Any, prompts: list[str]) -> int:
-    """``--compare``: print the report; exit 0 when the greedy tokens are identical, 1 when not."""
+def _compare(config: EngineConfig, params: Any, prompts: list[str], *, strict: bool = False) -> int:
+    """``--compare``: print the report and its verdict; exit 0 when the greedy tokens are identical or (unless
+    ``strict``) differ first at near-ties within the bound, 1 otherwise (``CompareReport.exit_status``)."""
     from lowlat.cli.compare import compare
 
     report = compare(config, params, prompts)
     for line in report.lines():
         print(line)
-    return 0 if report.identical else 1
+    print(report.verdict(strict))
+    return report.exit_status(strict)
 
 
 def _printable(text: str) -> str:
@@ -220,10 +226,9 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
                        f"{dtype}, tp={engine.config.tp_size}, "
                        f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
                        f"overlapped loop {'on' if getattr(engine, 'overlap', None) is not None else 'off'}"))
-    sel = runner.plugin_host.selection
-    console.print(Text(f"plugin {sel.plugin.name} ({sel.plugin.distribution} {sel.plugin.version}): {sel.reason}"
-                       if sel else f"plugin: none ({engine.config.plugin}: every step on the general path)"))
-    for line in runner.plugin_host.rejections:
+    path = runner.plugin_host.describe(engine.config.plugin)  # lowlat serve prints the same at startup
+    console.print(Text(path["summary"]))
+    for line in path["skipped"]:
         console.print(Text(f"  auto skipped {line}", style="dim"))
     spec = engine.speculator
     if spec is not None:

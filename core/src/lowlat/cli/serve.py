@@ -1,9 +1,10 @@
 """``lowlat serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine loop.
 
 Start order: the Engine (weights, KV pool, CUDA graphs; with ``--tp N`` rank 0 spawns the workers, which follow
-its calls), the chat template, the engine loop thread, then uvicorn. SIGTERM (or Ctrl-C): the engine loop refuses
-new requests (503), uvicorn stops listening and waits up to ``--shutdown-grace`` seconds for running requests,
-cancels the rest (their requests are aborted), the loop stops and closes the engine, and the process exits 0.
+its calls), the chat template, the engine loop thread, the lines saying which path serves, then uvicorn.
+SIGTERM (or Ctrl-C): the engine loop refuses new requests (503), uvicorn stops listening and waits up to
+``--shutdown-grace`` seconds for running requests, cancels the rest (their requests are aborted), the loop stops
+and closes the engine, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve a model over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models) plus "
-                    "/health and /metrics (Prometheus). Needs the serve extra: pip install 'lowlat[serve]' "
+                    "/health and /metrics (Prometheus). Before listening it prints which path serves the model (the "
+                    "plugin and why, or the general path and why), as lowlat run does; /v1/models lists it as "
+                    "serving_path. Needs the serve extra: pip install 'lowlat[serve]' "
                     "(from a checkout: pip install -e 'core[serve]').")
     add_arguments(p)
     p.set_defaults(func=serve)
@@ -121,6 +124,9 @@ def serve(args: argparse.Namespace) -> int:
         previous = signal.signal(signal.SIGTERM, lambda *_: None)
         loop.start()
         port = sock.getsockname()[1]
+        path = loop.serving_path  # what lowlat run prints: the plugin and why, or the general path and why
+        print("\n".join([f"lowlat serve: {path['summary']}", *(f"  auto skipped {s}" for s in path["skipped"])]),
+              file=sys.stderr, flush=True)
         print(f"lowlat serve: {name} ({engine.model_config.architecture}) on http://{args.host}:{port}/v1 "
               f"(chat template: {template.origin}); Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
         try:

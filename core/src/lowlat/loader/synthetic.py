@@ -190,6 +190,20 @@ def _existing_ancestor(p: Path) -> Path:
     return p
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (os.umask sets it to read it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # briefly the strictest common mask: a file another thread makes meanwhile stays private
+    os.umask(mask)
+    return mask
+
+
 def _checkpoint_files(d: Path) -> list[Path]:
     names = ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
     return sorted(f for f in d.iterdir() if f.name in names or (f.name.startswith("model") and
@@ -206,7 +220,8 @@ def write_checkpoint(config: ModelConfig, out_dir: str | os.PathLike[str], *, se
     ``tokenizer.json`` / ``tokenizer_config.json`` (the byte tokenizer) and, last, ``config.json``
     (``torch_dtype`` set to ``dtype``), so a directory with config.json is complete. Tensors are generated on
     ``device`` (see ``iter_synthetic_weights``; a CUDA device gives different values than CPU).
-    ``progress``: show a rich progress bar on stderr (None: only above 256 MiB).
+    ``progress``: show a rich progress bar on stderr (None: only above 256 MiB). Every file gets the mode a new
+    file gets under the process's umask (0644 under 022), the shards too.
 
     Raises:
         ConfigError: bad dtype or device, vocab_size < 258, ``out_dir`` is a file or already holds checkpoint
@@ -245,6 +260,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str | os.PathLike[str], *, se
             f"or skip writing: pass the preset name as the model and the weights are generated in device memory")
     out.mkdir(parents=True, exist_ok=True)
 
+    mode = 0o666 & ~_umask()  # a new file's mode, as for config.json (0644 under umask 022)
     elem = torch.empty((), dtype=dt).element_size()
     shard_names = _plan_shards(shapes, elem, max_shard_bytes)
     shape_of = dict(shapes)
@@ -281,6 +297,7 @@ def write_checkpoint(config: ModelConfig, out_dir: str | os.PathLike[str], *, se
             if bar is not None:
                 bar.update(task, description=f"shard {k}/{n} writing")
             save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.chmod(tmp, mode)  # safetensors writes 0600 whatever the umask; the other files follow it
             tmp.replace(out / fname)
             if bar is not None:
                 bar.update(task, advance=sum(t.numel() for t in tensors.values()) * elem / 2)

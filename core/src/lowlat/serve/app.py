@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI-compatible routes over an ``EngineLoop``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming over SSE with ``stream: true``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``. The routes validate and tokenize, put a ``GenRequest`` on
-the engine loop and read deltas from its stream; they never call the Engine. Errors use OpenAI's shape
+``GET /v1/models`` (its entry's ``serving_path``: which path serves, ``EngineLoop.serving_path``), ``GET /health``,
+``GET /metrics``. The routes validate and tokenize, put a ``GenRequest`` on the engine loop and read deltas from
+its stream; they never call the Engine. Errors use OpenAI's shape
 (``schemas.error_body``): 400 for bad parameters (``param`` names the field), 404 for an unknown model or
 route, 503 with ``Retry-After`` when the queue is full or the server is shutting down, 504 when a request
 passes its timeout, 500 when the engine failed.
@@ -93,7 +94,8 @@ def create_app(loop: EngineLoop, settings: ServeSettings, metrics: ServeMetrics 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "lowlat", "max_model_len": loop.max_context_len}]}
+                                            "owned_by": "lowlat", "max_model_len": loop.max_context_len,
+                                            "serving_path": loop.serving_path}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

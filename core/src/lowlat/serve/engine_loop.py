@@ -68,7 +68,8 @@ class EngineLoop:
         metrics: a ``ServeMetrics`` (or None).
 
     Attributes read by the HTTP side (fixed at construction): ``tokenizer``, ``max_context_len``,
-    ``vocab_size``, ``max_cached_tokens``.
+    ``vocab_size``, ``max_cached_tokens``, ``serving_path`` (which path serves the model:
+    ``PluginHost.describe``'s plugin, summary and skipped).
     """
 
     def __init__(self, engine: Any, *, max_queued: int = 256, metrics: Any = None) -> None:
@@ -78,6 +79,7 @@ class EngineLoop:
         self.vocab_size = engine.model_config.vocab_size
         pool = engine.scheduler.pool
         self.max_cached_tokens = engine.scheduler.usable_pages * pool.page_size  # one request's KV at most
+        self.serving_path = engine.runner.plugin_host.describe(engine.config.plugin)
         self.max_queued = max_queued
         self.metrics = metrics
         if metrics is not None and getattr(engine, "speculator", None) is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -71,6 +72,21 @@ class PluginHost:
     @property
     def name(self) -> str | None:
         return self.selection.plugin.name if self.selection else None
+
+    def describe(self, request: str) -> dict[str, Any]:
+        """Which path serves the model, as ``lowlat run`` and ``lowlat serve`` print it (and /v1/models lists it).
+
+        Args:
+            request: the ``EngineConfig.plugin`` asked for (auto, none or a name).
+        Returns:
+            ``plugin``: the chosen plugin's name, None for the general path; ``summary``: one line, ``plugin NAME
+            (DIST VERSION): why`` or ``plugin: none (REQUEST: every step on the general path)``; ``skipped``: for
+            auto, one ``NAME: why`` per plugin it passed over (guard failing, unusable, failed to build).
+        """
+        sel = self.selection
+        summary = (f"plugin {sel.plugin.name} ({sel.plugin.distribution} {sel.plugin.version}): {sel.reason}" if sel
+                   else f"plugin: none ({request}: every step on the general path)")
+        return {"plugin": self.name, "summary": summary, "skipped": list(self.rejections)}
 
     def retain(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass checkpoint tensors through, keeping a reference when the spec asks to retain them."""

@@ -24,6 +24,7 @@ request with poor drafts cannot leave alone; its acceptance still counts in ``ta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,7 +45,8 @@ class Controller:
 
     Attributes:
         on: speculation is on; ``switches``: times it flipped; ``reason``: why it is in its state (for stats).
-        tau: the moving mean acceptance length (None before any VERIFY step).
+        tau: the moving mean acceptance length, tokens per request per VERIFY step, kept drafts + 1 (None before
+            any VERIFY step); ``ratio``: the moving (drafting + VERIFY) / DECODE step-time ratio, its break-even.
         probes: DECODE steps taken while on plus VERIFY steps taken while off, to keep the model measured.
     """
 
@@ -126,20 +128,29 @@ class Controller:
         ratio = self.ratio(batch_size, tokens_per_req)
         if ratio is None or self.tau is None:
             return
-        # tau is a moving average of the latest VERIFY steps, not the run's mean acceptance length: say so.
-        now = (f"recent acceptance length {self.tau:.2f} (moving average of the last VERIFY steps) {{}} "
-               f"VERIFY/DECODE step-time ratio {ratio:.2f} at batch {batch_size}")
+        # Two moving averages of different things, printed beside the run's mean acceptance length and the steps
+        # table's ms/step: each says what it measures and in what unit.
+        now = (f"recent acceptance length {self.tau:.2f} tokens per request per VERIFY step (kept drafts + 1; moving "
+               f"average, the last {self.recent_steps} VERIFY steps weigh 90%) {{}} step-time ratio {ratio:.2f} at "
+               f"batch {batch_size} ((drafting + VERIFY) / plain DECODE step host time, moving averages of the "
+               f"loop's own steps: the break-even acceptance length; the steps table's ms/step are whole-run means, "
+               f"drafting excluded)")
         band = f"{100 * self.hysteresis:g}% hysteresis"  # the thresholds: the ratio widened by the band
         off_below = f"off below {ratio * (1 - self.hysteresis):.2f}, the ratio less the {band}"
         on_above = f"back on above {ratio * (1 + self.hysteresis):.2f}, the ratio plus the {band}"
         if self.on and self.tau < ratio * (1 - self.hysteresis):
             self.on = False
             self.switches += 1
-            self.reason = "off: " + now.format("<") + f" (plain DECODE is faster; {on_above})"
+            self.reason = "off: " + now.format("<") + f"; plain DECODE is faster; {on_above}"
         elif not self.on and self.tau > ratio * (1 + self.hysteresis):
             self.on = True
             self.switches += 1
-            self.reason = "on: " + now.format(">") + f" ({off_below})"
+            self.reason = "on: " + now.format(">") + f"; {off_below}"
         elif self.on:
-            self.reason = ("on: " + now.format("vs") + f" (speculation pays while the length is above the ratio; "
-                           f"{off_below})")
+            self.reason = "on: " + now.format("vs") + f"; speculation pays while the length is above the ratio; " \
+                                                       f"{off_below}"
+
+    @property
+    def recent_steps(self) -> int:
+        """How many of the latest measurements carry 90% of a moving average's weight (8 at ``ewma`` 0.25)."""
+        return max(1, round(math.log(0.1) / math.log(1 - self.ewma))) if 0 < self.ewma < 1 else 1

@@ -101,8 +101,9 @@ class SpecStats:
         secs = self.draft_s + self.verify_s + self.decode_s
         out.append(f"speculative {self.method}, k={self.k}: {self.verify_steps} VERIFY steps "
                    f"({', '.join(f'{p} {n}' for p, n in d.get('verify_steps_by_path', {}).items()) or 'none'}), "
-                   f"mean acceptance length {self.acceptance_length:.2f} tokens/step over the run, acceptance rate "
-                   f"{100 * self.acceptance_rate:.1f}% of {self.drafted} drafts, {self.decode_steps} DECODE steps")
+                   f"mean acceptance length {self.acceptance_length:.2f} tokens per request per VERIFY step (kept "
+                   f"drafts + 1) over the run, acceptance rate {100 * self.acceptance_rate:.1f}% of {self.drafted} "
+                   f"drafts, {self.decode_steps} DECODE steps")
         steps_n = self.verify_steps + self.decode_steps
         tokens = self.emitted + self.decode_tokens
         if secs > 0 and steps_n and tokens:
