@@ -59,6 +59,7 @@ from lowlat.layers.attention import decode_attention_torch  # noqa: E402
 from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     MAX_SPLITS,
     AttnPlan,
+    default_merge_warps,
     paged_decode_attention,
     partial_numel,
     split_cap,
@@ -130,10 +131,6 @@ class AttnCase:
 
 def _fmt(p: AttnPlan) -> str:
     return f"s{p.num_splits} kv{p.block_kv} w{p.split_warps} st{p.split_stages} m{p.merge_warps}"
-
-
-def _merge_warps(splits: int, d: int) -> int:
-    return 4 if splits * d <= 4096 else 8  # the heuristic's rule (default_attn_plan)
 
 
 class Precompiler:
@@ -213,7 +210,7 @@ def sweep(case: AttnCase, prod: AttnPlan, grid: Grid, reps: int, tol: float, bw:
 
     p0 = prod.num_splits
     splits = sorted({int(p0 * f) for f in grid.split_factors if 1 <= p0 * f <= MAX_SPLITS})
-    stage([prod] + [AttnPlan(s, bkv, prod.split_warps, prod.split_stages, _merge_warps(s, case.d))
+    stage([prod] + [AttnPlan(s, bkv, prod.split_warps, prod.split_stages, default_merge_warps(s, case.d))
                     for bkv in grid.block_kvs for s in splits if s <= split_cap(case.ctx, bkv)])
     stage([dataclasses.replace(p, split_warps=w) for p in ranked()[: grid.top] for w in grid.split_warps])
     stage([dataclasses.replace(p, split_stages=st) for p in ranked()[:1] for st in grid.split_stages])

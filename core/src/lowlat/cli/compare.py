@@ -101,7 +101,7 @@ class CompareReport:
         """Whether request ``i``'s first differing token is a near-tie within the bound (False: identical, or not)."""
         d = self.first_divergence[i]
         judged = None if d is None else tie_gap(self, i, d)
-        return judged is not None and judged[0]
+        return judged is not None and judged[0] <= judged[1]
 
     @property
     def near_ties_only(self) -> bool:
@@ -130,10 +130,10 @@ class CompareReport:
                 f"bound (exit 1)")
 
 
-def tie_gap(report: CompareReport, i: int, d: int) -> tuple[bool, float, float, float] | None:
-    """At request ``i``'s first divergence ``d``: (a near-tie?, the general path's logit of its token minus that of
-    the plugin's, the bound, the scale); None where there is nothing to judge (one side ended there, or no logits
-    were recorded), which is no near-tie."""
+def tie_gap(report: CompareReport, i: int, d: int) -> tuple[float, float, float] | None:
+    """At request ``i``'s first divergence ``d``: (the general path's logit of its token minus that of the
+    plugin's, the bound, the scale); a near-tie when the gap is <= the bound. None where there is nothing to judge
+    (one side ended there, or no logits were recorded), which is no near-tie."""
     g, p = report.general, report.plugin
     if d >= min(len(g.token_ids[i]), len(p.token_ids[i])) or d >= min(len(g.logits.get(i, [])),
                                                                         len(p.logits.get(i, []))):
@@ -141,7 +141,7 @@ def tie_gap(report: CompareReport, i: int, d: int) -> tuple[bool, float, float, 
     lg = g.logits[i][d]
     scale = max(1.0, float(lg.abs().max()))
     gap, bound = float(lg[g.token_ids[i][d]] - lg[p.token_ids[i][d]]), near_tie_rel(g.dtype) * scale
-    return gap <= bound, gap, bound, scale
+    return gap, bound, scale
 
 
 def near_tie(report: CompareReport, i: int, d: int) -> str:
@@ -154,7 +154,7 @@ def near_tie(report: CompareReport, i: int, d: int) -> str:
     lg, lp = g.logits[i][d], p.logits[i][d]
     top2 = torch.topk(lg, 2).values
     rel = near_tie_rel(g.dtype)
-    _, gap, bound, scale = judged
+    gap, bound, scale = judged
     verdict = (f"a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} <= {rel:.3g} x scale {scale:.4g} = "
                f"{bound:.4f} (docs/contract.md)" if gap <= bound else
                f"NOT a near-tie: general logit[{a}] - logit[{b}] = {gap:.4f} > {rel:.3g} x scale {scale:.4g} = "

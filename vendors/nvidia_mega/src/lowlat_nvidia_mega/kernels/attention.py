@@ -201,6 +201,11 @@ def plan_splits(batch_size: int, num_kv_heads: int, max_context_len: int, head_d
     return max(1, min(triton.next_power_of_2(want), split_cap(max_context_len, attention_block_kv(head_dim))))
 
 
+def default_merge_warps(num_splits: int, head_dim: int) -> int:
+    """The heuristic's merge warps: 4, or 8 when the merged tile (splits x D) exceeds 4096 elements."""
+    return 4 if num_splits * head_dim <= 4096 else 8
+
+
 def default_attn_plan(batch_size: int, rows_per_req: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       max_context_len: int, sms: int) -> AttnPlan:
     """The heuristic plan: ``plan_splits`` splits, ``attention_block_kv`` positions per block, 4 split warps (8 when
@@ -208,7 +213,7 @@ def default_attn_plan(batch_size: int, rows_per_req: int, num_heads: int, num_kv
     splits = plan_splits(batch_size, num_kv_heads, max_context_len, head_dim, sms)
     tile = attention_block_m(num_heads, num_kv_heads, rows_per_req) * head_dim
     return AttnPlan(num_splits=splits, block_kv=attention_block_kv(head_dim), split_warps=4 if tile <= 4096 else 8,
-                    split_stages=2, merge_warps=4 if splits * head_dim <= 4096 else 8)
+                    split_stages=2, merge_warps=default_merge_warps(splits, head_dim))
 
 
 def partial_numel(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rows_per_req: int,
