@@ -1,4 +1,5 @@
-"""``lowlat serve`` as a subprocess: SIGTERM lets a running stream finish, refuses new work, exits 0."""
+"""``lowlat serve`` as a subprocess: SIGTERM lets a running stream finish, refuses new work, exits 0; Ctrl-C
+(SIGINT) stops it the same way."""
 
 from __future__ import annotations
 
@@ -68,6 +69,34 @@ def test_sigterm_drains_and_exits_0(tp, tmp_path):
         # the path that serves (float32 on a CPU: the general path) is printed before the server listens
         assert out.index("lowlat serve: plugin: none (auto: every step on the general path)") \
             < out.index("lowlat serve: mine (LlamaForCausalLM) on http://"), out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_sigint_stops_cleanly_and_exits_0():
+    """Ctrl-C: the same drained shutdown as SIGTERM, exit 0 (not KeyboardInterrupt's 130) and the stopped line."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lowlat.cli", "serve", "--device", "cpu", "--port", str(port),
+                             "--max-context-len", "256", "--no-cuda-graph", "--shutdown-grace", "5"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+        assert "lowlat serve: stopped" in out and "KeyboardInterrupt" not in out, out
     finally:
         if proc.poll() is None:
             proc.kill()

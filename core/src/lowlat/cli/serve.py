@@ -120,8 +120,9 @@ def serve(args: argparse.Namespace) -> int:
         server = Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_grace,
                                        lifespan="off"))
         # uvicorn re-raises the signal it caught once it has shut down; a Python handler keeps that from killing
-        # us before the engine is closed, so a drained shutdown exits 0.
-        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        # us (SIGTERM) or raising KeyboardInterrupt (SIGINT, Ctrl-C: exit 130) before the engine is closed, so a
+        # drained shutdown exits 0 either way.
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
         loop.start()
         port = sock.getsockname()[1]
         path = loop.serving_path  # what lowlat run prints: the plugin and why, or the general path and why
@@ -133,7 +134,8 @@ def serve(args: argparse.Namespace) -> int:
             server.run(sockets=[sock])
         finally:
             loop.stop(grace_s=1.0)
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         sock.close()
     print("lowlat serve: stopped", file=sys.stderr, flush=True)
