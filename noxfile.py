@@ -1,7 +1,9 @@
 """nox sessions: tests, lint, build, contract (one per core x vendor pair of compat_matrix.toml), bench, gpu.
 
-CPU machines take torch from the pinned CPU build (torch==2.13.0); an unpinned torch would pull a
-multi-GB CUDA build.
+The sessions pin torch==2.13.0 (an unpinned torch would pull a multi-GB CUDA build). pip takes it from its own
+index: the CPU build where that index holds it (a local wheel directory, as on lowlat's CI machines); on a machine
+whose index is plain PyPI, set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (README.md), or PyPI's
+CUDA build is installed.
 """
 
 from __future__ import annotations
