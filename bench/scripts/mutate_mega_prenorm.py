@@ -19,6 +19,7 @@ import mutation_runner  # same directory
 N = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/norm_rows.py")
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
 F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
+B = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py")
 M = [  # (name, file, original text, mutated text)
     ("norm weight not applied", N, "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)",
      "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, False)"),
@@ -35,10 +36,19 @@ M = [  # (name, file, original text, mutated text)
     ("qkv_rope's tl.dot loop keeps the norm", Q,
      "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)",
      "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)"),
-    ("prenorm at one row", F, "return None if t == 1 or not prenorm_enabled() else",
-     "return None if not prenorm_enabled() else"),
-    ("prenorm switch ignored", F, "return None if t == 1 or not prenorm_enabled() else",
-     "return None if t == 1 else"),
+    ("prenorm at one row", F, "return None if t == 1 or not (t <= self.prenorm_max_rows if on is None else on)",
+     "return None if not (t <= self.prenorm_max_rows if on is None else on)"),
+    ("prenorm switch ignored", F, "(t <= self.prenorm_max_rows if on is None else on)",
+     "(t <= self.prenorm_max_rows)"),
+    ("the measured rule ignored", F, "(t <= self.prenorm_max_rows if on is None else on)", "(bool(on))"),
+    ("the rule's bound off by one", F, "(t <= self.prenorm_max_rows if on is None else on)",
+     "(t < self.prenorm_max_rows if on is None else on)"),
+    ("the table's kind ignored", B, 'prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
+     'prenorm_rows("dense", hid, dt, dev)'),
+    ("the table never read", B, 'prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
+     "prenorm_max_rows=0"),
+    ("unset reads as off", N, 'if os.environ.get(PRENORM_ENV, "").strip().lower() in ("", "default"):\n'
+     "        return None\n", "if False:\n        return None\n"),
     ("the GEMM keeps its norm weight", F, "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), None",
      "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), norm_weight"),
     ("gate_up reads the raw rows", F, "gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)",
@@ -49,7 +59,8 @@ M = [  # (name, file, original text, mutated text)
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    failed = mutation_runner.run(M[:9], "vendors/nvidia_mega/tests/test_kernels_norm.py", env)  # the kernels
-    failed |= mutation_runner.run(M[9:], "vendors/nvidia_mega/tests/test_forward.py", env,  # MegaForward's choice
-                                  pytest_args=("-k", "prenorm or one_row"))
+    kernels = [m for m in M if m[1] in (N, Q) and m[0] != "unset reads as off"]
+    failed = mutation_runner.run(kernels, "vendors/nvidia_mega/tests/test_kernels_norm.py", env)  # the kernels
+    failed |= mutation_runner.run([m for m in M if m not in kernels], "vendors/nvidia_mega/tests/test_forward.py",
+                                  env, pytest_args=("-k", "prenorm or one_row"))  # MegaForward's choice, the rule
     sys.exit(failed)

@@ -228,6 +228,34 @@ def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: For
         _check_step(arch, dtype, mode, prefix_lens, rows)
 
 
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+def test_prenorm_rule_from_the_table(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``LOWLAT_MEGA_PRENORM`` unset, a step is a prenorm step exactly when it has 2 to
+    ``tuned_plans.TUNED_PRENORM``'s rows for the model's (GPU, dense/moe, hidden, dtype); 1 forces every 2-8-row
+    step and 0 none. Each step still matches the reference."""
+    launches: list[int] = []
+    real = forward_mod.norm_rows
+
+    def spy(x, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(x.shape[0])
+        return real(x, *args, **kwargs)
+    monkeypatch.setattr(forward_mod, "norm_rows", spy)
+    monkeypatch.setattr(tuned_plans, "device_name", lambda dev: "Test GPU")
+    monkeypatch.setitem(tuned_plans.TUNED_PRENORM, ("Test GPU", "dense", 64, "float32"), 3)
+    moe = arch == "Qwen3MoeForCausalLM"
+    fwd = build(_binding(_config(arch), torch.float32, _params(_config(arch), torch.float32)))
+    assert fwd.prenorm_max_rows == (0 if moe else 3)
+    for env, rows, want in ((None, 3, not moe), (None, 4, False), (None, 1, False), ("1", 4, True), ("0", 2, False),
+                            ("1", 1, False)):
+        if env is None:
+            monkeypatch.delenv("LOWLAT_MEGA_PRENORM", raising=False)
+        else:
+            monkeypatch.setenv("LOWLAT_MEGA_PRENORM", env)
+        launches.clear()
+        _check_step(arch, torch.float32, ForwardMode.VERIFY if rows > 1 else ForwardMode.DECODE, [6], rows)
+        assert bool(launches) is want, (env, rows, launches)
+
+
 @pytest.mark.skipif(not pdl.interpreting(), reason="bit identity holds for the interpreter's reductions")
 @pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])
 def test_prenorm_step_is_bit_identical_to_fused(arch: str, dtype: torch.dtype, mode: ForwardMode,

@@ -14,7 +14,7 @@ if not pdl.interpreting() and not torch.cuda.is_available():
     pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
-from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_enabled  # noqa: E402
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import make_plan, splitk_workspace_numel  # noqa: E402
 
@@ -68,13 +68,13 @@ def test_norm_rows_refuses_bad_arguments() -> None:
 
 def test_prenorm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOWLAT_MEGA_PRENORM", raising=False)
-    assert not prenorm_enabled()
-    for v, want in (("1", True), ("on", True), ("0", False), ("no", False)):
+    assert prenorm_switch() is None  # unset: the measured rule decides
+    for v, want in (("1", True), ("on", True), ("0", False), ("no", False), ("", None), (" Default ", None)):
         monkeypatch.setenv("LOWLAT_MEGA_PRENORM", v)
-        assert prenorm_enabled() is want
+        assert prenorm_switch() is want
     monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "2")
     with pytest.raises(ValueError, match="LOWLAT_MEGA_PRENORM='2'"):
-        prenorm_enabled()
+        prenorm_switch()
 
 
 @pytest.mark.parametrize("dtype,rows,split_k", [(torch.float32, 3, 2), (torch.bfloat16, 8, 1), (torch.bfloat16, 2, 2)])

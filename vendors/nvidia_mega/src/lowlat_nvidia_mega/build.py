@@ -20,7 +20,7 @@ from lowlat.plugin import PluginBuildError
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, partial_numel
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace
-from lowlat_nvidia_mega.kernels.norm_rows import PRENORM_ENV, prenorm_enabled
+from lowlat_nvidia_mega.kernels.norm_rows import PRENORM_ENV, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import ENV_SWITCH as PDL_ENV
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
@@ -31,7 +31,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     prefetch_act_enabled,
     splitk_workspace_numel,
 )
-from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, qkv_plan
+from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, prenorm_rows, qkv_plan
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,7 +55,7 @@ def check_switches() -> None:
                  if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
                                f"Known: {', '.join(SWITCHES)}; unset the others")
-    for switch in (prefetch_act_enabled, prenorm_enabled):
+    for switch in (prefetch_act_enabled, prenorm_switch):
         try:
             switch()
         except ValueError as e:
@@ -141,7 +141,8 @@ def build(binding: Any) -> MegaForward:
         head=_head_workspace(mc, dev, alloc),
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
-                      layers=layers, ws=ws, plans=plans, attn_plans=attn_plans)
+                      layers=layers, ws=ws, plans=plans, attn_plans=attn_plans,
+                      prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev))
     binding.on_kv_pool_ready(fwd.attach_kv_pool)
     return fwd
 

@@ -9,9 +9,10 @@ Per decoder layer (dense)::
     down       x += act @ Wd^T                        (small GEMM, split-K, residual epilogue, in place)
 
 At one row (a batch-1 DECODE step) the three projections run the one-row GEMV (``kernels.gemv``) where the
-shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row count alone. At 2-8 rows with
-``LOWLAT_MEGA_PRENORM=1`` (off by default: docs/kernels.md has its measurement) the input norms of qkv_rope and gate_up
-run as ``kernels.norm_rows`` launches into ``Workspaces.h`` and those GEMMs skip their norm prologue.
+shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row count alone. On a prenorm step
+(2..``prenorm_max_rows`` rows, the measured rule of ``tuned_plans.TUNED_PRENORM``; ``LOWLAT_MEGA_PRENORM=1`` / ``0``
+forces every 2-8-row step / none) the input norms of qkv_rope and gate_up run as ``kernels.norm_rows`` launches
+into ``Workspaces.h`` and those GEMMs skip their norm prologue.
 
 A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
 The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits), or, when the batch
@@ -33,7 +34,7 @@ from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attentio
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import moe_forward
-from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_enabled
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
@@ -105,15 +106,18 @@ class MegaForward:
         plans: GemmPlan per call site: "qkv", "o_proj", "gate_up", "down" (the last two absent for MoE-only).
         attn_plans: the attention's AttnPlan per (batch, rows per request), every pair with B * R <= 8
             (``tuned_plans.attn_plan`` at build; the attention workspaces are sized for all of them).
+        prenorm_max_rows: steps of 2 to this many rows are prenorm steps when ``LOWLAT_MEGA_PRENORM`` is unset
+            (``tuned_plans.prenorm_rows`` at build; 0: none).
     """
 
     def __init__(self, *, config: ModelConfig, device: torch.device, dtype: torch.dtype, embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, layers: list[LayerWeights], ws: Workspaces,
-                 plans: dict[str, GemmPlan], attn_plans: dict[tuple[int, int], AttnPlan]) -> None:
+                 plans: dict[str, GemmPlan], attn_plans: dict[tuple[int, int], AttnPlan],
+                 prenorm_max_rows: int = 0) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
         self.layers, self.ws, self.plans = layers, ws, plans
-        self.attn_plans = attn_plans
+        self.attn_plans, self.prenorm_max_rows = attn_plans, prenorm_max_rows
         self.eps = config.rms_norm_eps
         self.sm_scale = config.head_dim ** -0.5
         self.k_buffers: list[torch.Tensor] | None = None
@@ -210,13 +214,16 @@ class MegaForward:
         return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl)
 
     def _prenorm_rows(self, t: int) -> torch.Tensor | None:
-        """The [t, H] buffer of a prenorm step (2-8 rows and ``LOWLAT_MEGA_PRENORM=1``: each input norm in its own
-        ``norm_rows`` launch, the GEMM after it without a norm prologue), else None.
+        """The [t, H] buffer of a prenorm step (each input norm in its own ``norm_rows`` launch, the GEMM after it
+        without a norm prologue), else None. A prenorm step has 2-8 rows and ``LOWLAT_MEGA_PRENORM=1``, or, with
+        the variable unset, at most ``prenorm_max_rows``; a one-row step never is (its one-row kernels normalize
+        without padding).
 
         Raises:
             ValueError: a bad ``LOWLAT_MEGA_PRENORM`` value.
         """
-        return None if t == 1 or not prenorm_enabled() else self.ws.h[:t]
+        on = prenorm_switch()
+        return None if t == 1 or not (t <= self.prenorm_max_rows if on is None else on) else self.ws.h[:t]
 
     def _gemm_input(self, x: torch.Tensor, norm_weight: torch.Tensor, h: torch.Tensor | None,
                     use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,7 +8,7 @@ that costs: on the H200 the two kernels with that prologue ran 3.6 µs slower th
 llama-3.2-1b's 8-row shapes, while the two without it (o_proj, down) ran faster than ``F.linear``
 (bench/results/2026-12-02-h200-mega-qkv-row1, call 3). With prenorm (``MegaForward``, ``LOWLAT_MEGA_PRENORM=1``)
 this kernel writes ``h`` once, and the GEMM reads it with its norm off; the price is one more launch in the PDL
-chain. Off by default until measured end to end.
+chain. Where it pays is measured per shape: ``tuned_plans.TUNED_PRENORM`` (docs/kernels.md, "Prenorm").
 
 Grid ``(cdiv(K, BLOCK_K),)``: each program computes the statistics of all rows (the same ``row_rstd`` and
 ``load_rows`` arithmetic as the fused prologue, so ``h`` holds the values the fused kernels multiply) and writes
@@ -17,6 +17,8 @@ dependent GEMM may start at once and fetch its weights before its own wait.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -99,12 +101,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 PRENORM_ENV = "LOWLAT_MEGA_PRENORM"
 
 
-def prenorm_enabled() -> bool:
-    """Whether ``MegaForward`` normalizes a 2-8-row step's GEMM inputs with ``norm_rows`` first:
-    ``LOWLAT_MEGA_PRENORM`` (``pdl.env_switch``; unset: off). Read at each step, so a benchmark can flip it between
-    CUDA graphs.
+def prenorm_switch() -> bool | None:
+    """``LOWLAT_MEGA_PRENORM``, read now: True (1: every 2-8-row step normalizes its GEMM inputs with ``norm_rows``
+    first), False (0: none does), None (unset, empty or "default": the measured rule, ``tuned_plans.prenorm_rows``).
+    Read at each step, so a benchmark can flip it between CUDA graphs.
 
     Raises:
         ValueError: the variable holds anything but an on/off word (a typo would otherwise measure the wrong variant).
     """
+    if os.environ.get(PRENORM_ENV, "").strip().lower() in ("", "default"):
+        return None
     return env_switch(PRENORM_ENV, False, "normalize 2-8-row GEMM inputs in their own kernel")

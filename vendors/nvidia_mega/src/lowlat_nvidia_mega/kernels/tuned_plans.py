@@ -89,6 +89,24 @@ TUNED_ATTN: dict[tuple[str, str, int, int, int, int, int, str], tuple[int, int, 
 }
 
 
+# Prenorm (kernels/norm_rows.py: a 2-8-row step's input norms in their own launch, the GEMMs without their norm
+# prologue). Key: (device name, "dense" or "moe" (any MoE layer), hidden size, dtype). Value: the most rows per step
+# it serves (2..value; more rows, and every shape without an entry, keep the fused prologues). 2026-12-02, lowlat
+# bench side by side with the general path (bench/results/2026-12-02-h200-mega-prenorm-rule), llama-3.2-1b, ms
+# general / fused prologues / prenorm: b=2 1.085 / 1.095 / 1.046, b=4 1.110 / 1.129 / 1.091, VERIFY 1 x 6 1.109 /
+# 1.134 / 1.100, b=8 1.189 / 1.178 / 1.196 (so not at 8 rows). Left out: qwen3-30b-a3b (hidden 2048, MoE: VERIFY
+# 7.324 / 7.345) and qwen3-8b (hidden 4096: 4-6% slower at 2-8 rows, bench/results/2026-12-02-h200-mega-moe/call1).
+TUNED_PRENORM: dict[tuple[str, str, int, str], int] = {
+    ("NVIDIA H200", "dense", 2048, "bfloat16"): 6,
+}
+
+
+def prenorm_rows(kind: str, hidden: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The most rows of a step that prenorm serves by default for this model on ``device`` (``TUNED_PRENORM``;
+    ``kind`` "dense" or "moe"), else 0 (no step does). ``LOWLAT_MEGA_PRENORM`` overrides it per step."""
+    return TUNED_PRENORM.get((device_name(device), kind, hidden, str(dtype).removeprefix("torch.")), 0)
+
+
 def default_row1(k: int, *, gated: bool) -> GemvPlan:
     """The one-row GEMV's plan for a shape without a ``TUNED_ROW1`` entry: within 5% of the best at each of the six
     shapes measured above (all of which it beat small_gemm at), K chunk at most 1024 (and at most K)."""
