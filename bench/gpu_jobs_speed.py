@@ -44,8 +44,10 @@ def gpt_fast(o: Options) -> list[Step]:
     it). Each generate.py run compiles its own decode graph (its KV cache is sized by prompt + new tokens, so
     the second run's shapes differ from the first's: 78-129 s per compile on llama-3.2-1b, H200). One device
     call for llama-3.2-1b (400 + 90 + 30 s). qwen3-8b's peer took 560 s on 2026-12-01 and 236 s with its lowlat
-    rows on 2026-12-02 (``GPT_FAST_PATHS=general,nvidia_mega``); where it runs long, split it: ``GPT_FAST_STEPS=peer``
-    in one call, ``GPT_FAST_STEPS=lowlat,table`` with the peer's JSON copied back into ``$OUT`` in another."""
+    rows on 2026-12-02 (``GPT_FAST_PATHS=general,nvidia_mega``), both with two generate.py runs where one is made now
+    (its decode steps timed with CUDA events, bench/peers/gpt_fast_output.py); where it runs long, split it:
+    ``GPT_FAST_STEPS=peer`` in one call, ``GPT_FAST_STEPS=lowlat,table`` with the peer's JSON copied back into
+    ``$OUT`` in another."""
     out = os.environ.get("OUT", "/tmp/out")
     checkout = os.environ.get("GPT_FAST_DIR", GPT_FAST_DIR)
     models = [m for m in o.models if m in GPT_FAST_MODELS] or list(GPT_FAST_MODELS)

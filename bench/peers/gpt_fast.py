@@ -22,13 +22,15 @@ device). Per lowlat preset this harness
    that first registers the shapes in ``model.transformer_configs`` under the directory's name (generate.py picks
    its config by ``checkpoint_path.parent.name``) and then executes generate.py as ``__main__`` with ``runpy``;
    ``--top_k 1`` makes its sampler greedy like lowlat's e2e runs;
-4. parses its per-sample ``tokens/sec`` (its timer covers prefill and decode). It runs twice, ``N_short`` and
-   ``N_long`` new tokens after the same prompt, and reports both gpt-fast's own figure (1000 / tokens/s of the
-   long run: prefill included) and the decode-only ms per token ``(t_long - t_short) / (N_long - N_short)``,
-   ``t = N / (tokens/s)``, medians over samples. With the defaults (context 1024, 32 and 160 new tokens:
-   P = 928) the decode-only window has KV lengths 960..1087, the same window as bench/scripts/e2e_tpot.py's
-   ``Engine.generate`` run at ``--context 1024 --new-tokens 128``. Each run compiles its own decode graph
-   (generate.py sizes the KV cache to prompt + new tokens, so the two runs' shapes differ).
+4. takes gpt-fast's decode time per token from inside the generate.py process, on the GPU's timeline: CUDA events
+   around each call of its compiled ``decode_one_token`` (gpt_fast_output.py, which says why and how), over the
+   steps whose KV length lies in the window; the mean per timed sample, the median over samples. It runs once, 160
+   new tokens after a prompt of P = context - 80 (with the default context 1024, P = 944 and KV lengths 945..1103,
+   mean 1024, the window of bench/scripts/e2e_tpot.py's ``Engine.generate`` at ``--context 1024 --new-tokens
+   128``), and also reports gpt-fast's own figure (1000 / tokens/s: prefill included). ``--short N`` adds a run of
+   N new tokens for the older estimate ``(t_long - t_short) / (N_long - N_short)`` (``t = N / (tokens/s)``, sample
+   medians), printed beside it; each run compiles its own decode graph (generate.py sizes the KV cache to prompt +
+   new tokens).
 """
 
 from __future__ import annotations
@@ -46,18 +48,18 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling gpt_fast_output, however it is loaded
+import gpt_fast_output  # noqa: E402
+from gpt_fast_output import GenerateRun, GptFastError, decode_ms, parse_generate_output  # noqa: E402,F401
 
 SPECIAL_TOKENS = 256  # gpt-fast's TiktokenWrapper appends this many special tokens to the BPE file's ranks
 FORBIDDEN_IN_PATH = ("int8", "int4", "stories", "chat")  # generate.py switches behaviour on these substrings
 LAUNCH = "_launch"
 SYNTHETIC_IDS = 1024  # generate.py's --prompt N draws N ids in [0, 1024)
-
-
-class GptFastError(RuntimeError):
-    """gpt-fast cannot run this shape, its checkout is missing, or its output lacks a figure (message says which)."""
 
 
 # ---- 1. shapes -------------------------------------------------------------------------------------------------
@@ -197,6 +199,9 @@ def launch(argv: list[str]) -> None:
     ``argv``: [checkout, name, ModelArgs kwargs as JSON, generate.py's arguments...].
     """
     checkout, name, args = Path(argv[0]), argv[1], json.loads(argv[2])
+    import torch
+
+    gpt_fast_output.install(torch)  # its decode steps timed with CUDA events; gpt_fast_output.py says how
     sys.path.insert(0, str(checkout))
     import model  # gpt-fast's model.py: generate.py's own ``from model import Transformer`` gets this module
 
@@ -234,70 +239,6 @@ def run_generate(checkout: Path, name: str, args: dict[str, Any], gen_argv: list
     return text
 
 
-# ---- 4. its output ---------------------------------------------------------------------------------------------
-
-@dataclass
-class GenerateRun:
-    """One generate.py run: per-sample tokens/s and seconds (``new_tokens / tokens_per_s``), what it reported."""
-
-    prompt_len: int
-    new_tokens: int
-    tokens_per_s: list[float]
-    seconds: list[float]
-    average_tokens_per_s: float
-    compile_s: float | None
-    memory_gb: float | None
-
-
-_SAMPLE = re.compile(r"^Time for inference (\d+): ([\d.]+) sec total, ([\d.]+) tokens/sec", re.M)
-
-
-def _field(text: str, label: str) -> str:
-    m = re.search(rf"^{re.escape(label)}: ([\d.]+)", text, re.M)
-    if not m:
-        raise GptFastError(f"generate.py's output has no {label!r} line (a gpt-fast version whose summary "
-                           f"differs?); last output:\n{text[-2000:]}")
-    return m.group(1)
-
-
-def parse_generate_output(text: str, *, prompt_len: int, new_tokens: int) -> GenerateRun:
-    """Parse generate.py's stdout into a ``GenerateRun``.
-
-    Raises:
-        GptFastError: no per-sample lines, a summary line missing, or a batch size, prompt length or token count
-            other than the one asked for.
-    """
-    samples = [(int(i), float(tps)) for i, _, tps in _SAMPLE.findall(text)]
-    if not samples:
-        raise GptFastError(f"no 'Time for inference N: ... tokens/sec' lines in generate.py's output:\n{text[-2000:]}")
-    if [i for i, _ in samples] != list(range(1, len(samples) + 1)) or min(t for _, t in samples) <= 0:
-        raise GptFastError(f"per-sample lines out of order or with zero tokens/sec: {samples}")
-    got = {"Batch Size": int(_field(text, "Batch Size")), "Prompt Length": int(_field(text, "Prompt Length")),
-           "Generated tokens": int(_field(text, "Generated tokens"))}
-    want = {"Batch Size": 1, "Prompt Length": prompt_len, "Generated tokens": new_tokens}
-    if got != want:
-        raise GptFastError(f"generate.py ran {got}, asked for {want}")
-    comp = re.search(r"^Compilation time: ([\d.]+) seconds", text, re.M)
-    mem = re.search(r"^Memory used: ([\d.]+) GB", text, re.M)
-    tps = [t for _, t in samples]
-    return GenerateRun(prompt_len, new_tokens, tps, [new_tokens / t for t in tps],
-                       float(_field(text, "Average tokens/sec")), float(comp.group(1)) if comp else None,
-                       float(mem.group(1)) if mem else None)
-
-
-def decode_ms(short: GenerateRun, long: GenerateRun) -> float:
-    """Decode-only ms per token: the extra seconds of the long run over its extra tokens (sample medians).
-
-    Raises:
-        GptFastError: the runs have different prompts, or the long run is not longer.
-    """
-    if short.prompt_len != long.prompt_len or long.new_tokens <= short.new_tokens:
-        raise GptFastError(f"need the same prompt and more new tokens in the long run: {short.prompt_len}/"
-                           f"{short.new_tokens} vs {long.prompt_len}/{long.new_tokens}")
-    extra = statistics.median(long.seconds) - statistics.median(short.seconds)
-    return 1e3 * extra / (long.new_tokens - short.new_tokens)
-
-
 # ---- the measurement -------------------------------------------------------------------------------------------
 
 def git_blob_sha(path: Path) -> str:
@@ -306,49 +247,71 @@ def git_blob_sha(path: Path) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def measure(checkout: Path, preset: str, *, context: int = 1024, short: int = 32, long: int = 160,
+def measure(checkout: Path, preset: str, *, context: int = 1024, short: int = 0, long: int = 160,
             samples: int = 5, workdir: Path, device: str = "cuda", compile: bool = True,
             timeout_s: float = 240.0) -> dict[str, Any]:
     """gpt-fast's ms per token at ``preset``'s shapes, batch 1 (see the module docstring); ``timeout_s`` bounds
-    the checkpoint and both generate.py runs together.
+    the checkpoint and the generate.py runs together.
+
+    One run of ``long`` new tokens after a prompt of ``context - (short + long) // 2`` tokens, its decode steps timed
+    on the GPU (``gpt_fast_output``) over the KV window; with ``short`` > 0 a run of ``short`` new tokens too, for
+    the difference of the two runs (the older method, printed beside it; the only one without ``compile``).
 
     Returns:
-        a JSON-able dict: model, config name, ModelArgs, differences, gpt-fast commit and file ids, both runs,
-        ``decode_ms`` (decode only, by difference), ``reported_ms`` (1000 / tokens/s of the long run) and the
-        KV-length window of ``decode_ms``.
+        a JSON-able dict: model, config name, ModelArgs, differences, gpt-fast commit and file ids, the runs,
+        ``decode_ms`` (decode only: GPU-timed, else by difference; ``decode_method`` says which),
+        ``decode_ms_by_difference`` (None without a short run), ``reported_ms`` (1000 / tokens/s of the long run)
+        and the KV-length window of ``decode_ms``.
     Raises:
-        GptFastError: as ``gpt_fast_args``, ``build_checkpoint``, ``run_generate``, ``parse_generate_output``.
+        GptFastError: as ``gpt_fast_args``, ``build_checkpoint``, ``run_generate``, ``parse_generate_output``; or
+            no decode figure (no timed steps and no short run).
     """
     from lowlat.loader.checkpoint import resolve_model
 
     cfg = resolve_model(preset)
     args, diffs = gpt_fast_args(cfg)
     prompt = context - (short + long) // 2
-    if not (1 <= short < long) or prompt < 1:
-        raise GptFastError(f"need 1 <= short ({short}) < long ({long}) and context > (short + long) / 2")
+    if not (0 <= short < long) or long < 2 or prompt < 1:
+        raise GptFastError(f"need 0 <= short ({short}) < long ({long}), long >= 2 and context > (short + long) / 2")
+    window = (prompt + max(short, 1), prompt + long - 1)
     t0 = time.perf_counter()
     ckpt = build_checkpoint(checkout, preset, cfg, workdir, device=device)
     built = time.perf_counter() - t0
-    runs, tails = {}, []
-    for n in (short, long):
+    runs, tails, texts = {}, [], {}
+    for n in (short, long) if short else (long,):
         text = run_generate(checkout, config_name(preset), args, generate_argv(ckpt, prompt, n, samples,
                             compile=compile, device=device), cache_dir=workdir / "inductor",
                             timeout_s=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        runs[n] = parse_generate_output(text, prompt_len=prompt, new_tokens=n)
+        runs[n], texts[n] = parse_generate_output(text, prompt_len=prompt, new_tokens=n), text
         tails.append(text[-3000:])
         print(f"[gpt-fast] {preset} prompt {prompt} + {n} new: {statistics.median(runs[n].tokens_per_s):.2f} "
               f"tokens/sec (median of {samples}; compile {runs[n].compile_s} s)", flush=True)
+    by_diff = decode_ms(runs[short], runs[long]) if short else None
+    try:
+        steps = gpt_fast_output.step_intervals(texts[long])
+        timed = None if steps is None else gpt_fast_output.decode_ms_per_token(
+            steps, runs=samples + (1 if compile else 0), new_tokens=long, prompt_len=prompt, kv_window=window)
+    except ValueError as e:
+        raise GptFastError(f"{preset}: {e}") from None
+    if timed is None and by_diff is None:
+        raise GptFastError(f"{preset}: generate.py printed no {gpt_fast_output.TAG} line (it compiled no function "
+                           f"named {gpt_fast_output.STEP_NAME!r}, or ran without --compile); pass --short N to take "
+                           f"the decode time as the difference of two runs instead")
     commit_file = checkout / ".commit"
     res = {"model": preset, "config_name": config_name(preset), "model_args": args, "differences": diffs,
            "gpt_fast_commit": commit_file.read_text().strip() if commit_file.is_file() else None,
            "gpt_fast_blobs": {f: git_blob_sha(checkout / f) for f in ("model.py", "generate.py", "tokenizer.py")},
            "device": device, "compile": compile, "checkpoint_build_s": round(built, 1),
-           "runs": [{**asdict(runs[n]), "output_tail": tail} for n, tail in zip((short, long), tails)],
-           "decode_ms": decode_ms(runs[short], runs[long]),
+           "runs": [{**asdict(runs[n]), "output_tail": tail} for n, tail in zip(runs, tails, strict=True)],
+           "decode_ms": timed[0] if timed else by_diff,
+           "decode_method": "gpu-events" if timed else "difference",
+           "decode_ms_per_run": timed[1] if timed else None,
+           "decode_ms_by_difference": by_diff,
            "reported_ms": 1e3 / statistics.median(runs[long].tokens_per_s),
-           "decode_kv_window": [prompt + short, prompt + long - 1]}
-    print(f"[gpt-fast] {preset}: {res['decode_ms']:.3f} ms/token decode only (KV {res['decode_kv_window'][0]}-"
-          f"{res['decode_kv_window'][1]}), {res['reported_ms']:.3f} ms/token as gpt-fast reports it "
+           "decode_kv_window": list(window)}
+    also = f"; by the difference of the runs {by_diff:.3f}" if timed and by_diff is not None else ""
+    print(f"[gpt-fast] {preset}: {res['decode_ms']:.3f} ms/token decode only ({res['decode_method']}, KV "
+          f"{window[0]}-{window[1]}{also}), {res['reported_ms']:.3f} ms/token as gpt-fast reports it "
           f"(prefill of {prompt} included)", flush=True)
     return res
 
@@ -364,14 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--checkout", type=Path, required=True, help="a directory with gpt-fast's files")
     m.add_argument("--model", default="llama-3.2-1b", help="comma-separated dense presets")
     m.add_argument("--context", type=int, default=1024, help="mean KV length of the decode-only window")
-    m.add_argument("--short", type=int, default=32, help="new tokens of the short run")
+    m.add_argument("--short", type=int, default=0,
+                   help="new tokens of a second, shorter run: decode time also by difference (0: none)")
     m.add_argument("--long", type=int, default=160, help="new tokens of the long run")
     m.add_argument("--samples", type=int, default=5, help="timed samples per run after its compile run (median)")
     m.add_argument("--workdir", type=Path, default=None,
                    help="checkpoints and inductor cache (default /dev/shm/gpt-fast-peer when it has room, else /tmp)")
     m.add_argument("--device", default="cuda")
     m.add_argument("--no-compile", action="store_true", help="eager (CPU smoke runs)")
-    m.add_argument("--timeout-s", type=float, default=240.0, help="limit per model: checkpoint and both runs")
+    m.add_argument("--timeout-s", type=float, default=240.0, help="limit per model: checkpoint and the runs")
     m.add_argument("--json", type=Path, default=None, help="write the results (a list, one per model)")
     args = ap.parse_args(argv)
     workdir = args.workdir or _default_workdir()

@@ -45,7 +45,8 @@ def render(gpt_fast: list[dict[str, Any]], lowlat: list[dict[str, Any]]) -> str:
         ref = peer["decode_ms"] if peer else None
         if peer:
             lo, hi = peer["decode_kv_window"]
-            out.append(f"| {model} | gpt-fast (decode only, KV {lo}-{hi}) | - | - | - | {ref:.3f} | 1.00 | - |")
+            how = {"gpu-events": "GPU-timed steps"}.get(peer.get("decode_method", "difference"), "by difference")
+            out.append(f"| {model} | gpt-fast (decode only, {how}, KV {lo}-{hi}) | - | - | - | {ref:.3f} | 1.00 | - |")
             out.append(f"| {model} | gpt-fast as it reports (1000 / tokens/s, prefill included) | - | - | - | "
                        f"{peer['reported_ms']:.3f} | - | - |")
         else:

@@ -1,5 +1,6 @@
-"""bench/peers/gpt_fast.py: shape mapping, tokenizer file, output parsing, the table, and (with a gpt-fast checkout
-in ``GPT_FAST_DIR`` or .peers/gpt-fast) the checkpoint built with gpt-fast's own Transformer."""
+"""bench/peers/gpt_fast.py: shape mapping, tokenizer file, output parsing, the decode steps' CUDA-event timing
+(gpt_fast_output.py, on a fake torch), the table, and (with a gpt-fast checkout in ``GPT_FAST_DIR`` or
+.peers/gpt-fast) the checkpoint built with gpt-fast's own Transformer."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def _load(name: str):
 def gf():
     yield _load("gpt_fast")
     del sys.modules["gpt_fast"]
+
+
+@pytest.fixture(scope="module")
+def out(gf):
+    yield sys.modules["gpt_fast_output"]  # loaded by gpt_fast.py, its sibling
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +178,10 @@ def test_table_puts_lowlat_rows_beside_gpt_fast_with_ratios(table):
     assert "| 1.400 | 1.335 | 0.95 | yes |" in next(r for r in rows if "general-fused" in r)  # slower, within 10%
     assert "| 1.200 | 1.335 | 1.11 | yes |" in next(r for r in rows if "nvidia_mega" in r)
     assert "amd_mono: failed" in text and "embeddings stored untied" in text
+    assert "(decode only, by difference, KV 960-1087)" in rows[0]
+    timed = _peer()
+    timed["results"][0]["decode_method"] = "gpu-events"
+    assert "(decode only, GPU-timed steps, KV 960-1087)" in table.render([timed], [_lowlat()])
 
 
 def test_table_without_a_peer_figure_says_so_and_rejects_wrong_files(table):
@@ -194,3 +204,91 @@ def test_table_cli_writes_the_table_and_names_missing_files(table, tmp_path, cap
     with pytest.raises(SystemExit):
         table.main([str(tmp_path / "absent.json")])
     assert "absent.json" in capsys.readouterr().err
+
+
+class _FakeTorch:
+    """Enough of torch for gpt_fast_output.install: compile, and CUDA events on a clock the test advances."""
+
+    def __init__(self) -> None:
+        self.now, self.compiled = 0.0, []
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool) -> None:
+                assert enable_timing
+                self.t = None
+
+            def record(self) -> None:
+                self.t = fake.now
+
+            def elapsed_time(self, other) -> float:  # ms, as torch.cuda.Event.elapsed_time
+                return other.t - self.t
+
+        self.cuda = type("cuda", (), {"Event": Event, "is_available": staticmethod(lambda: True),
+                                      "synchronize": staticmethod(lambda: None)})
+
+    def compile(self, model=None, **kwargs):
+        self.compiled.append((getattr(model, "__name__", None), kwargs))
+        return model if model is not None else (lambda f: f)
+
+
+def test_decode_steps_are_timed_on_the_event_clock(out, capsys):
+    torch = _FakeTorch()
+    report = out.install(torch, at_exit=False)
+
+    def decode_one_token(step_ms):  # a step that takes step_ms on the "GPU"
+        torch.now += step_ms
+
+    def create_block_mask():
+        torch.now += 100.0
+
+    step = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    assert torch.compile(create_block_mask) is create_block_mask  # only the decode step is wrapped
+    assert step is not decode_one_token and torch.compiled[0] == ("decode_one_token", {"mode": "reduce-overhead",
+                                                                                       "fullgraph": True})
+    # 3 generate() calls (the first the compile run) of 4 new tokens: 3 decode steps each, 1 ms between steps
+    # (gpt-fast's own ops), 50 ms between calls (the next prefill); steps of 2, 3, 4 and 2, 5, 8 ms in the timed runs
+    for steps in ((40.0, 9.0, 9.0), (2.0, 3.0, 4.0), (2.0, 5.0, 8.0)):
+        for ms in steps:
+            step(ms)
+            torch.now += 1.0
+        torch.now += 50.0
+    report()
+    intervals = out.step_intervals(capsys.readouterr().out)
+    assert intervals == ([41.0, 10.0, 60.0, 3.0, 4.0, 55.0, 3.0, 6.0], [40.0, 9.0, 9.0, 2.0, 3.0, 4.0, 2.0, 5.0, 8.0])
+    # prompt 10: steps attend over 11, 12, 13 tokens; the last step of a call counts its own time
+    ms, per_run = out.decode_ms_per_token(intervals, runs=3, new_tokens=4, prompt_len=10, kv_window=(11, 13))
+    assert per_run == [pytest.approx(11 / 3), pytest.approx(17 / 3)] and ms == pytest.approx(14 / 3)
+    assert out.decode_ms_per_token(intervals, runs=3, new_tokens=4, prompt_len=10, kv_window=(12, 12)) == (5.0,
+                                                                                                          [4.0, 6.0])
+    with pytest.raises(ValueError, match="expected 2 generate"):
+        out.decode_ms_per_token(intervals, runs=2, new_tokens=4, prompt_len=10, kv_window=(11, 13))
+    with pytest.raises(ValueError, match="KV length"):
+        out.decode_ms_per_token(intervals, runs=3, new_tokens=4, prompt_len=10, kv_window=(20, 30))
+    with pytest.raises(ValueError, match="compile run"):
+        out.decode_ms_per_token(([], [1.0, 1.0, 1.0]), runs=1, new_tokens=4, prompt_len=10, kv_window=(11, 13))
+
+
+def test_no_timing_without_cuda_or_without_the_step(out, capsys):
+    torch = _FakeTorch()
+    torch.cuda.is_available = staticmethod(lambda: False)
+    report = out.install(torch, at_exit=False)
+
+    def decode_one_token():
+        pass
+    assert torch.compile(decode_one_token) is decode_one_token  # no CUDA: not wrapped, nothing printed
+    decode_one_token()
+    report()
+    assert out.step_intervals(capsys.readouterr().out) is None
+
+
+@pytest.mark.parametrize("line,match", [
+    ('[gpt-fast-timing] {"next": [1.0], "own": [1.0, 2.0]}\n[gpt-fast-timing] {"next": [], "own": [1.0]}', "2 "),
+    ("[gpt-fast-timing] not json", "unreadable"),
+    ('[gpt-fast-timing] {"next": [1.0]}', "unreadable"),
+    ('[gpt-fast-timing] {"next": [-1.0], "own": [1.0, 2.0]}', "non-negative"),
+    ('[gpt-fast-timing] {"next": [1.0, 1.0], "own": [1.0, 2.0]}', "one fewer"),
+])
+def test_timing_line_is_checked(out, line, match):
+    with pytest.raises(ValueError, match=match):
+        out.step_intervals("generate.py output\n" + line + "\n")
