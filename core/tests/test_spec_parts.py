@@ -162,6 +162,29 @@ def test_controller_retries_a_probe_whose_time_did_not_count():
     assert not c.speculate(2, 6)  # measured: still off, back to the backed-off interval
 
 
+def test_controller_drops_the_first_step_at_each_shape():
+    """The step right after a prefill (the first at a new batch size) is slow; as the first sample of the moving
+    average it made plain decoding look slow and kept speculation on. Its time is dropped, its acceptance kept."""
+    c = Controller(probe_every=10)
+    assert not c.speculate(2, 6)
+    c.record(2, 1, 6.0)  # the warm-up DECODE step: six times the real cost
+    assert not c.speculate(2, 6)  # still unmeasured: a second plain step
+    c.record(2, 1, 1.0)
+    assert c.speculate(2, 6)
+    c.record(2, 6, 9.0, tau=1.3)  # the warm-up VERIFY step: its acceptance counts, its time does not
+    assert c.tau == 1.3 and c.ratio(2, 6) is None and c.speculate(2, 6)
+    c.record(2, 6, 2.0, tau=1.3)
+    assert c.ratio(2, 6) == 2.0  # 2 / 1, neither warm-up in it
+    assert not c.speculate(2, 6) and not c.on  # 1.3 tokens per step at twice the cost: off
+    c2 = Controller(probe_every=10)
+    for seconds in (6.0, 1.0):  # the same DECODE steps, the VERIFY steps at 1.5x: on, at the real ratio
+        c2.speculate(2, 6)
+        c2.record(2, 1, seconds)
+    for _ in range(2):
+        c2.record(2, 6, 1.5, tau=1.8)
+    assert c2.ratio(2, 6) == 1.5 and c2.speculate(2, 6) and c2.on
+
+
 def test_not_adaptive_always_speculates():
     c = Controller(adaptive=False)
     assert all(drive(c, 20, t_decode=1.0, t_verify=9.0, tau=1.0)) and c.on
@@ -177,9 +200,9 @@ def test_engine_falls_back_to_decode_when_nothing_is_ever_accepted():
         c = e.speculator.controller
         c.probe_every = 16
         c.tau = 1.0  # measured acceptance: nothing kept
-        c.record(2, 1, 1e-3)  # plain DECODE: 1 ms; VERIFY (draft + verify) pretended at 3 ms below
-        c.record(2, 6, 3e-3)
-        c._local[(2, 6)] = 3e-3
+        for _ in range(2):  # the first step at a shape is a warm-up: its time is dropped
+            c.record(2, 1, 1e-3)  # plain DECODE: 1 ms; VERIFY (draft + verify) pretended at 3 ms
+            c.record(2, 6, 3e-3)
         c.record = lambda bs, k1, s, tau=None: None  # freeze the model: the real CPU timings are noise here
         got = [x.token_ids for x in e.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=150,
                                                                                    stop_at_eos=False))]

@@ -13,6 +13,11 @@ plain DECODE step, so ``t_decode`` stays measured; while it is off, a probe is a
 doubles the interval (up to ``max_probe_every``), a switch resets it, so a stable run pays for few probes (a
 DECODE probe at tau 3.5 costs 2.5 tokens of one step).
 
+Warm-up. The first measured step at each shape is dropped: in a short run it is the step right after the
+prompt's prefill (or after a batch change), and on an H200 such a DECODE step took 5.8 ms against a 3.1 ms mean
+(llama-3.2-1b, 2026-12-02), so as the first sample of a moving average it made plain decoding look half as fast and
+kept speculation on. A new batch size therefore costs two plain DECODE steps before the first decision.
+
 Tensor parallelism. Ranks must take the same decision every step, but their clocks differ. Decisions therefore
 read only the acceptance (identical on every rank: the same tokens) and an *agreed* copy of the times, which
 ``agree`` (an all-reduce mean over the ranks' CPU group) refreshes every ``agree_every`` measurements; which
@@ -63,6 +68,7 @@ class Controller:
     reason: str = "on: nothing measured yet"
     tau: float | None = None
     _local: dict[Key, float] = field(default_factory=dict)
+    _warm: set[Key] = field(default_factory=set)  # shapes whose first (warm-up) step was seen and dropped
     _agreed: dict[Key, float] = field(default_factory=dict)
     _since_probe: int = 0
     _since_agree: int = 0
@@ -89,14 +95,18 @@ class Controller:
         return self.on
 
     def record(self, batch_size: int, tokens_per_req: int, seconds: float, tau: float | None = None) -> None:
-        """Add one measured step: DECODE (``tokens_per_req`` 1) or VERIFY with its mean acceptance length ``tau``."""
+        """Add one measured step: DECODE (``tokens_per_req`` 1) or VERIFY with its mean acceptance length ``tau``.
+        The first step at a shape is a warm-up: its acceptance counts, its time does not (module docstring)."""
         if not self.adaptive:
             return
         key = (batch_size, tokens_per_req)
-        old = self._local.get(key)
-        self._local[key] = seconds if old is None else old + self.ewma * (seconds - old)
         if tau is not None:
             self.tau = tau if self.tau is None else self.tau + self.ewma * (tau - self.tau)
+        if key not in self._warm:
+            self._warm.add(key)
+            return
+        old = self._local.get(key)
+        self._local[key] = seconds if old is None else old + self.ewma * (seconds - old)
         self._since_agree += 1
         if self.agree is None:
             self._agreed = dict(self._local)
