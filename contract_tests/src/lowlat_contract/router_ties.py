@@ -21,27 +21,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lowlat.plugin.tolerance import ROUTER_TIE_ULPS, router_gap_ulps, router_near_tie_rows  # noqa: F401
 
-TIE_ULPS = 4  # a top-k boundary gap of at most this many ulps (at the row's largest |logit|) is a near-tie
-
-
-def router_gap_ulps(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Per row of ``router_logits`` [T, E]: the gap between the k-th and (k+1)-th largest logits, in ulps of the
-    logits' dtype at the row's largest |logit| (float32 [T]; the two paths' router logits differ by a few of
-    those: their inputs differ by an ulp or two, so a small logit gets the noise of the large ones)."""
-    lg = router_logits.float()
-    v = lg.topk(top_k + 1, dim=-1).values
-    big = lg.abs().amax(dim=-1).clamp_min(1e-30)
-    ulp = torch.finfo(router_logits.dtype).eps * torch.exp2(torch.floor(torch.log2(big)))
-    return (v[:, top_k - 1] - v[:, top_k]) / ulp
-
-
-def near_tie_rows(router_logits: torch.Tensor, top_k: int, ulps: int = TIE_ULPS) -> list[int]:
-    """Rows of ``router_logits`` [T, E] (low-precision dtype) whose top-k boundary gap is at most ``ulps`` ulps
-    (``router_gap_ulps``); none for float32 or when E <= top_k."""
-    if router_logits.dtype not in (torch.bfloat16, torch.float16) or router_logits.shape[-1] <= top_k:
-        return []
-    return (router_gap_ulps(router_logits, top_k) <= ulps).nonzero().flatten().tolist()
+TIE_ULPS = ROUTER_TIE_ULPS  # the rule lives in core (lowlat.plugin.tolerance), which lowlat run --compare shares
+near_tie_rows = router_near_tie_rows
 
 
 class _GateHooks:

@@ -8,7 +8,10 @@ divergence the inputs differ and logits are not comparable; reported, not judged
 a differing token is classified by, and the decode speed of each side by side (times only, no ratio, under
 TRITON_INTERPRET=1). Its verdict (``CompareReport.exit_status``): identical tokens, or every request's first
 differing token a near-tie within the bound (docs/contract.md's rule for greedy tokens), exit 0; any other
-difference exits 1, and ``strict`` (``--compare-strict``) exits 1 on any difference.
+difference exits 1, and ``strict`` (``--compare-strict``) exits 1 on any difference. In a bfloat16 / float16 MoE
+model one first difference per run that is no logit near-tie is also accepted when the general path's router had
+a near-tie for that request at a step the plugin ran, at or before it (the contract's router rule;
+``compare_router.py`` records the ties with one more, eager, general run, made only when a divergence needs it).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from typing import Any
 
 import torch
 
+from lowlat.cli.compare_router import RouterTie, RouterTies, moe_blocks, router_ties
 from lowlat.config import EngineConfig
 from lowlat.platform import triton_interpreter_enabled
-from lowlat.plugin.tolerance import MAX_REL
+from lowlat.plugin.tolerance import MAX_REL, ROUTER_TIE_ULPS
 
 # The contract's per-element bound relative to max(1, max |logits|) (docs/contract.md, "Tolerances"; the values
 # are lowlat.plugin.tolerance's, which the contract suite checks with): a greedy divergence is a near-tie when the
@@ -45,6 +49,7 @@ class RunRecord:
     decode_tokens_per_s: list[float]
     path_steps: dict[str, dict[str, Any]]
     dtype: torch.dtype = torch.float32
+    moe_layers: int = 0  # MoE blocks of the general model (0: dense, or no general model loaded)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class CompareReport:
     max_abs_logit_diff: float
     interpreted: bool = False  # TRITON_INTERPRET=1: Triton kernels ran in Python, so no speed ratio is printed
     logit_rows: int = 0  # logits rows (one per sampled token) that max_abs_logit_diff is over
+    router: RouterTies | None = None  # the general path's router near-ties, recorded when a divergence needs them
 
     @property
     def tokens_compared(self) -> int:
@@ -87,6 +93,8 @@ class CompareReport:
             tie = near_tie(self, i, d)
             out.append(f"    {tie}" if tie else "    nothing to judge a near-tie by (one side ended there, or no "
                        "logits were recorded for it): not a near-tie")
+            if self.router is not None and not self.differs_at_near_tie(i):
+                out.append(f"    {self._router_line(i, d)}")
         speedup = g.decode_ms_per_step / p.decode_ms_per_step if p.decode_ms_per_step else float("nan")
         ratio = (f"{speedup:.2f}x" if not self.interpreted else "no speed ratio: under TRITON_INTERPRET=1 Triton "
                  "kernels run in Triton's Python interpreter, so these times are not speed figures")
@@ -103,11 +111,53 @@ class CompareReport:
         judged = None if d is None else tie_gap(self, i, d)
         return judged is not None and judged[0] <= judged[1]
 
+    def router_excuse(self, i: int) -> RouterTie | None:
+        """The router near-tie that excuses request ``i``'s first difference, or None. Only one request per run
+        is excused so (the lowest-numbered one that needs it, as the contract excuses one divergence per run),
+        and only where the eager run retraced the general run's tokens up to the difference."""
+        if self.router is None:
+            return None
+        need = [j for j, d in enumerate(self.first_divergence) if d is not None and not self.differs_at_near_tie(j)]
+        if not need or need[0] != i:
+            return None
+        d = self.first_divergence[i]
+        assert d is not None
+        want, got = self.general.token_ids[i][:d + 1], self.router.token_ids[i][:d + 1] if i < len(
+            self.router.token_ids) else []
+        return self.router.before(i, d) if want == got else None
+
+    def _router_line(self, i: int, d: int) -> str:
+        tie = self.router_excuse(i)
+        if tie is not None:
+            return (f"after a router near-tie: the general path's MoE layer {tie.layer} had a top-k boundary gap of "
+                    f"{tie.gap_ulps:.1f} ulps at token {tie.token} (a near-tie: <= {ROUTER_TIE_ULPS} ulps, "
+                    f"docs/contract.md), where rounding may pick another expert: accepted as the run's one router "
+                    f"excuse")
+        assert self.router is not None
+        retraced = i < len(self.router.token_ids) and self.router.token_ids[i][:d + 1] == \
+            self.general.token_ids[i][:d + 1]
+        if not retraced:
+            return "no router excuse: the eager general run did not retrace the general run's tokens up to here"
+        if self.router.before(i, d) is None:
+            return (f"no router excuse: no MoE router of the general path had a near-tie (<= {ROUTER_TIE_ULPS} ulps) "
+                    f"for this request at tokens 1-{d}")
+        return "no router excuse: another request already took the run's one router excuse"
+
+    def excused(self, i: int) -> bool:
+        """Whether request ``i``'s first difference is accepted: a logit near-tie, or the run's router excuse."""
+        return self.differs_at_near_tie(i) or self.router_excuse(i) is not None
+
     @property
     def near_ties_only(self) -> bool:
-        """Whether tokens differ and every request's first differing token is a near-tie within the bound."""
-        return not self.identical and all(d is None or self.differs_at_near_tie(i)
-                                          for i, d in enumerate(self.first_divergence))
+        """Whether tokens differ and every request's first differing token is accepted (``excused``)."""
+        return not self.identical and all(d is None or self.excused(i) for i, d in enumerate(self.first_divergence))
+
+    @property
+    def needs_router(self) -> bool:
+        """Whether some first difference is no logit near-tie in a low-precision MoE model (the router rule could
+        accept one): then ``compare`` records the general path's router near-ties."""
+        return (self.general.moe_layers > 0 and self.general.dtype in (torch.bfloat16, torch.float16)
+                and any(d is not None and not self.differs_at_near_tie(i) for i, d in enumerate(self.first_divergence)))
 
     def exit_status(self, strict: bool = False) -> int:
         """0: identical, or (unless ``strict``) differing only at near-ties within the bound; 1: otherwise."""
@@ -121,10 +171,13 @@ class CompareReport:
         differ = [i for i, d in enumerate(self.first_divergence) if d is not None]
         where = f"{len(differ)} of {len(self.first_divergence)} request{'s' if len(self.first_divergence) != 1 else ''}"
         if self.near_ties_only:
-            return (f"verdict: tokens differ in {where}, each first at a near-tie within the documented bound "
-                    f"(docs/contract.md): " + ("accepted (exit 0; --compare-strict exits 1 on any difference)"
-                                               if rc == 0 else "exit 1 (--compare-strict: no difference accepted)"))
-        bad = [i for i in differ if not self.differs_at_near_tie(i)]
+            routed = [i for i in differ if not self.differs_at_near_tie(i)]
+            how = (f"at a near-tie within the documented bound, or (request {routed[0]}) after a router near-tie"
+                   if routed else "at a near-tie within the documented bound")
+            return (f"verdict: tokens differ in {where}, each first {how} (docs/contract.md): "
+                    + ("accepted (exit 0; --compare-strict exits 1 on any difference)"
+                       if rc == 0 else "exit 1 (--compare-strict: no difference accepted)"))
+        bad = [i for i in differ if not self.excused(i)]
         return (f"verdict: DIVERGED: tokens differ in {where}; the first difference of request"
                 f"{'s' if len(bad) != 1 else ''} {', '.join(map(str, bad))} is not a near-tie within the documented "
                 f"bound (exit 1)")
@@ -186,7 +239,7 @@ def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) 
         name = engine.runner.plugin_host.name
         return RunRecord(label, name, [list(c.token_ids) for c in completions], logits, decode.ms_per_step,
                          [c.decode_tokens_per_s for c in completions], engine.stats.paths_as_dict(),
-                         engine.runner.dtype)
+                         engine.runner.dtype, len(moe_blocks(engine.runner.model)))
 
 
 def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareReport:
@@ -217,5 +270,8 @@ def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareRep
         for la, lb in zip(general.logits.get(i, [])[:n], plugin.logits.get(i, [])[:n]):
             worst = max(worst, float((la - lb).abs().max()))
             rows += 1
-    return CompareReport(general, plugin, all(d is None for d in div), div, worst, triton_interpreter_enabled(),
-                         logit_rows=rows)
+    report = CompareReport(general, plugin, all(d is None for d in div), div, worst, triton_interpreter_enabled(),
+                           logit_rows=rows)
+    if report.needs_router:
+        report.router = router_ties(config, params, prompts)
+    return report

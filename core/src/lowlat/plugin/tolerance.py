@@ -4,7 +4,9 @@ A plugin row (one token: its logits, or its K/V over all layers) may differ from
 ``want`` by at most ``MAX_REL[dtype] * scale`` in any element and ``MEAN_REL[dtype] * scale`` on average,
 with ``scale = max(1, max |want|)``. The contract suite (``lowlat_contract.cases.Tolerance``) checks with
 them; ``lowlat run --compare`` labels a greedy divergence a near-tie by ``MAX_REL``. They live in core so
-both can use them: core never imports the suite.
+both can use them: core never imports the suite. So do the MoE router near-tie rule's (``ROUTER_TIE_ULPS``,
+``router_gap_ulps``, ``router_near_tie_rows``): the suite excuses a greedy divergence that such a tie precedes
+(``lowlat_contract.router_ties``), and so does ``lowlat run --compare``.
 
 Derivation: the general path rounds each of its R = ROUNDINGS intermediates to the model dtype, a fused
 plugin may keep float32 instead; to first order each rounding moves the output by at most u (the unit
@@ -16,6 +18,8 @@ only by summation order: ``R * sqrt(n) * u`` and ``sqrt(R * n) * u`` with n = FP
 from __future__ import annotations
 
 import math
+
+import torch
 
 ROUNDINGS = 26
 """Rounding points between the embedding and the logits of a tiny preset's general forward: 12 per decoder layer
@@ -47,3 +51,28 @@ MAX_REL = {d: bounds(d)[0] for d in UNIT_ROUNDOFF}
 
 MEAN_REL = {d: bounds(d)[1] for d in UNIT_ROUNDOFF}
 """Row-mean bound relative to ``max(1, max |want_row|)``: bfloat16 9.96e-3, float16 2.49e-3, float32 1.95e-5."""
+
+ROUTER_TIE_ULPS = 4
+"""A MoE router row whose top-k boundary gap (k-th minus (k+1)-th logit) is at most this many ulps, at the row's
+largest |logit|, is a near-tie: the two paths' router inputs differ by an ulp or two, so rounding may pick another
+expert there. Twice the largest flipping gap seen (0-2 ulps on the H200, bench/results/2026-11-30-h200-router-flips;
+docs/contract.md, "Tolerances")."""
+
+
+def router_gap_ulps(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per row of ``router_logits`` [T, E]: the gap between the k-th and (k+1)-th largest logits, in ulps of the
+    logits' dtype at the row's largest |logit| (float32 [T]; the two paths' router logits differ by a few of
+    those: their inputs differ by an ulp or two, so a small logit gets the noise of the large ones)."""
+    lg = router_logits.float()
+    v = lg.topk(top_k + 1, dim=-1).values
+    big = lg.abs().amax(dim=-1).clamp_min(1e-30)
+    ulp = torch.finfo(router_logits.dtype).eps * torch.exp2(torch.floor(torch.log2(big)))
+    return (v[:, top_k - 1] - v[:, top_k]) / ulp
+
+
+def router_near_tie_rows(router_logits: torch.Tensor, top_k: int, ulps: int = ROUTER_TIE_ULPS) -> list[int]:
+    """Rows of ``router_logits`` [T, E] (low-precision dtype) whose top-k boundary gap is at most ``ulps`` ulps
+    (``router_gap_ulps``); none for float32 or when E <= top_k."""
+    if router_logits.dtype not in (torch.bfloat16, torch.float16) or router_logits.shape[-1] <= top_k:
+        return []
+    return (router_gap_ulps(router_logits, top_k) <= ulps).nonzero().flatten().tolist()

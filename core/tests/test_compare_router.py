@@ -1,0 +1,146 @@
+"""``lowlat run --compare``'s MoE router near-tie excuse (cli/compare_router.py): the general path's router ties
+recorded with hooks in an eager run, and the verdict that accepts one divergence per run after such a tie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lowlat import Engine, EngineConfig, SamplingParams
+from plugin_dists import activate, make_plugin_dist
+from plugin_fakes import mirror_source
+
+MOE = dict(model="tiny-qwen3-moe", device="cpu", dtype="bfloat16", max_batch_size=4, max_context_len=64)
+
+
+@pytest.fixture
+def noisy(tmp_path, monkeypatch):
+    """The noisy mirror plugin installed (its logits drift: greedy tokens diverge far from any logit near-tie)."""
+    site = tmp_path / "site"
+    activate(site, monkeypatch)
+    make_plugin_dist(site, "noisy", mirror_source("noisy"))
+    monkeypatch.setenv("LOWLAT_PLUGINS", "noisy")
+    return "noisy"
+
+
+def test_recorder_attributes_each_tie_to_its_request_and_token():
+    """Every router row tied (all gate rows equal: gap 0 ulps): each DECODE step's rows give a tie for each request
+    at the token that step produced (1, 2, ...), in every MoE layer; the prefill's rows are not recorded."""
+    from lowlat.cli.compare_router import moe_blocks, record_router_ties
+
+    with Engine(EngineConfig(plugin="none", cuda_graph=False, overlap=False, **MOE)) as e:
+        blocks = moe_blocks(e.runner.model)
+        assert blocks
+        with torch.no_grad():
+            for b in blocks:
+                b.gate.weight.copy_(b.gate.weight[:1].expand_as(b.gate.weight))
+        got = record_router_ties(e, [[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=4, stop_at_eos=False))
+        assert e.logits_observer is None and all(not b.gate._forward_hooks for b in blocks)  # hooks removed
+    assert [len(t) for t in got.token_ids] == [4, 4]
+    for i in (0, 1):
+        ties = got.ties[i]
+        assert sorted({t.token for t in ties}) == [1, 2, 3]  # 3 DECODE steps after the prefill's token 0
+        assert sorted({t.layer for t in ties}) == list(range(len(blocks))) and all(t.gap_ulps == 0 for t in ties)
+    assert got.before(0, 2).token == 1 and got.before(0, 0) is None
+
+
+def test_ties_go_to_the_request_whose_row_tied(monkeypatch):
+    """Only the first row of each forward ties: in a DECODE step of two requests that is request 0's, so request
+    1 has none, and each of request 0's DECODE steps counts once per MoE layer (the prefill's ties are dropped)."""
+    import lowlat.cli.compare_router as cr
+    from lowlat.cli.compare_router import RouterTie, RouterTies, moe_blocks, record_router_ties
+
+    monkeypatch.setattr(cr, "router_near_tie_rows", lambda logits, top_k: [0])
+    with Engine(EngineConfig(plugin="none", cuda_graph=False, overlap=False, **MOE)) as e:
+        layers = len(moe_blocks(e.runner.model))
+        got = record_router_ties(e, [[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=3, stop_at_eos=False))
+    assert set(got.ties) == {0} and [t.token for t in got.ties[0]] == [1] * layers + [2] * layers
+    assert RouterTies({0: [RouterTie(0, 0, 0.0)]}, [[1, 2]]).before(0, 1) is None  # token 0: the prefill's
+
+
+def test_router_run_is_eager_on_the_general_path(monkeypatch):
+    import lowlat.cli.compare_router as cr
+
+    seen = []
+
+    class FakeEngine:
+        def __init__(self, cfg):
+            seen.append(cfg)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr("lowlat.runtime.engine.Engine", FakeEngine)
+    monkeypatch.setattr(cr, "record_router_ties", lambda engine, prompts, params: "recorded")
+    assert cr.router_ties(EngineConfig(plugin="noisy", **MOE), None, ["abc"]) == "recorded"
+    assert (seen[0].plugin, seen[0].cuda_graph, seen[0].overlap) == ("none", False, False)
+
+
+def test_dense_models_record_nothing():
+    from lowlat.cli.compare_router import moe_blocks
+
+    with Engine(EngineConfig(model="tiny-llama", device="cpu", dtype="bfloat16", plugin="none",
+                             max_context_len=64)) as e:
+        assert moe_blocks(e.runner.model) == []
+
+
+def _tie_bound(monkeypatch, ulps: float):
+    """Set the near-tie bound the recorder uses: 1e9 ulps makes every router row a tie, -1 none (the tiny bf16
+    model has a real 3.5-ulp tie at its first DECODE step: the default rule excuses its divergence)."""
+    import lowlat.cli.compare_router as cr
+    from lowlat.plugin.tolerance import router_near_tie_rows
+
+    monkeypatch.setattr(cr, "router_near_tie_rows", lambda logits, top_k: router_near_tie_rows(logits, top_k, ulps))
+
+
+def test_compare_accepts_one_divergence_after_a_router_near_tie(noisy, monkeypatch):
+    from lowlat.cli.compare import compare
+
+    cfg = EngineConfig(plugin=noisy, **MOE)
+    params = SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    _tie_bound(monkeypatch, -1)
+    report = compare(cfg, params, ["abc"])  # no router near-tie before the divergence
+    assert not report.identical and report.needs_router and report.router is not None
+    assert report.exit_status() == 1 and "no router excuse: no MoE router of the general path had a near-tie" \
+        in "\n".join(report.lines())
+    _tie_bound(monkeypatch, 1e9)
+    report = compare(cfg, params, ["abc"])
+    text = "\n".join(report.lines())
+    assert report.router_excuse(0) is not None and report.exit_status() == 0, text
+    assert "after a router near-tie: the general path's MoE layer 0 had a top-k boundary gap of" in text
+    assert "accepted as the run's one router excuse" in text
+    assert report.verdict().startswith("verdict: tokens differ in 1 of 1 request, each first at a near-tie within "
+                                       "the documented bound, or (request 0) after a router near-tie")
+    assert report.exit_status(strict=True) == 1
+    two = compare(cfg, params, ["abc", "xyz"])  # both diverge: only one router excuse per run
+    assert [two.router_excuse(i) is not None for i in (0, 1)] == [True, False] and two.exit_status() == 1
+    assert "another request already took the run's one router excuse" in "\n".join(two.lines())
+    assert "the first difference of request 1 is not a near-tie" in two.verdict(), two.verdict()
+
+
+def test_no_router_run_for_float32_or_a_dense_model(noisy, monkeypatch):
+    import lowlat.cli.compare as compare_mod
+
+    calls = []
+    monkeypatch.setattr(compare_mod, "router_ties", lambda *a: calls.append(a))
+    report = compare_mod.compare(EngineConfig(plugin=noisy, **{**MOE, "dtype": "float32"}),
+                                 SamplingParams(max_new_tokens=6, stop_at_eos=False), ["abc"])
+    assert not report.identical and not report.needs_router and report.router is None and calls == []
+    assert report.exit_status() == 1
+    dense = compare_mod.compare(EngineConfig(plugin=noisy, **{**MOE, "model": "tiny-llama"}),
+                                SamplingParams(max_new_tokens=6, stop_at_eos=False), ["abc"])
+    assert not dense.identical and not dense.needs_router and calls == []  # bf16, but no MoE layer
+
+
+def test_a_run_that_did_not_retrace_the_general_tokens_is_no_excuse(noisy, monkeypatch):
+    import lowlat.cli.compare as compare_mod
+    from lowlat.cli.compare_router import RouterTie, RouterTies
+
+    def other_tokens(config, params, prompts):
+        return RouterTies({0: [RouterTie(1, 0, 0.0)]}, [[-1] * 6 for _ in prompts])
+    monkeypatch.setattr(compare_mod, "router_ties", other_tokens)
+    report = compare_mod.compare(EngineConfig(plugin=noisy, **MOE), SamplingParams(max_new_tokens=6,
+                                                                                     stop_at_eos=False), ["abc"])
+    assert report.router_excuse(0) is None and report.exit_status() == 1
+    assert "did not retrace the general run's tokens" in "\n".join(report.lines())
