@@ -188,17 +188,22 @@ class Case:
     def attention(self, pdl: bool, b: int, r: int) -> Callable[[], int]:
         s = self.s
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
-        rpi, seq, _, _ = self.decode_batch(b, r)
+        _, seq, _, _ = self.decode_batch(b, r)
         plan = attn_plan(b, r, hq, hkv, d, self.ctx, self.sms, self.dt, device=self.dev)
         n_o, n_l = partial_numel(b, hq, hkv, d, r, plan)
         o_p, l_p = torch.empty(n_o, device=self.dev), torch.empty(n_l, device=self.dev)
+        # Each copy holds self.t requests' K/V; a launch of b < self.t requests (VERIFY: one) reads only b of them,
+        # so the launches walk the copies' request groups too: every launch reads K/V no other launch of the chain
+        # reads, as sized for self.t (otherwise at 8 rows a VERIFY chain read about 26 MB, inside the 50 MB L2).
+        groups = [torch.arange(j * b, (j + 1) * b, device=self.dev) for j in range(max(1, self.t // b))]
 
         def chain() -> int:
             for kb, vb in zip(self.kb, self.vb):
-                paged_decode_attention(self.q, kb, vb, self.rtt, rpi, seq, self.attn, rows_per_req=r,
-                                       sm_scale=d ** -0.5, plan=plan, o_partial=o_p, lse_partial=l_p,
-                                       use_pdl=pdl)
-            return len(self.kb)
+                for rpi in groups:
+                    paged_decode_attention(self.q, kb, vb, self.rtt, rpi, seq, self.attn, rows_per_req=r,
+                                           sm_scale=d ** -0.5, plan=plan, o_partial=o_p, lse_partial=l_p,
+                                           use_pdl=pdl)
+            return len(self.kb) * len(groups)
         return chain
 
     def gemm(self, which: str, pdl: bool, fused: bool = True, split: bool = True,
