@@ -57,6 +57,24 @@ def test_ties_go_to_the_request_whose_row_tied(monkeypatch):
     assert RouterTies({0: [RouterTie(0, 0, 0.0)]}, [[1, 2]]).before(0, 1) is None  # token 0: the prefill's
 
 
+def test_ties_keep_their_prompt_index_when_a_request_ends_at_its_prefill(monkeypatch):
+    """Request 0's first token is its EOS, so it never takes a DECODE step: request 1's ties are still request 1's
+    (they were filed under index 0, the order of first DECODE appearance, so its divergence lost its excuse and
+    a third request's ties would have excused request 1's)."""
+    import lowlat.cli.compare_router as cr
+    from lowlat.cli.compare_router import record_router_ties
+
+    prompts, params = [[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=4, stop_at_eos=False)
+    with Engine(EngineConfig(plugin="none", cuda_graph=False, overlap=False, **MOE)) as e:
+        first = e.generate(prompts, params)[0].token_ids[0]
+        e.eos_ids = frozenset({first})  # request 0 stops at the token its prefill made
+        monkeypatch.setattr(cr, "router_near_tie_rows", lambda logits, top_k: [0])  # the first row of a forward
+        got = record_router_ties(e, prompts, SamplingParams(max_new_tokens=4, stop_at_eos=True))
+    assert len(got.token_ids[0]) == 1 and len(got.token_ids[1]) == 4 and first not in got.token_ids[1]
+    assert set(got.ties) == {1} and {t.token for t in got.ties[1]} == {1, 2, 3}
+    assert got.before(0, 3) is None and got.before(1, 3).token == 1
+
+
 def test_router_run_is_eager_on_the_general_path(monkeypatch):
     import lowlat.cli.compare_router as cr
 

@@ -66,7 +66,7 @@ def record_router_ties(engine: Any, prompts: list[str], params: Any) -> RouterTi
     blocks = moe_blocks(engine.runner.model)
     out = RouterTies()
     pending: list[tuple[int, list[int], torch.Tensor]] = []  # (layer, near-tie rows, their gaps) of this forward
-    order: dict[int, int] = {}
+    by_rid: dict[int, list[RouterTie]] = {}  # request id -> its ties; filed by prompt index once the run is done
 
     def hook_for(layer: int, block: Any) -> Any:
         def hook(_mod: Any, _inp: Any, logits: torch.Tensor) -> None:
@@ -83,17 +83,19 @@ def record_router_ties(engine: Any, prompts: list[str], params: Any) -> RouterTi
             return
         per_req = int(step.batch.input_ids.shape[0]) // len(step.requests)  # uniform rows per request
         for j, req in enumerate(step.requests):
-            idx = order.setdefault(req.rid, len(order))
             first = len(req.output_ids)  # the observer runs before the step's tokens are appended (Engine._run)
             for layer, rows, gaps in found:
                 for r, g in zip(rows, gaps.tolist()):
                     if r // per_req == j:
-                        out.ties.setdefault(idx, []).append(RouterTie(first, layer, g))
+                        by_rid.setdefault(req.rid, []).append(RouterTie(first, layer, g))
 
     handles = [b.gate.register_forward_hook(hook_for(i, b)) for i, b in enumerate(blocks)]
     try:
         engine.logits_observer = observe
-        out.token_ids = [list(c.token_ids) for c in engine.generate(prompts, params)]
+        done = engine.generate(prompts, params)
+        out.token_ids = [list(c.token_ids) for c in done]
+        # by prompt index, not by first DECODE step: a request whose first token ended it never takes one
+        out.ties = {i: by_rid[c.request_id] for i, c in enumerate(done) if c.request_id in by_rid}
     finally:
         engine.logits_observer = None
         for h in handles:
