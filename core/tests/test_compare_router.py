@@ -162,3 +162,52 @@ def test_a_run_that_did_not_retrace_the_general_tokens_is_no_excuse(noisy, monke
                                                                                      stop_at_eos=False), ["abc"])
     assert report.router_excuse(0) is None and report.exit_status() == 1
     assert "did not retrace the general run's tokens" in "\n".join(report.lines())
+
+
+def _diverged(tokens_g, tokens_p, router_ties, retraced=None):
+    """A bf16 MoE --compare report: request i's general tokens ``tokens_g[i]``, the plugin's ``tokens_p[i]``; at each
+    differing position the general logits are 10 for its token and 8 for the plugin's (no near-tie); the eager
+    run's ties ``router_ties`` and tokens ``retraced`` (default: the general tokens)."""
+    from lowlat.cli.compare import CompareReport, RunRecord
+    from lowlat.cli.compare_router import RouterTies
+
+    def row(a, b):
+        lg = torch.zeros(16)
+        lg[a], lg[b] = 10.0, 8.0
+        return lg
+
+    div = []
+    for a, b in zip(tokens_g, tokens_p):
+        d = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        div.append(min(len(a), len(b)) if d is None and len(a) != len(b) else d)
+    g_logits = {i: [row(x, p[k] if k < len(p) else x) for k, x in enumerate(a)]
+                for i, (a, p) in enumerate(zip(tokens_g, tokens_p))}
+    p_logits = {i: [torch.zeros(16) for _ in b] for i, b in enumerate(tokens_p)}
+    general = RunRecord("general", None, [list(t) for t in tokens_g], g_logits, 1.0, [1.0] * len(tokens_g), {},
+                        torch.bfloat16, 2)
+    plugin = RunRecord("plugin p", "p", [list(t) for t in tokens_p], p_logits, 1.0, [1.0] * len(tokens_p), {},
+                       torch.bfloat16, 2)
+    report = CompareReport(general, plugin, all(d is None for d in div), div, 0.0)
+    assert report.needs_router
+    report.router = RouterTies(router_ties, [list(t) for t in (retraced or tokens_g)])
+    return report
+
+
+def test_the_one_router_excuse_goes_to_the_first_request_with_a_tie():
+    """Request 0 diverges with no router tie, request 1 after one: as in the contract suite (compare_greedy excuses
+    the first divergence a tie precedes), request 1 takes the run's excuse and only request 0 fails; its line said
+    "another request already took the run's one router excuse" though none had."""
+    from lowlat.cli.compare_router import RouterTie
+
+    report = _diverged([[1, 3, 4], [1, 3, 4]], [[1, 5, 4], [1, 5, 4]], {1: [RouterTie(1, 0, 0.0)]})
+    assert report.router_excuse(0) is None and report.router_excuse(1) is not None
+    assert [report.excused(i) for i in (0, 1)] == [False, True] and report.exit_status() == 1
+    text = "\n".join(report.lines())
+    assert "another request already took" not in text, text
+    assert "accepted as the run's one router excuse" in text
+    assert "the first difference of request 0 is not a near-tie" in report.verdict(), report.verdict()
+    both = _diverged([[1, 3, 4], [1, 3, 4]], [[1, 5, 4], [1, 5, 4]],
+                     {0: [RouterTie(1, 0, 0.0)], 1: [RouterTie(1, 0, 0.0)]})
+    assert [both.router_excuse(i) is not None for i in (0, 1)] == [True, False]
+    assert "no router excuse: another request already took the run's one router excuse (request 0)" in \
+        "\n".join(both.lines())

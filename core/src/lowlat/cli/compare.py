@@ -113,15 +113,22 @@ class CompareReport:
 
     def router_excuse(self, i: int) -> RouterTie | None:
         """The router near-tie that excuses request ``i``'s first difference, or None. Only one request per run
-        is excused so (the lowest-numbered one that needs it, as the contract excuses one divergence per run),
-        and only where the eager run retraced the general run's tokens up to the difference."""
+        is excused so: the lowest-numbered one that needs it and has such a tie (as the contract suite's
+        ``compare_greedy`` excuses one divergence per run, the first a tie precedes), and only where the eager run
+        retraced the general run's tokens up to the difference."""
         if self.router is None:
             return None
-        need = [j for j, d in enumerate(self.first_divergence) if d is not None and not self.differs_at_near_tie(j)]
-        if not need or need[0] != i:
-            return None
+        for j, d in enumerate(self.first_divergence):
+            if d is not None and not self.differs_at_near_tie(j) and self._router_tie(j) is not None:
+                return self._router_tie(j) if j == i else None
+        return None
+
+    def _router_tie(self, i: int) -> RouterTie | None:
+        """Request ``i``'s router near-tie at or before its first difference where the eager run retraced the
+        general tokens up to it (whether or not another request takes the run's one excuse), else None."""
         d = self.first_divergence[i]
-        assert d is not None
+        if self.router is None or d is None:
+            return None
         want, got = self.general.token_ids[i][:d + 1], self.router.token_ids[i][:d + 1] if i < len(
             self.router.token_ids) else []
         return self.router.before(i, d) if want == got else None
@@ -141,7 +148,8 @@ class CompareReport:
         if self.router.before(i, d) is None:
             return (f"no router excuse: no MoE router of the general path had a near-tie (<= {ROUTER_TIE_ULPS} ulps) "
                     f"for this request at tokens 1-{d}")
-        return "no router excuse: another request already took the run's one router excuse"
+        taken = next(j for j in range(len(self.first_divergence)) if self.router_excuse(j) is not None)
+        return f"no router excuse: another request already took the run's one router excuse (request {taken})"
 
     def excused(self, i: int) -> bool:
         """Whether request ``i``'s first difference is accepted: a logit near-tie, or the run's router excuse."""
