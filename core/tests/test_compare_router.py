@@ -188,7 +188,6 @@ def _diverged(tokens_g, tokens_p, router_ties, retraced=None):
     plugin = RunRecord("plugin p", "p", [list(t) for t in tokens_p], p_logits, 1.0, [1.0] * len(tokens_p), {},
                        torch.bfloat16, 2)
     report = CompareReport(general, plugin, all(d is None for d in div), div, 0.0)
-    assert report.needs_router
     report.router = RouterTies(router_ties, [list(t) for t in (retraced or tokens_g)])
     return report
 
@@ -200,7 +199,7 @@ def test_the_one_router_excuse_goes_to_the_first_request_with_a_tie():
     from lowlat.cli.compare_router import RouterTie
 
     report = _diverged([[1, 3, 4], [1, 3, 4]], [[1, 5, 4], [1, 5, 4]], {1: [RouterTie(1, 0, 0.0)]})
-    assert report.router_excuse(0) is None and report.router_excuse(1) is not None
+    assert report.needs_router and report.router_excuse(0) is None and report.router_excuse(1) is not None
     assert [report.excused(i) for i in (0, 1)] == [False, True] and report.exit_status() == 1
     text = "\n".join(report.lines())
     assert "another request already took" not in text, text
@@ -211,3 +210,15 @@ def test_the_one_router_excuse_goes_to_the_first_request_with_a_tie():
     assert [both.router_excuse(i) is not None for i in (0, 1)] == [True, False]
     assert "no router excuse: another request already took the run's one router excuse (request 0)" in \
         "\n".join(both.lines())
+
+
+def test_no_router_excuse_where_one_side_ended_with_the_same_tokens():
+    """The plugin run made one token more than the general run, every shared token equal: no token differs for a
+    flipped expert to explain (the same tokens stop both runs alike), so it is no excuse and needs no router run;
+    it was accepted (exit 0) after a tie at token 1."""
+    from lowlat.cli.compare_router import RouterTie
+
+    report = _diverged([[1, 3]], [[1, 3, 7]], {0: [RouterTie(1, 0, 0.0)]})
+    assert report.first_divergence == [2] and not report.needs_router
+    assert report.router_excuse(0) is None and report.exit_status() == 1
+    assert "no router excuse: one side ended there" in "\n".join(report.lines())

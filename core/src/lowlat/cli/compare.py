@@ -118,10 +118,18 @@ class CompareReport:
         retraced the general run's tokens up to the difference."""
         if self.router is None:
             return None
-        for j, d in enumerate(self.first_divergence):
-            if d is not None and not self.differs_at_near_tie(j) and self._router_tie(j) is not None:
+        for j in range(len(self.first_divergence)):
+            if self._router_may_excuse(j) and self._router_tie(j) is not None:
                 return self._router_tie(j) if j == i else None
         return None
+
+    def _router_may_excuse(self, i: int) -> bool:
+        """Whether request ``i``'s first difference is one the router rule judges: a differing token (not one side
+        ending where the other goes on with the same tokens so far: no flipped expert explains that) that is no
+        logit near-tie."""
+        d = self.first_divergence[i]
+        return (d is not None and d < min(len(self.general.token_ids[i]), len(self.plugin.token_ids[i]))
+                and not self.differs_at_near_tie(i))
 
     def _router_tie(self, i: int) -> RouterTie | None:
         """Request ``i``'s router near-tie at or before its first difference where the eager run retraced the
@@ -143,6 +151,9 @@ class CompareReport:
         assert self.router is not None
         retraced = i < len(self.router.token_ids) and self.router.token_ids[i][:d + 1] == \
             self.general.token_ids[i][:d + 1]
+        if not self._router_may_excuse(i):
+            return ("no router excuse: one side ended there with the same tokens so far, so no token differs for a "
+                    "flipped expert to explain")
         if not retraced:
             return "no router excuse: the eager general run did not retrace the general run's tokens up to here"
         if self.router.before(i, d) is None:
@@ -165,7 +176,7 @@ class CompareReport:
         """Whether some first difference is no logit near-tie in a low-precision MoE model (the router rule could
         accept one): then ``compare`` records the general path's router near-ties."""
         return (self.general.moe_layers > 0 and self.general.dtype in (torch.bfloat16, torch.float16)
-                and any(d is not None and not self.differs_at_near_tie(i) for i, d in enumerate(self.first_divergence)))
+                and any(self._router_may_excuse(i) for i in range(len(self.first_divergence))))
 
     def exit_status(self, strict: bool = False) -> int:
         """0: identical, or (unless ``strict``) differing only at near-ties within the bound; 1: otherwise."""
