@@ -222,3 +222,13 @@ def test_no_router_excuse_where_one_side_ended_with_the_same_tokens():
     assert report.first_divergence == [2] and not report.needs_router
     assert report.router_excuse(0) is None and report.exit_status() == 1
     assert "no router excuse: one side ended there" in "\n".join(report.lines())
+
+
+def test_no_tie_line_names_the_tokens_it_searched():
+    """Without a tie the line names the tokens searched; at a first difference at token 0 there are none (it said
+    "at tokens 1-0"), at token 1 one."""
+    lines = {d: "\n".join(_diverged([[1, 3, 4]], [[1, 3, 4][:d] + [9] + [1, 3, 4][d + 1:]], {}).lines())
+             for d in (0, 1, 2)}
+    assert "for this request at tokens 1-2" in lines[2], lines[2]
+    assert "for this request at token 1" in lines[1] and "1-1" not in lines[1], lines[1]
+    assert "1-0" not in lines[0] and "token 0 came from the prefill" in lines[0], lines[0]

@@ -157,8 +157,11 @@ class CompareReport:
         if not retraced:
             return "no router excuse: the eager general run did not retrace the general run's tokens up to here"
         if self.router.before(i, d) is None:
+            if d == 0:
+                return ("no router excuse: token 0 came from the prefill, which ran on the general path in both "
+                        "runs: no step of the plugin precedes it")
             return (f"no router excuse: no MoE router of the general path had a near-tie (<= {ROUTER_TIE_ULPS} ulps) "
-                    f"for this request at tokens 1-{d}")
+                    f"for this request at token{f's 1-{d}' if d > 1 else ' 1'}")
         taken = next(j for j in range(len(self.first_divergence)) if self.router_excuse(j) is not None)
         return f"no router excuse: another request already took the run's one router excuse (request {taken})"
 
