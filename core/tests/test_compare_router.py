@@ -75,6 +75,25 @@ def test_ties_keep_their_prompt_index_when_a_request_ends_at_its_prefill(monkeyp
     assert got.before(0, 3) is None and got.before(1, 3).token == 1
 
 
+def test_a_verify_rows_tie_goes_to_the_token_that_row_made(monkeypatch):
+    """A VERIFY step's rows make tokens first, first + 1, ...: a tie in its last row (of 3) is a tie at that row's
+    token, not the step's first (which no later row can move: attention is causal), and a row past the step's last
+    kept token (cut here by max_new_tokens) made no token, so it counts for none. The draft model is the target's
+    own preset, so every draft is kept."""
+    import lowlat.cli.compare_router as cr
+    from lowlat.cli.compare_router import record_router_ties
+
+    monkeypatch.setattr(cr, "router_near_tie_rows", lambda logits, top_k: [logits.shape[0] - 1])  # the last row
+    cfg = EngineConfig(plugin="none", cuda_graph=False, overlap=False, speculative_method="draft:tiny-qwen3-moe",
+                       num_draft_tokens=2, speculative_adaptive=False, **MOE)
+    with Engine(cfg) as e:
+        got = record_router_ties(e, [[5, 6, 7]], SamplingParams(max_new_tokens=9, stop_at_eos=False))
+        assert e.speculator.stats.accept_hist == [0, 0, 3] and e.step_observer is None
+    # VERIFY steps made tokens 1-3, 4-6 and 7-8 (its row for token 9 was cut)
+    assert sorted({t.token for t in got.ties[0]}) == [3, 6]
+    assert got.before(0, 2) is None and got.before(0, 3).token == 3
+
+
 def test_router_run_is_eager_on_the_general_path(monkeypatch):
     import lowlat.cli.compare_router as cr
 

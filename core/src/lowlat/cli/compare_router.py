@@ -61,12 +61,14 @@ def moe_blocks(model: Any) -> list[Any]:
 def record_router_ties(engine: Any, prompts: list[str], params: Any) -> RouterTies:
     """Generate ``prompts`` on ``engine`` (open, eager: no CUDA graphs, so module hooks fire) with router hooks,
     and return the near-ties each request's DECODE / VERIFY steps had (PREFILL steps are skipped: they run on the
-    general path in both runs of ``--compare``). A VERIFY step's tie is attributed to the first token the step
-    produced for the request."""
+    general path in both runs of ``--compare``). A VERIFY step's tie in a request's row m is attributed to the token
+    that row made (the step's first token + m: attention is causal, so no earlier row sees it); a row past the
+    step's last kept token (after the first rejected draft, or past a stop) made none, and counts for none."""
     blocks = moe_blocks(engine.runner.model)
     out = RouterTies()
     pending: list[tuple[int, list[int], torch.Tensor]] = []  # (layer, near-tie rows, their gaps) of this forward
     by_rid: dict[int, list[RouterTie]] = {}  # request id -> its ties; filed by prompt index once the run is done
+    step_ties: list[tuple[Any, RouterTie]] = []  # (request, tie) of the step in flight, kept once its tokens are in
 
     def hook_for(layer: int, block: Any) -> Any:
         def hook(_mod: Any, _inp: Any, logits: torch.Tensor) -> None:
@@ -87,17 +89,23 @@ def record_router_ties(engine: Any, prompts: list[str], params: Any) -> RouterTi
             for layer, rows, gaps in found:
                 for r, g in zip(rows, gaps.tolist()):
                     if r // per_req == j:
-                        by_rid.setdefault(req.rid, []).append(RouterTie(first, layer, g))
+                        step_ties.append((req, RouterTie(first + r % per_req, layer, g)))
+
+    def appended(_step: Any) -> None:  # the step's tokens are at the end of output_ids now
+        for req, tie in step_ties:
+            if tie.token < len(req.output_ids):
+                by_rid.setdefault(req.rid, []).append(tie)
+        step_ties.clear()
 
     handles = [b.gate.register_forward_hook(hook_for(i, b)) for i, b in enumerate(blocks)]
     try:
-        engine.logits_observer = observe
+        engine.logits_observer, engine.step_observer = observe, appended
         done = engine.generate(prompts, params)
         out.token_ids = [list(c.token_ids) for c in done]
         # by prompt index, not by first DECODE step: a request whose first token ended it never takes one
         out.ties = {i: by_rid[c.request_id] for i, c in enumerate(done) if c.request_id in by_rid}
     finally:
-        engine.logits_observer = None
+        engine.logits_observer = engine.step_observer = None
         for h in handles:
             h.remove()
     return out
