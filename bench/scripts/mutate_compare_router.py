@@ -36,6 +36,8 @@ M = [  # (name, file, original text, mutated text)
     ("excuse for the first to need it only", C,
      "if d is not None and not self.differs_at_near_tie(j) and self._router_tie(j) is not None:",
      "if d is not None and not self.differs_at_near_tie(j):"),
+    ("ties before the plugin's first step count", C,
+     "return 1 if self.plugin.plugin_from is None else self.plugin.plugin_from.get(i)", "return 1"),
     ("no retrace check", C, "return self.router.before(i, d) if want == got else None",
      "return self.router.before(i, d)"),
     ("router run for float32 too", C, "self.general.dtype in (torch.bfloat16, torch.float16)", "True"),

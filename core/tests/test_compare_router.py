@@ -251,3 +251,45 @@ def test_no_tie_line_names_the_tokens_it_searched():
     assert "for this request at tokens 1-2" in lines[2], lines[2]
     assert "for this request at token 1" in lines[1] and "1-1" not in lines[1], lines[1]
     assert "1-0" not in lines[0] and "token 0 came from the prefill" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_tie_before_the_plugins_first_step_for_the_request_is_no_excuse(tmp_path, monkeypatch, overlap):
+    """The plugin declines the steps that make tokens 1-3 (so they run on the general path in both runs, from the
+    same inputs: their routing cannot differ) and serves from token 4, where its noise makes the tokens diverge. A
+    router tie at token 1 is no excuse (the contract counts ties from the first step the plugin ran); one at token
+    4 is. It took "token >= 1" for "a step the plugin ran". Overlapped DECODE (CUDA's default) reads a step's
+    tokens after the next one launched: the path is still the step's own."""
+    import lowlat.cli.compare as compare_mod
+    import lowlat.cli.compare_router as cr
+    from lowlat.cli.compare_router import RouterTie
+
+    site = tmp_path / "site"
+    activate(site, monkeypatch)
+    late = mirror_source("noisy").replace("    def supports(self, batch):\n",
+                                          "    def supports(self, batch):\n"
+                                          "        if int(batch.positions.min()) < 6:  # prompt 3 + tokens 0-2\n"
+                                          "            return False\n")
+    make_plugin_dist(site, "late", late)
+    monkeypatch.setenv("LOWLAT_PLUGINS", "late")
+    tie_at = []
+
+    def ties_at(config, params, prompts):  # the eager run's tokens, with one tie at token tie_at[0]
+        monkeypatch.setattr(cr, "router_near_tie_rows", lambda logits, top_k: [])
+        got = cr.router_ties(config, params, prompts)
+        got.ties = {0: [RouterTie(tie_at[0], 0, 0.0)]}
+        return got
+    monkeypatch.setattr(compare_mod, "router_ties", ties_at)
+    cfg = EngineConfig(plugin="late", overlap=overlap, **MOE)
+    params = SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    for at, rc in ((1, 1), (4, 0)):
+        tie_at[:] = [at]
+        report = compare_mod.compare(cfg, params, [[5, 6, 7]])
+        d = report.first_divergence[0]
+        assert d is not None and d >= 4 and report.plugin.path_steps["general"]["DECODE"]["steps"] == 3, d
+        text = "\n".join(report.lines())
+        assert report.exit_status() == rc, text
+    assert report.plugin.plugin_from == {0: 4} and report.general.plugin_from == {}
+    report.router.ties = {0: [RouterTie(1, 0, 0.0)]}
+    where = f"tokens 4-{d}" if d > 4 else "token 4"
+    assert f"for this request at {where} (the plugin's first step for it made token 4)" in "\n".join(report.lines())

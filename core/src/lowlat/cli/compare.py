@@ -50,6 +50,7 @@ class RunRecord:
     path_steps: dict[str, dict[str, Any]]
     dtype: torch.dtype = torch.float32
     moe_layers: int = 0  # MoE blocks of the general model (0: dense, or no general model loaded)
+    plugin_from: dict[int, int] | None = None  # request index -> first token a plugin-path step made (None: unknown)
 
 
 @dataclass
@@ -139,7 +140,13 @@ class CompareReport:
             return None
         want, got = self.general.token_ids[i][:d + 1], self.router.token_ids[i][:d + 1] if i < len(
             self.router.token_ids) else []
-        return self.router.before(i, d) if want == got else None
+        lo = self._plugin_from(i)
+        return self.router.before(i, d, lo) if want == got and lo is not None else None
+
+    def _plugin_from(self, i: int) -> int | None:
+        """The first token of request ``i`` that a plugin-path step made (1 where the plugin run did not record
+        it), or None: no step of the plugin made one of its tokens."""
+        return 1 if self.plugin.plugin_from is None else self.plugin.plugin_from.get(i)
 
     def _router_line(self, i: int, d: int) -> str:
         tie = self.router_excuse(i)
@@ -156,12 +163,17 @@ class CompareReport:
                     "flipped expert to explain")
         if not retraced:
             return "no router excuse: the eager general run did not retrace the general run's tokens up to here"
-        if self.router.before(i, d) is None:
-            if d == 0:
-                return ("no router excuse: token 0 came from the prefill, which ran on the general path in both "
-                        "runs: no step of the plugin precedes it")
+        lo = self._plugin_from(i)
+        if lo is None or lo > d:
+            return ("no router excuse: token 0 came from the prefill, which ran on the general path in both "
+                    "runs: no step of the plugin precedes it" if d == 0 else "no router excuse: no step of the "
+                    "plugin made a token of this request up to here (its steps ran on the general path, as in the "
+                    "general run)")
+        if self.router.before(i, d, lo) is None:
+            where = f"tokens {lo}-{d}" if d > lo else f"token {d}"
+            first = f" (the plugin's first step for it made token {lo})" if lo > 1 else ""
             return (f"no router excuse: no MoE router of the general path had a near-tie (<= {ROUTER_TIE_ULPS} ulps) "
-                    f"for this request at token{f's 1-{d}' if d > 1 else ' 1'}")
+                    f"for this request at {where}{first}")
         taken = next(j for j in range(len(self.first_divergence)) if self.router_excuse(j) is not None)
         return f"no router excuse: another request already took the run's one router excuse (request {taken})"
 
@@ -241,27 +253,41 @@ def near_tie(report: CompareReport, i: int, d: int) -> str:
 
 def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) -> RunRecord:
     """Generate with ``config`` and record tokens, sampled-row logits and decode timing."""
+    from lowlat.forward_batch import ForwardMode
+    from lowlat.runtime.dispatch import PLUGIN
     from lowlat.runtime.engine import Engine
 
     logits: dict[int, list[torch.Tensor]] = {}
     with Engine(config) as engine:
         order: dict[int, int] = {}
+        starts: dict[int, int] = {}  # request id -> its first token of the step in flight
+        plugin_from: dict[int, int] = {}  # request id -> the first token a plugin-path step made for it
+        plugin_steps = [0]
 
         def observe(step: Any, out: torch.Tensor) -> None:
             rows = out[step.sample_rows].float().cpu() if step.sample_rows else None
             for j, req in enumerate(step.sample_reqs):
                 idx = order.setdefault(req.rid, len(order))
                 logits.setdefault(idx, []).append(rows[j])
+            starts.update((r.rid, len(r.output_ids)) for r in step.requests)  # before the step's tokens go in
 
-        engine.logits_observer = observe
+        def on_step(step: Any) -> None:  # after the step's stats: its path is the one whose count grew
+            n = sum(r.steps for (path, _), r in engine.stats.by_path.items() if path == PLUGIN)
+            if n > plugin_steps[0] and step.mode is not ForwardMode.PREFILL:
+                for r in step.requests:
+                    plugin_from.setdefault(r.rid, starts.get(r.rid, len(r.output_ids) - 1))
+            plugin_steps[0] = n
+
+        engine.logits_observer, engine.step_observer = observe, on_step
         completions = engine.generate(prompts, params)
-        from lowlat.forward_batch import ForwardMode
 
         decode = engine.stats.by_mode[ForwardMode.DECODE]
         name = engine.runner.plugin_host.name
         return RunRecord(label, name, [list(c.token_ids) for c in completions], logits, decode.ms_per_step,
                          [c.decode_tokens_per_s for c in completions], engine.stats.paths_as_dict(),
-                         engine.runner.dtype, len(moe_blocks(engine.runner.model)))
+                         engine.runner.dtype, len(moe_blocks(engine.runner.model)),
+                         {i: plugin_from[c.request_id] for i, c in enumerate(completions)
+                          if c.request_id in plugin_from})
 
 
 def compare(config: EngineConfig, params: Any, prompts: list[str]) -> CompareReport:

@@ -44,10 +44,12 @@ class RouterTies:
     ties: dict[int, list[RouterTie]] = field(default_factory=dict)
     token_ids: list[list[int]] = field(default_factory=list)
 
-    def before(self, i: int, d: int) -> RouterTie | None:
-        """Request ``i``'s first near-tie at a step the plugin ran (token >= 1: token 0 comes from the prefill,
-        which runs on the general path in both runs) and at or before its token ``d``, or None."""
-        return next((t for t in self.ties.get(i, []) if 1 <= t.token <= d), None)
+    def before(self, i: int, d: int, lo: int = 1) -> RouterTie | None:
+        """Request ``i``'s first near-tie at a step the plugin ran and at or before its token ``d``, or None: at a
+        token >= ``lo``, the first the plugin's steps made for it (1 where unknown: token 0 comes from the
+        prefill, which runs on the general path in both runs; before ``lo`` both runs took the same general steps
+        from the same inputs)."""
+        return next((t for t in self.ties.get(i, []) if max(1, lo) <= t.token <= d), None)
 
 
 def moe_blocks(model: Any) -> list[Any]:
