@@ -185,6 +185,21 @@ def test_controller_drops_the_first_step_at_each_shape():
     assert c2.ratio(2, 6) == 1.5 and c2.speculate(2, 6) and c2.on
 
 
+def test_controller_probes_again_after_a_warm_up_probe_while_off():
+    """Off, at a new batch size: its first VERIFY probe is that shape's warm-up, whose time is dropped, so like a
+    probe whose drafter caught up (retry) it is followed by another at once; it counted as a probe that found the
+    state unchanged, doubling the interval before the shape was ever measured."""
+    c = Controller(probe_every=10)
+    drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)  # batch 2: off
+    assert not c.on
+    while not c.speculate(1, 6):  # batch 1 now: plain steps (its DECODE warm-up and measurement) until a probe
+        c.record(1, 1, 1.0)
+    c.record(1, 6, 9.0, tau=1.3)  # the warm-up VERIFY step at (1, 6): time dropped
+    assert c.ratio(1, 6) is None and c.speculate(1, 6)  # probe again on the next step
+    c.record(1, 6, 2.0, tau=1.3)
+    assert c.ratio(1, 6) == 2.0 and not c.speculate(1, 6) and not c.on
+
+
 def test_not_adaptive_always_speculates():
     c = Controller(adaptive=False)
     assert all(drive(c, 20, t_decode=1.0, t_verify=9.0, tau=1.0)) and c.on

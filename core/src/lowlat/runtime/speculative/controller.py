@@ -16,7 +16,8 @@ DECODE probe at tau 3.5 costs 2.5 tokens of one step).
 Warm-up. The first measured step at each shape is dropped: in a short run it is the step right after the
 prompt's prefill (or after a batch change), and on an H200 such a DECODE step took 5.8 ms against a 3.1 ms mean
 (llama-3.2-1b, 2026-12-02), so as the first sample of a moving average it made plain decoding look half as fast and
-kept speculation on. A new batch size therefore costs two plain DECODE steps before the first decision.
+kept speculation on. A new batch size therefore costs two plain DECODE steps before the first decision; while
+speculation is off, a VERIFY probe that was a shape's warm-up is followed by another at once (as ``retry``).
 
 Tensor parallelism. Ranks must take the same decision every step, but their clocks differ. Decisions therefore
 read only the acceptance (identical on every rank: the same tokens) and an *agreed* copy of the times, which
@@ -104,6 +105,8 @@ class Controller:
             self.tau = tau if self.tau is None else self.tau + self.ewma * (tau - self.tau)
         if key not in self._warm:
             self._warm.add(key)
+            if tokens_per_req > 1:  # a VERIFY step whose time does not count: while off, probe again (as retry)
+                self.retry()
             return
         old = self._local.get(key)
         self._local[key] = seconds if old is None else old + self.ewma * (seconds - old)
