@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import re
 import statistics
 import sys
@@ -161,8 +162,9 @@ def step_intervals(text: str) -> tuple[list[float], list[float]] | None:
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable {TAG} line {lines[0][:200]!r}: {e}") from None
     for name, ms in (("next", nxt), ("own", own)):
-        if not isinstance(ms, list) or not all(isinstance(v, (int, float)) and v >= 0 for v in ms):
-            raise ValueError(f"{TAG} {name!r} must hold non-negative milliseconds, got {str(ms)[:200]}")
+        if not isinstance(ms, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               and 0 <= v < math.inf for v in ms):
+            raise ValueError(f"{TAG} {name!r} must hold non-negative (finite) milliseconds, got {str(ms)[:200]}")
     if len(nxt) != len(own) - 1:
         raise ValueError(f"{TAG} has {len(nxt)} 'next' and {len(own)} 'own' intervals; expected one fewer 'next'")
     return [float(v) for v in nxt], [float(v) for v in own]

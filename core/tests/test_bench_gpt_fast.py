@@ -288,6 +288,9 @@ def test_no_timing_without_cuda_or_without_the_step(out, capsys):
     ('[gpt-fast-timing] {"next": [1.0]}', "unreadable"),
     ('[gpt-fast-timing] {"next": [-1.0], "own": [1.0, 2.0]}', "non-negative"),
     ('[gpt-fast-timing] {"next": [1.0, 1.0], "own": [1.0, 2.0]}', "one fewer"),
+    ('[gpt-fast-timing] {"next": [true], "own": [1.0, 2.0]}', "non-negative"),  # JSON true: no milliseconds
+    ('[gpt-fast-timing] {"next": [1.0], "own": [1.0, Infinity]}', "non-negative"),  # json.loads reads it as inf
+    ('[gpt-fast-timing] {"next": [NaN], "own": [1.0, 2.0]}', "non-negative"),
 ])
 def test_timing_line_is_checked(out, line, match):
     with pytest.raises(ValueError, match=match):
