@@ -75,6 +75,9 @@ def test_prenorm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "2")
     with pytest.raises(ValueError, match="LOWLAT_MEGA_PRENORM='2'"):
         prenorm_switch()
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "auto")  # the third state has a name too: the message gives it
+    with pytest.raises(ValueError, match=r"or 0, or unset it \(or 'default'\) for the measured rule"):
+        prenorm_switch()
 
 
 @pytest.mark.parametrize("dtype,rows,split_k", [(torch.float32, 3, 2), (torch.bfloat16, 8, 1), (torch.bfloat16, 2, 2)])

@@ -111,4 +111,8 @@ def prenorm_switch() -> bool | None:
     """
     if os.environ.get(PRENORM_ENV, "").strip().lower() in ("", "default"):
         return None
-    return env_switch(PRENORM_ENV, False, "normalize 2-8-row GEMM inputs in their own kernel")
+    try:
+        return env_switch(PRENORM_ENV, False, "normalize 2-8-row GEMM inputs in their own kernel")
+    except ValueError as e:  # name the third state too: a user after the default should unset it
+        raise ValueError(f"{e}, or unset it (or 'default') for the measured rule (tuned_plans.TUNED_PRENORM)") \
+            from None
