@@ -27,7 +27,9 @@ M = [  # (name, file, original text, mutated text)
     ("window end left open", OUT, "hi = min(per_run - 1, kv_window[1] - prompt_len - 1)", "hi = per_run - 1"),
     ("mean over runs", OUT, "return statistics.median(means), means", "return statistics.fmean(means[:1]), means"),
     ("two lines accepted", OUT, "if len(lines) > 1:", "if len(lines) > 2:"),
-    ("negative times accepted", OUT, "and v >= 0 for v in ms", "for v in ms"),
+    ("negative times accepted", OUT, "and 0 <= v < math.inf for v in ms", "and v < math.inf for v in ms"),
+    ("infinite times accepted", OUT, "and 0 <= v < math.inf for v in ms", "and 0 <= v for v in ms"),
+    ("booleans accepted", OUT, "and not isinstance(v, bool)\n", "\n"),
     ("list lengths unchecked", OUT, "if len(nxt) != len(own) - 1:", "if False:"),
     ("step count unchecked", OUT, "if runs < 2 or len(own) != runs * per_run:", "if runs < 2:"),
 ]
