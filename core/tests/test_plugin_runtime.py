@@ -195,6 +195,14 @@ def _report(gap, *, dtype=torch.float32, plugin_tokens=(1, 5)):
     return CompareReport(general, plugin, div is None, [div], 0.5, logit_rows=2)
 
 
+def test_tokens_compared_counts_positions_both_sides_have():
+    """A request whose plugin side ended after 1 token with the same token (divergence at 1 = the shorter length):
+    1 position compared, not 2."""
+    ended = _report(0.0, plugin_tokens=(1,))
+    assert ended.first_divergence == [1] and ended.tokens_compared == 1
+    assert _report(0.1).tokens_compared == 2  # a differing 2nd token: both positions compared
+
+
 @pytest.mark.parametrize("report,strict,rc,verdict", [
     (_report(0.0, plugin_tokens=(1, 3)), False, 0, "verdict: tokens identical (exit 0)"),
     (_report(0.0, plugin_tokens=(1, 3)), True, 0, "verdict: tokens identical (exit 0)"),

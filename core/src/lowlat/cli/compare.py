@@ -66,9 +66,10 @@ class CompareReport:
 
     @property
     def tokens_compared(self) -> int:
-        """Token positions compared, over all requests: each request's up to and including its first difference."""
-        return sum(len(a) if d is None else d + 1
-                   for a, d in zip(self.general.token_ids, self.first_divergence))
+        """Token positions compared, over all requests: each request's up to and including its first difference
+        (where one side ended with the same tokens so far, the positions both sides have)."""
+        return sum(len(a) if d is None else min(d + 1, len(a), len(b))
+                   for a, b, d in zip(self.general.token_ids, self.plugin.token_ids, self.first_divergence))
 
     def lines(self) -> list[str]:
         """Human-readable report lines: the verdict with the token counts and the tolerance, divergences, speed."""
