@@ -39,8 +39,8 @@ M = [  # (name, file, original text, mutated text)
     ("excuse where one side ended", C, "return (d is not None and d < min(", "return (d is not None and 0 < min("),
     ("ties before the plugin's first step count", C,
      "return 1 if self.plugin.plugin_from is None else self.plugin.plugin_from.get(i)", "return 1"),
-    ("no retrace check", C, "return self.router.before(i, d, lo) if want == got and lo is not None else None",
-     "return self.router.before(i, d, lo) if lo is not None else None"),
+    ("no retrace check", C, "return i < len(self.router.token_ids) and self.router.token_ids[i][:d + 1] == "
+     "self.general.token_ids[i][:d + 1]", "return True"),
     ("router run for float32 too", C, "self.general.dtype in (torch.bfloat16, torch.float16)", "True"),
     ("router run for dense models", C, "self.general.moe_layers > 0 and ", ""),
     ("router never run", C, "    if report.needs_router:\n        report.router",

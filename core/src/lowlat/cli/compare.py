@@ -139,10 +139,13 @@ class CompareReport:
         d = self.first_divergence[i]
         if self.router is None or d is None:
             return None
-        want, got = self.general.token_ids[i][:d + 1], self.router.token_ids[i][:d + 1] if i < len(
-            self.router.token_ids) else []
         lo = self._plugin_from(i)
-        return self.router.before(i, d, lo) if want == got and lo is not None else None
+        return self.router.before(i, d, lo) if self._retraced(i, d) and lo is not None else None
+
+    def _retraced(self, i: int, d: int) -> bool:
+        """Whether the eager router run made request ``i``'s general tokens up to and including ``d``."""
+        assert self.router is not None
+        return i < len(self.router.token_ids) and self.router.token_ids[i][:d + 1] == self.general.token_ids[i][:d + 1]
 
     def _plugin_from(self, i: int) -> int | None:
         """The first token of request ``i`` that a plugin-path step made (1 where the plugin run did not record
@@ -157,12 +160,10 @@ class CompareReport:
                     f"docs/contract.md), where rounding may pick another expert: accepted as the run's one router "
                     f"excuse")
         assert self.router is not None
-        retraced = i < len(self.router.token_ids) and self.router.token_ids[i][:d + 1] == \
-            self.general.token_ids[i][:d + 1]
         if not self._router_may_excuse(i):
             return ("no router excuse: one side ended there with the same tokens so far, so no token differs for a "
                     "flipped expert to explain")
-        if not retraced:
+        if not self._retraced(i, d):
             return "no router excuse: the eager general run did not retrace the general run's tokens up to here"
         lo = self._plugin_from(i)
         if lo is None or lo > d:
@@ -263,7 +264,6 @@ def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) 
         order: dict[int, int] = {}
         starts: dict[int, int] = {}  # request id -> its first token of the step in flight
         plugin_from: dict[int, int] = {}  # request id -> the first token a plugin-path step made for it
-        plugin_steps = [0]
 
         def observe(step: Any, out: torch.Tensor) -> None:
             rows = out[step.sample_rows].float().cpu() if step.sample_rows else None
@@ -272,12 +272,10 @@ def run_once(config: EngineConfig, params: Any, prompts: list[str], label: str) 
                 logits.setdefault(idx, []).append(rows[j])
             starts.update((r.rid, len(r.output_ids)) for r in step.requests)  # before the step's tokens go in
 
-        def on_step(step: Any) -> None:  # after the step's stats: its path is the one whose count grew
-            n = sum(r.steps for (path, _), r in engine.stats.by_path.items() if path == PLUGIN)
-            if n > plugin_steps[0] and step.mode is not ForwardMode.PREFILL:
+        def on_step(step: Any) -> None:  # after the step's stats (overlapped or not): their last path is its path
+            if engine.stats.last_path == PLUGIN and step.mode is not ForwardMode.PREFILL:
                 for r in step.requests:
                     plugin_from.setdefault(r.rid, starts.get(r.rid, len(r.output_ids) - 1))
-            plugin_steps[0] = n
 
         engine.logits_observer, engine.step_observer = observe, on_step
         completions = engine.generate(prompts, params)

@@ -34,10 +34,12 @@ class StepStats:
 
     by_mode: dict[ForwardMode, ModeStats] = field(default_factory=lambda: {m: ModeStats() for m in ForwardMode})
     by_path: dict[tuple[str, ForwardMode], ModeStats] = field(default_factory=dict)
+    last_path: str | None = None  # the path of the step recorded last (a step_observer reads its step's path)
 
     def record(self, mode: ForwardMode, seconds: float, tokens: int, *, graphed: bool = False,
                path: str = "general") -> None:
         """Add one step of ``mode`` on ``path`` ("general" or "plugin") that took ``seconds`` for ``tokens``."""
+        self.last_path = path
         by_path = self.by_path.get((path, mode))
         if by_path is None:
             by_path = self.by_path[(path, mode)] = ModeStats()
@@ -55,6 +57,7 @@ class StepStats:
     def reset(self) -> None:
         self.by_mode = {m: ModeStats() for m in ForwardMode}
         self.by_path = {}
+        self.last_path = None
 
     def as_dict(self) -> dict[str, dict[str, float]]:
         """JSON-ready ``{mode name: {steps, seconds, tokens, graph_steps, ms_per_step}}``."""
