@@ -47,8 +47,7 @@ M = [  # (name, file, original text, mutated text)
      'prenorm_rows("dense", hid, dt, dev)'),
     ("the table never read", B, 'prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
      "prenorm_max_rows=0"),
-    ("unset reads as off", N, 'if os.environ.get(PRENORM_ENV, "").strip().lower() in ("", "default"):\n'
-     "        return None\n", "if False:\n        return None\n"),
+    ("unset reads as off", N, "env_switch(PRENORM_ENV, None,", "env_switch(PRENORM_ENV, False,"),
     ("the GEMM keeps its norm weight", F, "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), None",
      "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), norm_weight"),
     ("gate_up reads the raw rows", F, "gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)",

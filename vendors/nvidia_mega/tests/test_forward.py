@@ -201,12 +201,8 @@ def test_step_with_a_tuned_attention_plan(arch: str, dtype: torch.dtype, mode: F
     assert fwd.ws.o_partial.numel() >= n_o and fwd.ws.lse_partial.numel() >= n_l
 
 
-@pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])
-def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int],
-                                        rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LOWLAT_MEGA_PRENORM=1``: every 2-8-row step normalizes qkv_rope's and gate_up's inputs with ``norm_rows``
-    (one launch per norm: 2 per dense layer, 1 per MoE layer, whose norm stays in moe_forward) and still matches the
-    reference; a one-row step launches none."""
+def _count_norm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each ``norm_rows`` launch MegaForward makes from now on (the launch itself still runs)."""
     launches: list[int] = []
     real = forward_mod.norm_rows
 
@@ -214,6 +210,16 @@ def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: For
         launches.append(x.shape[0])
         return real(x, *args, **kwargs)
     monkeypatch.setattr(forward_mod, "norm_rows", spy)
+    return launches
+
+
+@pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS, ids=["llama-decode", "qwen3-verify", "moe"])
+def test_prenorm_step_matches_reference(arch: str, dtype: torch.dtype, mode: ForwardMode, prefix_lens: list[int],
+                                        rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOWLAT_MEGA_PRENORM=1``: every 2-8-row step normalizes qkv_rope's and gate_up's inputs with ``norm_rows``
+    (one launch per norm: 2 per dense layer, 1 per MoE layer, whose norm stays in moe_forward) and still matches the
+    reference; a one-row step launches none."""
+    launches = _count_norm_rows(monkeypatch)
     monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "1")
     _check_step(arch, dtype, mode, prefix_lens, rows)
     mc = _config(arch)
@@ -233,13 +239,7 @@ def test_prenorm_rule_from_the_table(arch: str, monkeypatch: pytest.MonkeyPatch)
     """With ``LOWLAT_MEGA_PRENORM`` unset, a step is a prenorm step exactly when it has 2 to
     ``tuned_plans.TUNED_PRENORM``'s rows for the model's (GPU, dense/moe, hidden, dtype); 1 forces every 2-8-row
     step and 0 none. Each step still matches the reference."""
-    launches: list[int] = []
-    real = forward_mod.norm_rows
-
-    def spy(x, *args, **kwargs):  # type: ignore[no-untyped-def]
-        launches.append(x.shape[0])
-        return real(x, *args, **kwargs)
-    monkeypatch.setattr(forward_mod, "norm_rows", spy)
+    launches = _count_norm_rows(monkeypatch)
     monkeypatch.setattr(tuned_plans, "device_name", lambda dev: "Test GPU")
     monkeypatch.setitem(tuned_plans.TUNED_PRENORM, ("Test GPU", "dense", 64, "float32"), 3)
     moe = arch == "Qwen3MoeForCausalLM"

@@ -18,8 +18,6 @@ dependent GEMM may start at once and fetch its weights before its own wait.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -109,10 +107,8 @@ def prenorm_switch() -> bool | None:
     Raises:
         ValueError: the variable holds anything but an on/off word (a typo would otherwise measure the wrong variant).
     """
-    if os.environ.get(PRENORM_ENV, "").strip().lower() in ("", "default"):
-        return None
     try:
-        return env_switch(PRENORM_ENV, False, "normalize 2-8-row GEMM inputs in their own kernel")
+        return env_switch(PRENORM_ENV, None, "normalize 2-8-row GEMM inputs in their own kernel")
     except ValueError as e:  # name the third state too: a user after the default should unset it
         raise ValueError(f"{e}, or unset it (or 'default') for the measured rule (tuned_plans.TUNED_PRENORM)") \
             from None

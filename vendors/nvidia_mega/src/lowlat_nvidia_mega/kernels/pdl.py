@@ -64,9 +64,10 @@ def pdl_enabled(device: torch.device | None = None) -> bool:
     return pdl_supported(device)
 
 
-def env_switch(name: str, default: bool, meaning: str) -> bool:
+def env_switch(name: str, default: bool | None, meaning: str) -> bool | None:
     """An on/off environment variable read now: 1/true/on/yes or 0/false/off/no; unset, empty or "default" gives
-    ``default``. (``LOWLAT_MEGA_PDL`` keeps its older rule: anything but an off word is on.)
+    ``default`` (None: a third state the caller resolves, as ``norm_rows.prenorm_switch``). (``LOWLAT_MEGA_PDL``
+    keeps its older rule: anything but an off word is on.)
 
     Raises:
         ValueError: any other value, naming the variable and what 1 means (a typo would measure the wrong variant).
