@@ -200,6 +200,17 @@ def test_controller_probes_again_after_a_warm_up_probe_while_off():
     assert c.ratio(1, 6) == 2.0 and not c.speculate(1, 6) and not c.on
 
 
+def test_controller_off_takes_a_new_batch_size_plainly():
+    """While off, a new batch size's two plain DECODE steps (a warm-up, then its measurement) bring no early VERIFY
+    probe: only a VERIFY warm-up re-probes."""
+    c = Controller(probe_every=10)
+    drive(c, 100, t_decode=1.0, t_verify=2.0, tau=1.3)
+    while not c.speculate(2, 6):
+        c.record(2, 1, 1.0)
+    c.record(2, 6, 2.0, tau=1.3)  # a probe just ran: the interval starts again
+    assert drive(c, 4, t_decode=1.0, t_verify=2.0, tau=1.3, bs=3) == [False] * 4
+
+
 def test_not_adaptive_always_speculates():
     c = Controller(adaptive=False)
     assert all(drive(c, 20, t_decode=1.0, t_verify=9.0, tau=1.0)) and c.on
