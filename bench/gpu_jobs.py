@@ -156,6 +156,20 @@ def mega_prenorm(o: Options) -> list[Step]:
             for m in o.models for v in ("0", "1")]
 
 
+def mega_plans(o: Options) -> list[Step]:
+    """nvidia_mega with its measured launch plans (``LOWLAT_MEGA_TUNED`` unset: this GPU's table entries, else those
+    of a GPU of the same chip, ``tuned_plans.plan_sources``) and with the heuristic plans only (``=0``), each beside
+    the general path in its own ``lowlat bench`` run: DECODE at ``BATCHES`` (default 1,8) and VERIFY 1 x 6."""
+    out = os.environ.get("OUT", "/tmp/out")
+    args = ["--paths", "general,nvidia_mega", "--batch-sizes", os.environ.get("BATCHES", "1,8"), "--modes",
+            "decode,verify", "--verify-tokens", "6", "--verify-batch-sizes", "1", "--context", "1024",
+            "--layer-depth", "4", "--input-sets", "2", "--warmup", "5", "--iters", "30", "--no-plot"]
+    return [Step(f"tuned={v or 'default'} {m}", 300,
+                 [*LOWLAT, "bench", "--model", m, *args, "--out", f"{out}/tuned{v or 'default'}_{m}"],
+                 f"bench_tuned{v or 'default'}_{slug(m)}.txt", r"\| (general|nvidia_mega) |bandwidth|GPU",
+                 env={"LOWLAT_MEGA_TUNED": v}) for m in o.models for v in ("0", "")]
+
+
 def amd_layers(o: Options) -> list[Step]:
     """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants,
     ``AMD_SYNC_FLOOR=1`` times each with every stage's compute skipped too."""
@@ -269,7 +283,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-moe": mega_moe, "mega-tune": mega_tune, "mega-row1": mega_row1,
-    "mega-prenorm": mega_prenorm, "mega-attn": mega_attn,
+    "mega-prenorm": mega_prenorm, "mega-attn": mega_attn, "mega-plans": mega_plans,
     "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "oot-vendor": oot_vendor, **SPEED_JOBS,

@@ -337,7 +337,7 @@ def test_supports_refuses_steps_outside_coverage() -> None:
 def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     mc = _config("Qwen3ForCausalLM")
     params = _params(mc, torch.float32)
-    for var in ("LOWLAT_MEGA_PRENORM", "LOWLAT_MEGA_PREFETCH_ACT"):  # a typo fails at start-up, not at a later step
+    for var in ("LOWLAT_MEGA_PRENORM", "LOWLAT_MEGA_PREFETCH_ACT", "LOWLAT_MEGA_TUNED"):  # a typo fails at start-up
         monkeypatch.setenv(var, "maybe")
         with pytest.raises(PluginBuildError, match=f"{var}='maybe'"):
             build(_binding(mc, torch.float32, params))

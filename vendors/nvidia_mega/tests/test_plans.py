@@ -43,6 +43,78 @@ def test_tuned_entry_wins_on_its_gpu_and_heuristic_elsewhere(monkeypatch: pytest
     assert tuned_plans.qkv_plan(16, 8, 64, 2048, torch.bfloat16, cpu).row1 is None
 
 
+H200_CHIP = ((9, 0), 132)
+
+
+def _on_gpu(monkeypatch: pytest.MonkeyPatch, name: str, chip: tuple[tuple[int, int], int] | None) -> None:
+    monkeypatch.setattr(tuned_plans, "device_name", lambda dev: name)
+    monkeypatch.setattr(tuned_plans, "device_chip", lambda dev: chip)
+    monkeypatch.setattr(tuned_plans, "num_sms", lambda dev: 132)
+
+
+def test_every_table_names_a_gpu_of_measured_on() -> None:
+    """A device name in a table without its chip in ``MEASURED_ON`` would never serve a sibling GPU."""
+    names = {k[0] for t in (tuned_plans.TUNED, tuned_plans.TUNED_ROW1, tuned_plans.TUNED_ATTN,
+                            tuned_plans.TUNED_PRENORM) for k in t}
+    assert names <= set(tuned_plans.MEASURED_ON)
+
+
+def test_same_chip_reads_the_measured_table_other_chips_the_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H100 SXM (sm90, 132 SMs, no entries of its own) takes the H200's plans; an H100 PCIe (114 SMs) or an sm89
+    GPU keeps the heuristics; a GPU with its own entry reads its own first and the sibling's for the rest."""
+    cpu = torch.device("cpu")
+    key = ("gemm", 2048, 8192, "bfloat16")
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    h200 = tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu)
+    h200_o = tuned_plans.gemm_plan(2048, 2048, torch.bfloat16, cpu)
+    heuristic = dataclasses.replace(plan_gemm(2048, 8192, torch.bfloat16, 132),
+                                    row1=tuned_plans.default_row1(8192, gated=False))
+    assert h200 != heuristic
+    _on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", H200_CHIP)
+    assert tuned_plans.plan_sources(cpu) == ("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    assert tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu) == h200
+    assert tuned_plans.prenorm_rows("dense", 2048, torch.bfloat16, cpu) == \
+        tuned_plans.TUNED_PRENORM[("NVIDIA H200", "dense", 2048, "bfloat16")]
+    attn_key = ("attn", 8, 1, 32, 8, 64, "bfloat16")
+    assert tuned_plans.attn_plan(8, 1, 32, 8, 64, 2048, 132, torch.bfloat16, device=cpu).num_splits == \
+        tuned_plans.TUNED_ATTN[("NVIDIA H200", *attn_key)][0]
+    for name, chip in [("NVIDIA H100 PCIe", ((9, 0), 114)), ("NVIDIA L40S", ((8, 9), 142)), ("cpu", None)]:
+        _on_gpu(monkeypatch, name, chip)
+        assert tuned_plans.plan_sources(cpu) == (name,)
+        assert tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu) == heuristic
+        assert tuned_plans.prenorm_rows("dense", 2048, torch.bfloat16, cpu) == 0
+    # its own entry first, the sibling's where it has none
+    _on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", H200_CHIP)
+    monkeypatch.setitem(tuned_plans.MEASURED_ON, "NVIDIA H100 80GB HBM3", H200_CHIP)
+    monkeypatch.setitem(tuned_plans.TUNED, ("NVIDIA H100 80GB HBM3", *key), (32, 64, 4, 4, 2))
+    own = tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu)
+    assert (own.block_n, own.block_k, own.split_k, own.num_warps, own.num_stages) == (32, 64, 4, 4, 2)
+    assert own.row1 == h200.row1  # TUNED_ROW1 has no H100 entry: the H200's
+    assert tuned_plans.gemm_plan(2048, 2048, torch.bfloat16, cpu) == h200_o
+
+
+@pytest.mark.parametrize("value", ["0", "off", "no"])
+def test_tuned_off_reads_no_table(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """``LOWLAT_MEGA_TUNED=0``: the heuristics on the table's own GPU too (the ablation of what the tables buy)."""
+    cpu = torch.device("cpu")
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    monkeypatch.setenv(tuned_plans.TUNED_ENV, value)
+    assert tuned_plans.plan_sources(cpu) == ()
+    assert tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu) == dataclasses.replace(
+        plan_gemm(2048, 8192, torch.bfloat16, 132), row1=tuned_plans.default_row1(8192, gated=False))
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu) == plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
+    assert tuned_plans.prenorm_rows("dense", 2048, torch.bfloat16, cpu) == 0
+    for on in ("1", "", "default"):
+        monkeypatch.setenv(tuned_plans.TUNED_ENV, on)
+        assert tuned_plans.plan_sources(cpu) == ("NVIDIA H200",)
+
+
+def test_tuned_switch_refuses_a_typo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tuned_plans.TUNED_ENV, "heuristic")
+    with pytest.raises(ValueError, match="LOWLAT_MEGA_TUNED"):
+        tuned_plans.plan_sources(torch.device("cpu"))
+
+
 def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:
     """``tune_plans.py --smoke`` (CPU interpreter, tiny shapes) runs the plan sweeps, the one-row sweeps of all four
     kernels and the F.linear reference, and writes its JSON; on a GPU the same code times them."""

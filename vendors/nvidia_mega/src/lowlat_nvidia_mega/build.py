@@ -31,20 +31,28 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     prefetch_act_enabled,
     splitk_workspace_numel,
 )
-from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, prenorm_rows, qkv_plan
+from lowlat_nvidia_mega.kernels.tuned_plans import (
+    TUNED_ENV,
+    attn_plan,
+    gemm_plan,
+    prenorm_rows,
+    qkv_plan,
+    tuned_switch,
+)
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV)  # the user-facing switches (README "Switches")
+SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV)  # the user-facing switches (README "Switches")
 TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK",)  # read by the test suite only
 
 
 def check_switches() -> None:
     """Refuse, at build, what the switches read at each launch or step would refuse later, or would ignore: a
     ``LOWLAT_MEGA_*`` variable that names no switch (a misspelled switch would silently run, and measure, the
-    default variant) and a value ``LOWLAT_MEGA_PREFETCH_ACT`` / ``LOWLAT_MEGA_PRENORM`` does not parse.
+    default variant) and a value ``LOWLAT_MEGA_PREFETCH_ACT`` / ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` does
+    not parse.
 
     Raises:
         PluginBuildError: naming each unknown variable, the closest switch and the known ones, or the bad value.
@@ -55,7 +63,7 @@ def check_switches() -> None:
                  if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
                                f"Known: {', '.join(SWITCHES)}; unset the others")
-    for switch in (prefetch_act_enabled, prenorm_switch):
+    for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch):
         try:
             switch()
         except ValueError as e:
@@ -73,7 +81,8 @@ def build(binding: Any) -> MegaForward:
     Raises:
         PluginBuildError: unsupported architecture, dtype, TP size or head_dim, a missing / misshapen
             parameter (the message names it and the fix), a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
-            ``LOWLAT_MEGA_PRENORM`` value, or an unknown ``LOWLAT_MEGA_*`` variable (``check_switches``).
+            ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` value, or an unknown ``LOWLAT_MEGA_*`` variable
+            (``check_switches``).
     """
     mc, ec = binding.model_config, binding.engine_config
     dev, dt = torch.device(binding.device), binding.dtype

@@ -9,6 +9,11 @@ at build, never at capture.
 Key: (``torch.cuda.get_device_name()``, kind, N, K, dtype), kind ``"qkv"`` (N = (Hq + 2 Hkv) * D, K = hidden),
 ``"gemm"`` or ``"gated"`` (N = output width, K = reduction). Value: (BLOCK_N, BLOCK_K, split-K, warps, stages).
 ``TUNED_ATTN`` holds the paged decode attention's plans (``tune_attention.py``), keyed by the step's shape.
+
+Which GPU's entries a device reads (``plan_sources``): its own name's first, then those of every GPU in
+``MEASURED_ON`` with the same compute capability and SM count, i.e. the same processor with other memory (the H100
+SXM and the H200 are both sm90 with 132 SMs); a shape none of them has gets the heuristic. ``LOWLAT_MEGA_TUNED=0``
+reads no table at all (the heuristics everywhere), to measure what the tables buy.
 """
 
 from __future__ import annotations
@@ -19,8 +24,15 @@ import torch
 import triton
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, default_attn_plan, split_cap
+from lowlat_nvidia_mega.kernels.pdl import env_switch
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
+
+# The GPUs the tables below were measured on, with their ``device_chip``: a GPU of the same chip whose own name has no
+# entry for a shape reads theirs (``plan_sources``). Every device name in the tables must be here.
+MEASURED_ON: dict[str, tuple[tuple[int, int], int]] = {
+    "NVIDIA H200": ((9, 0), 132),
+}
 
 # tune_plans.py on an H200, 2026-11-30 (bench/results/2026-11-30-nvidia-mega-tuning/tune_1row.txt):
 # default heuristic -> tuned, us per launch at 1 row.
@@ -104,7 +116,7 @@ TUNED_PRENORM: dict[tuple[str, str, int, str], int] = {
 def prenorm_rows(kind: str, hidden: int, dtype: torch.dtype, device: torch.device) -> int:
     """The most rows of a step that prenorm serves by default for this model on ``device`` (``TUNED_PRENORM``;
     ``kind`` "dense" or "moe"), else 0 (no step does). ``LOWLAT_MEGA_PRENORM`` overrides it per step."""
-    return TUNED_PRENORM.get((device_name(device), kind, hidden, str(dtype).removeprefix("torch.")), 0)
+    return _lookup(TUNED_PRENORM, (kind, hidden, str(dtype).removeprefix("torch.")), device) or 0
 
 
 def default_row1(k: int, *, gated: bool) -> GemvPlan:
@@ -120,10 +132,53 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def device_chip(device: torch.device) -> tuple[tuple[int, int], int] | None:
+    """What a launch plan depends on besides the shape: ((major, minor) compute capability, SM count); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+TUNED_ENV = "LOWLAT_MEGA_TUNED"
+
+
+def tuned_switch() -> bool:
+    """``LOWLAT_MEGA_TUNED``, read now: True (unset, empty, "default" or an on word: the measured tables), False (an
+    off word: the heuristic plans for every shape). Read at build, when the plans are chosen.
+
+    Raises:
+        ValueError: any other value (a typo would measure the wrong variant).
+    """
+    return bool(env_switch(TUNED_ENV, True, "the measured launch plans, the default; 0: the heuristics only"))
+
+
+def plan_sources(device: torch.device) -> tuple[str, ...]:
+    """The GPU names whose table entries ``device`` reads, in order: its own, then every ``MEASURED_ON`` GPU of the
+    same compute capability and SM count (``device_chip``); none when ``LOWLAT_MEGA_TUNED=0``.
+
+    Raises:
+        ValueError: a bad ``LOWLAT_MEGA_TUNED`` value (``tuned_switch``).
+    """
+    if not tuned_switch():
+        return ()
+    own, chip = device_name(device), device_chip(device)
+    return (own, *(n for n, c in MEASURED_ON.items() if n != own and chip is not None and c == chip))
+
+
+def _lookup(table: dict, rest: tuple, device: torch.device):  # type: ignore[no-untyped-def,type-arg]
+    """``table``'s entry for key ``(source, *rest)`` from the first of ``plan_sources(device)`` that has one."""
+    for source in plan_sources(device):
+        hit = table.get((source, *rest))
+        if hit is not None:
+            return hit
+    return None
+
+
 def _tuned(table: dict[tuple[str, str, int, int, str], tuple[int, ...]], kind: str, n: int, k: int,
            dtype: torch.dtype, device: torch.device) -> tuple[int, ...] | None:
     """``table``'s entry (``TUNED`` or ``TUNED_ROW1``) for this shape on ``device``, else None."""
-    return table.get((device_name(device), kind, n, k, str(dtype).removeprefix("torch.")))
+    return _lookup(table, (kind, n, k, str(dtype).removeprefix("torch.")), device)
 
 
 def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
@@ -162,9 +217,8 @@ def attn_plan(batch_size: int, rows_per_req: int, num_heads: int, num_kv_heads: 
     ``device``: the ``TUNED_ATTN`` entry of this shape (its splits capped by ``split_cap(max_context_len,
     block_kv)``), else ``default_attn_plan`` (``sms`` and ``max_context_len`` choose its splits). Shapes only,
     never the batch's lengths, so a CUDA graph records one plan per batch size."""
-    key = (device_name(device), "attn", batch_size, rows_per_req, num_heads, num_kv_heads, head_dim,
-           str(dtype).removeprefix("torch."))
-    hit = TUNED_ATTN.get(key)
+    hit = _lookup(TUNED_ATTN, ("attn", batch_size, rows_per_req, num_heads, num_kv_heads, head_dim,
+                               str(dtype).removeprefix("torch.")), device)
     if hit is None:
         return default_attn_plan(batch_size, rows_per_req, num_heads, num_kv_heads, head_dim, max_context_len, sms)
     splits, block_kv, split_warps, split_stages, merge_warps = hit
