@@ -92,7 +92,7 @@ def test_auto_tries_the_next_candidate_when_one_fails_to_build(install):
         assert "plugin" in e.stats.paths_as_dict()
 
 
-def test_auto_prefers_the_plugin_made_for_this_platform(tmp_path, monkeypatch):
+def test_auto_takes_only_plugins_made_for_this_platform(tmp_path, monkeypatch):
     from lowlat.loader.presets import get_preset
     from lowlat.platform import Platform
     from lowlat.runtime.plugin_host import select_plugin
@@ -105,9 +105,25 @@ def test_auto_prefers_the_plugin_made_for_this_platform(tmp_path, monkeypatch):
     make_plugin_dist(site, "a_amdish", runs_here)
     make_plugin_dist(site, "b_made_for_cuda", made)
     h200 = Platform("cuda", "NVIDIA H200", capability=(9, 0))
+    rejections: list[str] = []
     sel = select_plugin(discover(["a_amdish", "b_made_for_cuda"]), "auto", h200, EngineConfig(dtype="float32"),
-                        get_preset("tiny-llama"))
+                        get_preset("tiny-llama"), rejections)
     assert sel is not None and sel.plugin.name == "b_made_for_cuda" and "made for cuda" in sel.reason
+    # a_amdish (made for its first-listed platform, rocm) passes its guard here but is left out, saying how to ask
+    assert rejections == ["a_amdish: made for rocm, not cuda; its guard passes here, so it runs when asked for by "
+                          "name (--plugin a_amdish)"]
+    # alone, it is still left out (the general path serves), and asking for it by name runs it
+    rejections = []
+    assert select_plugin(discover(["a_amdish"]), "auto", h200, EngineConfig(dtype="float32"),
+                         get_preset("tiny-llama"), rejections) is None
+    assert rejections[0].startswith("a_amdish: made for rocm, not cuda")
+    named = select_plugin(discover(["a_amdish"]), "a_amdish", h200, EngineConfig(dtype="float32"),
+                          get_preset("tiny-llama"))
+    assert named is not None and named.plugin.name == "a_amdish"
+    mi300 = Platform("rocm", "AMD Instinct MI300X", gfx_arch="gfx942")
+    sel = select_plugin(discover(["a_amdish", "b_made_for_cuda"]), "auto", mi300, EngineConfig(dtype="float32"),
+                        get_preset("tiny-llama"))
+    assert sel is not None and sel.plugin.name == "a_amdish" and "made for rocm" in sel.reason
 
 
 def test_real_vendors_declare_what_they_are_made_for():

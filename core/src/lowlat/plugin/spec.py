@@ -168,8 +168,9 @@ class Requirements:
         features_required / features_refused: engine features ("cuda_graph", "speculative").
         libraries: (distribution, PEP 440 specifier) pairs, e.g. ("triton", ">=3.6,<3.10").
         model: (ModelConfig field, accepted values) pairs, e.g. ("head_dim", (64, 128)).
-        made_for: platform kinds the plugin is made for (optional); ``--plugin auto`` prefers a plugin made
-            for this machine's kind over one that merely runs here. Empty: its first-listed platform.
+        made_for: platform kinds the plugin is made for (optional); ``--plugin auto`` takes a plugin on these
+            kinds only, and one that merely runs elsewhere (for development, or under the CPU interpreter) runs
+            there when asked for by name. Empty: its first-listed platform.
     """
 
     platforms: tuple[PlatformRequirement, ...]

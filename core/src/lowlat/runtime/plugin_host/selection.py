@@ -1,11 +1,13 @@
 """Choose the plugin an engine runs with: "none", "auto" or an explicit name.
 
 Explicit requests never fall back silently: a missing, broken or incompatible plugin raises, and a
-failing guard raises UnsupportedConfiguration with the whole trace. "auto" ranks the usable plugins
-whose spec for the architecture passes — those made for this machine's platform kind first (the spec's
-``requirements.made_for``, else its first-listed platform), then by name — records why the others did not,
-and warns once about broken plugins without raising; ``PluginHost.build`` tries the ranked candidates in
-order when one fails to build.
+failing guard raises UnsupportedConfiguration with the whole trace. "auto" takes, by name, the usable plugins
+made for this machine's platform kind (the spec's ``requirements.made_for``, else its first-listed platform)
+whose spec for the architecture passes, records why the others were left out, and warns once about broken
+plugins without raising; ``PluginHost.build`` tries the candidates in order when one fails to build. A plugin
+whose guard passes on a platform it is not made for (amd_mono on CUDA, any plugin under the CPU interpreter)
+runs there only when asked for by name: amd_mono on the H200 measured 0.72-0.79x the general path at every
+shape (vendors/amd_mono/docs/design.md), so "auto" choosing it there would make decoding slower.
 """
 
 from __future__ import annotations
@@ -68,11 +70,11 @@ def select_plugin(
 
 def auto_candidates(registry: PluginRegistry, platform: Platform, engine: EngineConfig, model: ModelConfig,
                     rejections: list[str]) -> list[Selection]:
-    """Every usable plugin whose spec passes here, best first: those made for this platform kind, then by name.
+    """Every usable plugin made for this platform kind whose spec passes here, by name.
 
     A spec is made for the kinds in ``requirements.made_for``; a spec that does not declare it is made for its
-    first-listed platform. Skipped plugins (unusable, not serving the architecture, guard failing) each add
-    one line to ``rejections``.
+    first-listed platform. Skipped plugins (unusable, not serving the architecture, not made for this platform
+    kind, guard failing) each add one line to ``rejections``.
     """
     passing = []
     for info in sorted(registry.plugins.values(), key=lambda i: i.name):
@@ -84,27 +86,33 @@ def auto_candidates(registry: PluginRegistry, platform: Platform, engine: Engine
             rejections.append(f"{info.name}: does not serve {model.architecture}")
             continue
         trace = evaluate(info.name, spec, platform, engine, model)
-        if trace.passed:
-            passing.append((not made_for_here(spec, platform), info.name, info, spec, trace))
-        else:
+        if not trace.passed:
             rejections.append(f"{info.name}: {trace.summary()}")
+        elif not made_for_here(spec, platform):
+            rejections.append(f"{info.name}: made for {', '.join(made_for(spec))}, not {platform.kind}; its guard "
+                              f"passes here, so it runs when asked for by name (--plugin {info.name})")
+        else:
+            passing.append((info.name, info, spec, trace))
     for line in rejections:
         log.info("auto: skipped %s", line)
-    passing.sort(key=lambda p: p[:2])
     out = []
-    for i, (_, _name, info, spec, trace) in enumerate(passing):
-        why = f"auto: made for {platform.kind} and its guard passes on {platform.describe()}" \
-            if made_for_here(spec, platform) else f"auto: its guard passes on {platform.describe()}"
+    for i, (_name, info, spec, trace) in enumerate(sorted(passing, key=lambda p: p[0])):
+        why = f"auto: made for {platform.kind} and its guard passes on {platform.describe()}"
         if i == 0 and len(passing) > 1:
-            why += f"; preferred over {', '.join(p[1] for p in passing[1:])}"
+            why += f"; first by name of {', '.join(p[0] for p in sorted(passing, key=lambda p: p[0]))}"
         out.append(Selection(info, spec, trace, why))
     return out
 
 
-def made_for_here(spec: ModelSpec, platform: Platform) -> bool:
-    """Whether ``spec`` is made for this platform kind (``made_for``, else its first-listed platform)."""
+def made_for(spec: ModelSpec) -> tuple[str, ...]:
+    """The platform kinds ``spec`` is made for: ``requirements.made_for``, else its first-listed platform's."""
     req = spec.requirements
-    return platform.kind in (req.made_for or (req.platforms[0].kind,))
+    return req.made_for or (req.platforms[0].kind,)
+
+
+def made_for_here(spec: ModelSpec, platform: Platform) -> bool:
+    """Whether ``spec`` is made for this platform kind (``made_for``)."""
+    return platform.kind in made_for(spec)
 
 
 def _auto(registry: PluginRegistry, platform: Platform, engine: EngineConfig, model: ModelConfig,
