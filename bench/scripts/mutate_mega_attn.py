@@ -39,7 +39,8 @@ M = [  # (name, file, original text, mutated text)
      "n = batch_size * num_kv_heads * attention_block_m(num_heads, num_kv_heads, rows_per_req)"),
     ("a tuned entry's splits not capped", T, "return AttnPlan(num_splits=min(splits, split_cap(max_context_len, "
      "block_kv)), block_kv=block_kv,", "return AttnPlan(num_splits=splits, block_kv=block_kv,"),
-    ("the table never read", T, "hit = TUNED_ATTN.get(key)", "hit = None"),
+    ("the table never read", T, 'hit = _lookup(TUNED_ATTN, ("attn", batch_size,',
+     'hit = None and _lookup(TUNED_ATTN, ("attn", batch_size,'),
     ("the workspace sized for the first plan only", B,
      "n_o, n_l = max(n_o, o), max(n_l, lse)", "n_o, n_l = max(n_o, o), max(n_l, lse)\n        break"),
 ]
