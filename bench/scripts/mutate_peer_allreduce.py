@@ -1,9 +1,11 @@
 """Mutation pass of the peer all-reduce: break it in one place, run its test file, expect a failure.
 
     python3 bench/scripts/mutate_peer_allreduce.py      # from the repository root (or a worktree's)
+    python3 bench/scripts/mutate_peer_allreduce.py device_tag   # only the groups whose test file names match
 
-Each mutation is applied to the source, core/tests/test_peer_allreduce.py runs under TRITON_INTERPRET=1 with
-this checkout's core/src first on the path (a hang counts as caught after 300 s), and the source is restored.
+Each mutation is applied to the source, its group's test file (core/tests/test_peer_allreduce.py for the kernel's
+protocol and memory order, test_peer_device_tag.py for the device tag) runs under TRITON_INTERPRET=1 with this
+checkout's core/src first on the path (a hang counts as caught after 300 s), and the source is restored.
 Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed. The memory-order
 mutations (no barrier, release before the data, weaker order or scope) change nothing the interpreter computes (it
 runs one program at a time): test_every_flag_release_follows_its_data_and_a_barrier catches them by watching the
@@ -70,7 +72,32 @@ M = [  # (name, file, original text, mutated text)
     ("memory order: acquire at gpu scope", K, 'sem="acquire", scope="sys"', 'sem="acquire", scope="gpu"'),
     ("memory order: relaxed poll", K, 'sem="acquire", scope="sys"', 'sem="relaxed", scope="sys"'),
 ]
-if __name__ == "__main__":  # importing the list (e.g. to check its anchors) runs nothing
+_BUMP = ("        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"
+         "        tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)\n")
+_TAG = "    tag = tl.where(host_tag > 0, host_tag, last % _TAG_CYCLE + 1)"
+M_TAG = [  # the device tag: run against core/tests/test_peer_device_tag.py
+    ("device tag: every program bumps (no ticket)", K, "last_program = drawn == nprog - 1",
+     "last_program = drawn >= 0"),
+    ("device tag: the last program found off by one", K, "last_program = drawn == nprog - 1",
+     "last_program = drawn == nprog"),
+    ("device tag: never advances (the old tag stored back)", K, "tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)",
+     "tl.store(tag_ptr + TAG_LAST, last, mask=last_program)"),
+    ("device tag: ticket never reset", K, _BUMP, "        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"),
+    ("device tag: bumped by program 0 as it starts (the race)", K, _TAG,
+     _TAG + "\n    tl.store(tag_ptr + TAG_LAST, tag, mask=pid == 0)"),
+    ("device tag: no wrap at TAG_CYCLE", K, "last % _TAG_CYCLE + 1", "last + 1"),
+    ("device tag: the host tag ignored", K, "tl.where(host_tag > 0, host_tag,", "tl.where(host_tag < 0, host_tag,"),
+    ("device tag: reset leaves it", H, "        self.flags.zero_()\n        self.tag_state.zero_()\n",
+     "        self.flags.zero_()\n"),
+    ("closed buffers still launch", K, "    if bufs.closed:\n", "    if bufs.closed and False:\n"),
+]
+M_TAG_ORDER = [  # the ticket's memory order: only the sm90 PTX check (core/tests/test_peer_allreduce.py) sees it
+    ("device tag: relaxed ticket", K, 'drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="acq_rel", scope="gpu")',
+     'drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="relaxed", scope="gpu")'),
+]
+GROUPS = [(M + M_TAG_ORDER, "core/tests/test_peer_allreduce.py"), (M_TAG, "core/tests/test_peer_device_tag.py")]
+if __name__ == "__main__":  # importing the lists (e.g. to check their anchors) runs nothing
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}
-    sys.exit(mutation_runner.run(M, "core/tests/test_peer_allreduce.py", env))
+    only = sys.argv[1:]  # optional: run only the groups whose test file names contain one of these words
+    sys.exit(max(mutation_runner.run(ms, f, env) for ms, f in GROUPS if not only or any(w in f for w in only)))

@@ -1,7 +1,8 @@
 """Peer buffers: one rank's symmetric buffers for the one-shot peer all-reduce, and its error record.
 
 Every rank holds the same-shaped ``data`` [2, W, capacity] (the all-reduce's dtype) and ``flags``
-[2, ceil(capacity / block), W] int32 (zero at the start), plus a local ``ctl`` error record; a table of int64 base
+[2, ceil(capacity / block), W] int32 (zero at the start), plus a local ``ctl`` error record and a local
+``tag_state`` (the device tag: the last tag used and a launch's ticket, int32 [2]); a table of int64 base
 addresses (``data_ptrs``, ``flag_ptrs``, [W], on the device) tells this rank where every rank's buffers are in its
 own address space. The layout and the protocol are in ``lowlat.kernels.peer_allreduce``.
 
@@ -37,7 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 
-from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TIMER_NS, TIMER_POLLS
+from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TAG_STATE_SIZE, TIMER_NS, TIMER_POLLS
 from lowlat.runtime.deadline import StepDeadlineExceeded
 
 __all__ = ["DEFAULT_BLOCK", "DEFAULT_DEADLINE_NS", "DEFAULT_DEADLINE_POLLS", "PeerBuffers", "PeerWaitTimeout"]
@@ -84,15 +85,18 @@ class PeerBuffers:
         capacity: elements per rank a call may reduce at most; dtype: the element dtype; device: where all live.
         block: elements per tile; the same on every rank.
         data: [2, world, capacity] ``dtype``; flags: [2, ceil(capacity / block), world] int32; ctl: [CTL_SIZE]
-            int64, the error record (``lowlat.kernels.peer_allreduce``), local to this rank.
+            int64, the error record (``lowlat.kernels.peer_allreduce``), local to this rank; tag_state:
+            [TAG_STATE_SIZE] int32, the device tag (the last tag used, a launch's ticket), local to this rank.
         data_ptrs, flag_ptrs: int64 [world] on ``device``: every rank's ``data`` / ``flags`` base address.
         timer, deadline: TIMER_NS (CUDA) or TIMER_POLLS, and the wait's bound in that unit.
         max_programs: the one-launch mode's grid bound (the SM count on CUDA).
+        closed: True after ``close``; the launchers then refuse these buffers.
     """
 
     def __init__(self, *, rank: int, world: int, capacity: int, dtype: torch.dtype, block: int,
-                 data: torch.Tensor, flags: torch.Tensor, ctl: torch.Tensor, data_ptrs: torch.Tensor,
-                 flag_ptrs: torch.Tensor, deadline: int | None = None, timer: int | None = None) -> None:
+                 data: torch.Tensor, flags: torch.Tensor, ctl: torch.Tensor, tag_state: torch.Tensor,
+                 data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, deadline: int | None = None,
+                 timer: int | None = None, keep: object = None) -> None:
         _check_sizes(world, capacity, dtype, block)
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank}")
@@ -110,7 +114,8 @@ class PeerBuffers:
                              f"got {deadline}")
         tiles = triton.cdiv(capacity, block)
         want = {"data": (data, (2, world, capacity), dtype), "flags": (flags, (2, tiles, world), torch.int32),
-                "ctl": (ctl, (CTL_SIZE,), torch.int64), "data_ptrs": (data_ptrs, (world,), torch.int64),
+                "ctl": (ctl, (CTL_SIZE,), torch.int64), "tag_state": (tag_state, (TAG_STATE_SIZE,), torch.int32),
+                "data_ptrs": (data_ptrs, (world,), torch.int64),
                 "flag_ptrs": (flag_ptrs, (world,), torch.int64)}
         for name, (t, shape, dt) in want.items():
             if tuple(t.shape) != shape or t.dtype != dt or t.device != device or not t.is_contiguous():
@@ -119,6 +124,9 @@ class PeerBuffers:
         self.rank, self.world, self.capacity, self.dtype, self.block = rank, world, capacity, dtype, block
         self.device = device
         self.data, self.flags, self.ctl, self.data_ptrs, self.flag_ptrs = data, flags, ctl, data_ptrs, flag_ptrs
+        self.tag_state = tag_state
+        self.closed = False
+        self._keep = keep  # what keeps the peers' buffers mapped (``rendezvous``); released by ``close``
         self.timer, self.deadline = timer, int(deadline)
         self.max_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                              if device.type == "cuda" else tiles)
@@ -146,19 +154,25 @@ class PeerBuffers:
         data = [alloc(f"peer_data.{r}", (2, world, capacity), dtype) for r in range(world)]
         flags = [alloc(f"peer_flags.{r}", (2, tiles, world), torch.int32) for r in range(world)]
         ctls = [alloc(f"peer_ctl.{r}", (CTL_SIZE,), torch.int64) for r in range(world)]
-        for t in flags + ctls:  # the protocol starts from zero flags and an empty record, whatever alloc returned
+        tags = [alloc(f"peer_tag.{r}", (TAG_STATE_SIZE,), torch.int32) for r in range(world)]
+        for t in flags + ctls + tags:  # the protocol starts from zero flags, tags and record, whatever alloc returned
             t.zero_()
         data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device=device)
         flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
         return [cls(rank=r, world=world, capacity=capacity, dtype=dtype, block=block, data=data[r], flags=flags[r],
-                    ctl=ctls[r], data_ptrs=data_ptrs, flag_ptrs=flag_ptrs, deadline=deadline, timer=timer)
-                for r in range(world)]
+                    ctl=ctls[r], tag_state=tags[r], data_ptrs=data_ptrs, flag_ptrs=flag_ptrs, deadline=deadline,
+                    timer=timer) for r in range(world)]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this rank's buffers (data, flags, error record; the tables are counted too)."""
-        ts = (self.data, self.flags, self.ctl, self.data_ptrs, self.flag_ptrs)
+        """Bytes of this rank's buffers (data, flags, error record, device tag; the tables are counted too)."""
+        ts = (self.data, self.flags, self.ctl, self.tag_state, self.data_ptrs, self.flag_ptrs)
         return sum(t.numel() * t.element_size() for t in ts)
+
+    @property
+    def last_tag(self) -> int:
+        """The device tag's last value (0 before the first call; a host sync: for tests and reports)."""
+        return int(self.tag_state[0])
 
     def fits(self, x: torch.Tensor) -> bool:
         """True when ``x`` can go through the peer all-reduce (dtype, device, contiguity, size); else use NCCL."""
@@ -198,7 +212,28 @@ class PeerBuffers:
             "PeerBuffers.reset(); this engine is unusable: close it and create a new one", rec)
 
     def reset(self) -> None:
-        """Clear the error record and the flags. Only when no launch is in flight on any rank and
+        """Clear the error record, the flags and the device tag. Only when no launch is in flight on any rank and
         every rank resets before its next call; tags then start again at 1."""
         self.ctl.zero_()
         self.flags.zero_()
+        self.tag_state.zero_()
+
+    def close(self) -> None:
+        """Wait for this rank's launches on the device, then release the peers' mappings (idempotent); the
+        launchers refuse closed buffers. Peers may still store into this rank's buffers: they stay mapped until
+        every process has released them."""
+        if self.closed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.closed = True
+        self.data_ptrs = self.flag_ptrs = torch.zeros(self.world, dtype=torch.int64, device=self.device)
+        keep, self._keep = self._keep, None
+        if hasattr(keep, "close"):
+            keep.close()
+
+    def __enter__(self) -> PeerBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
