@@ -4,7 +4,8 @@
     python3 bench/scripts/mutate_peer_allreduce.py device_tag   # only the groups whose test file names match
 
 Each mutation is applied to the source, its group's test file (core/tests/test_peer_allreduce.py for the kernel's
-protocol and memory order, test_peer_device_tag.py for the device tag) runs under TRITON_INTERPRET=1 with this
+protocol and memory order, test_peer_device_tag.py for the device tag, test_peer_xproc.py for the exchange and
+the address tables across processes) runs under TRITON_INTERPRET=1 with this
 checkout's core/src first on the path (a hang counts as caught after 300 s), and the source is restored.
 Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed. The memory-order
 mutations (no barrier, release before the data, weaker order or scope) change nothing the interpreter computes (it
@@ -95,7 +96,26 @@ M_TAG_ORDER = [  # the ticket's memory order: only the sm90 PTX check (core/test
     ("device tag: relaxed ticket", K, 'drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="acq_rel", scope="gpu")',
      'drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="relaxed", scope="gpu")'),
 ]
-GROUPS = [(M + M_TAG_ORDER, "core/tests/test_peer_allreduce.py"), (M_TAG, "core/tests/test_peer_device_tag.py")]
+X = pathlib.Path("core/src/lowlat/runtime/peer_exchange.py")
+M_XPROC = [  # buffers across processes: run against core/tests/test_peer_xproc.py (spawned ranks)
+    ("tables: this rank's own buffer in every slot", H, "[t.data_ptr() for t in ts]",
+     "[ts[tp.rank].data_ptr() for t in ts]"),
+    ("tables: ranks in reverse order", H, "[t.data_ptr() for t in ts]", "[t.data_ptr() for t in reversed(ts)]"),
+    ("tables: the peers' mappings not kept alive", H, "timer=timer, keep=keep)", "timer=timer, keep=None)"),
+    ("exchange: flags not zeroed after alloc", H, "for t in (own[\"flags\"], ctl, tag_state):",
+     "for t in (ctl, tag_state):"),
+    ("exchange: a peer's file mapped private", X,
+     "t = torch.from_file(path, shared=True, size=nbytes // dtype.itemsize, dtype=dtype)",
+     "t = torch.from_file(path, shared=False, size=nbytes // dtype.itemsize, dtype=dtype)"),
+    ("exchange: this rank keeps its private buffer", X, '    return shared, ("file", path,',
+     '    return t, ("file", path,'),
+    ("exchange: disagreeing ranks not refused", X, "if any(v != values[0] for v in values):", "if False:"),
+    ("exchange: files left in /dev/shm", X, "        keep.unlink()  # every rank has mapped", "        pass  #"),
+    ("exchange: a failed collective not named", X, "except Exception as e:  # gloo", "except KeyError as e:  # gloo"),
+    ("exchange: the TPInfo not checked against the group", X, "    _check_group(tp)\n", ""),
+]
+GROUPS = [(M + M_TAG_ORDER, "core/tests/test_peer_allreduce.py"), (M_TAG, "core/tests/test_peer_device_tag.py"),
+          (M_XPROC, "core/tests/test_peer_xproc.py")]
 if __name__ == "__main__":  # importing the lists (e.g. to check their anchors) runs nothing
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}

@@ -11,13 +11,12 @@ Where the table comes from:
 * ``PeerBuffers.simulated`` (implemented): W ranks' buffers in one process on one device (separate tensors, their
   real addresses in one shared table), one ``PeerBuffers`` per simulated rank. Tests use it on CPU under the
   Triton interpreter; on one GPU it runs the two-launch mode.
-* CUDA across processes (not implemented here: it cannot be run without two GPUs): allocate ``data`` with
-  ``torch.distributed._symmetric_memory.empty`` and ``flags`` as a second symmetric tensor (or the handle's
-  signal pad, sized by ``set_signal_pad_size``), ``handle = rendezvous(tensor, group)`` on every rank, and build
-  the tables from ``handle.buffer_ptrs`` (host list of W addresses, this rank's view; ``buffer_ptrs_dev`` is the
-  same array already on the device). Multicast must stay off: set ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
-  never read ``handle.multicast_ptr``. CUDA IPC handles (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``, what
-  vLLM's custom all-reduce exchanges) would give the same table.
+* ``PeerBuffers.rendezvous`` (implemented): one rank per process, every rank of a TP group calls it; the
+  buffers are shared and the peers' mapped through ``lowlat.runtime.peer_exchange`` (CPU: shared-memory files;
+  CUDA: CUDA IPC through torch's tensor sharing, which maps another GPU's memory or, for two processes of one
+  GPU, the same GPU's), and each process builds its own table. Rejected: torch symmetric memory
+  (``torch.distributed._symmetric_memory``): its rendezvous may set up NVLink multicast, which is forbidden on
+  the machines we run on, and it needs CUDA (the CPU tests could not run it).
 
 Accounting: every buffer is allocated through ``alloc(name, shape, dtype)`` (default: a zero-filled tensor on the
 device), so the caller can hand in an accounted workspace allocator; ``nbytes`` is this rank's total. The general
@@ -38,10 +37,13 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 
+from lowlat.distributed import TPInfo
 from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TAG_STATE_SIZE, TIMER_NS, TIMER_POLLS
 from lowlat.runtime.deadline import StepDeadlineExceeded
+from lowlat.runtime.peer_exchange import PeerExchangeError, exchange
 
-__all__ = ["DEFAULT_BLOCK", "DEFAULT_DEADLINE_NS", "DEFAULT_DEADLINE_POLLS", "PeerBuffers", "PeerWaitTimeout"]
+__all__ = ["DEFAULT_BLOCK", "DEFAULT_DEADLINE_NS", "DEFAULT_DEADLINE_POLLS", "PeerBuffers", "PeerExchangeError",
+           "PeerWaitTimeout"]
 
 DEFAULT_BLOCK = 1024  # elements per tile (one program's work in a loop step, one flag per rank)
 DEFAULT_DEADLINE_NS = 5_000_000_000
@@ -73,6 +75,21 @@ def _check_sizes(world: int, capacity: int, dtype: torch.dtype, block: int) -> N
         raise ValueError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
 
 
+def _timer_and_deadline(device: torch.device, timer: int | None, deadline: int | None) -> tuple[int, int]:
+    if timer is None:
+        timer = TIMER_NS if device.type == "cuda" else TIMER_POLLS
+    if timer not in (TIMER_NS, TIMER_POLLS) or (timer == TIMER_NS and device.type != "cuda"):
+        raise ValueError(f"timer must be TIMER_POLLS, or TIMER_NS on CUDA; got {timer} on {device}")
+    if deadline is None:
+        if timer == TIMER_POLLS and device.type != "cpu":
+            raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline, in polls")
+        deadline = DEFAULT_DEADLINE_NS if timer == TIMER_NS else DEFAULT_DEADLINE_POLLS
+    if not 0 < deadline < 2**62:
+        raise ValueError(f"deadline must be a positive count of {'ns' if timer == TIMER_NS else 'polls'}, "
+                         f"got {deadline}")
+    return timer, int(deadline)
+
+
 def _zeros(device: torch.device) -> Alloc:
     return lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
 
@@ -101,17 +118,7 @@ class PeerBuffers:
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank}")
         device = data.device
-        if timer is None:
-            timer = TIMER_NS if device.type == "cuda" else TIMER_POLLS
-        if timer not in (TIMER_NS, TIMER_POLLS) or (timer == TIMER_NS and device.type != "cuda"):
-            raise ValueError(f"timer must be TIMER_POLLS, or TIMER_NS on CUDA; got {timer} on {device}")
-        if deadline is None:
-            if timer == TIMER_POLLS and device.type != "cpu":
-                raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline, in polls")
-            deadline = DEFAULT_DEADLINE_NS if timer == TIMER_NS else DEFAULT_DEADLINE_POLLS
-        if not 0 < deadline < 2**62:
-            raise ValueError(f"deadline must be a positive count of {'ns' if timer == TIMER_NS else 'polls'}, "
-                             f"got {deadline}")
+        timer, deadline = _timer_and_deadline(device, timer, deadline)
         tiles = triton.cdiv(capacity, block)
         want = {"data": (data, (2, world, capacity), dtype), "flags": (flags, (2, tiles, world), torch.int32),
                 "ctl": (ctl, (CTL_SIZE,), torch.int64), "tag_state": (tag_state, (TAG_STATE_SIZE,), torch.int32),
@@ -127,7 +134,7 @@ class PeerBuffers:
         self.tag_state = tag_state
         self.closed = False
         self._keep = keep  # what keeps the peers' buffers mapped (``rendezvous``); released by ``close``
-        self.timer, self.deadline = timer, int(deadline)
+        self.timer, self.deadline = timer, deadline
         self.max_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                              if device.type == "cuda" else tiles)
 
@@ -162,6 +169,52 @@ class PeerBuffers:
         return [cls(rank=r, world=world, capacity=capacity, dtype=dtype, block=block, data=data[r], flags=flags[r],
                     ctl=ctls[r], tag_state=tags[r], data_ptrs=data_ptrs, flag_ptrs=flag_ptrs, deadline=deadline,
                     timer=timer) for r in range(world)]
+
+    @classmethod
+    def rendezvous(cls, tp: TPInfo, capacity: int, dtype: torch.dtype, *, device: torch.device | str,
+                   alloc: Alloc | None = None, block: int = DEFAULT_BLOCK, deadline: int | None = None,
+                   timer: int | None = None) -> PeerBuffers:
+        """This process's rank of a TP group: its buffers, shared with the group, and every rank's mapped here.
+
+        A collective: every rank of ``tp`` calls it with the same capacity, dtype, block and device type
+        (``lowlat.runtime.peer_exchange`` has the steps and the handles).
+
+        Args:
+            tp: this rank's TPInfo (rank, size 2..8, group); torch.distributed initialized, every rank on one host.
+            capacity: elements per rank (> 0). dtype: bf16, fp16 or fp32. device: this rank's device (CPU, or its
+                CUDA device).
+            alloc: ``alloc(name, shape, dtype) -> tensor`` on ``device`` (names ``peer_data``, ``peer_flags``,
+                ``peer_ctl``, ``peer_tag``), e.g. the accounted workspace allocator; on CPU ``data`` and ``flags``
+                then move into shared memory of the same size (their bytes copied, as ``share_memory_`` does).
+            block, deadline, timer: as ``simulated``.
+        Returns:
+            this rank's ``PeerBuffers``; it keeps the peers' buffers mapped until ``close``.
+        Raises:
+            ValueError: sizes out of range, a bad group, or ranks asking for different buffers (the field named).
+            PeerExchangeError: a rank could not share or map, died or never arrived within the group's timeout.
+        """
+        device = torch.device(device)
+        _check_sizes(tp.size, capacity, dtype, block)
+        timer, deadline = _timer_and_deadline(device, timer, deadline)  # before the exchange: no rank fails alone
+        alloc = alloc or _zeros(device)
+        tiles = triton.cdiv(capacity, block)
+        shapes = {"data": ((2, tp.size, capacity), dtype), "flags": ((2, tiles, tp.size), torch.int32)}
+        own = {name: alloc(f"peer_{name}", shape, dt) for name, (shape, dt) in shapes.items()}
+        ctl = alloc("peer_ctl", (CTL_SIZE,), torch.int64)
+        tag_state = alloc("peer_tag", (TAG_STATE_SIZE,), torch.int32)
+        for t in (own["flags"], ctl, tag_state):  # the protocol starts from zero, whatever alloc returned
+            t.zero_()
+        meta = {"world": tp.size, "capacity": capacity, "dtype": str(dtype), "block": block}
+        mapped, keep = exchange(tp, shapes, own, meta)
+        try:
+            ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)
+                    for name, ts in mapped.items()}
+            return cls(rank=tp.rank, world=tp.size, capacity=capacity, dtype=dtype, block=block,
+                       data=mapped["data"][tp.rank], flags=mapped["flags"][tp.rank], ctl=ctl, tag_state=tag_state,
+                       data_ptrs=ptrs["data"], flag_ptrs=ptrs["flags"], deadline=deadline, timer=timer, keep=keep)
+        except BaseException:
+            keep.close()
+            raise
 
     @property
     def nbytes(self) -> int:
