@@ -5,8 +5,9 @@
 
 Each mutation is applied to the source, its group's test file (core/tests/test_peer_allreduce.py for the kernel's
 protocol and memory order, test_peer_device_tag.py for the device tag, test_peer_xproc.py for the exchange and
-the address tables across processes) runs under TRITON_INTERPRET=1 with this
-checkout's core/src first on the path (a hang counts as caught after 300 s), and the source is restored.
+the address tables across processes, test_peer_tp.py for the general path's choice) runs under
+TRITON_INTERPRET=1 with this checkout's core/src first on the path (a hang counts as caught after 300 s), and the
+source is restored.
 Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed. The memory-order
 mutations (no barrier, release before the data, weaker order or scope) change nothing the interpreter computes (it
 runs one program at a time): test_every_flag_release_follows_its_data_and_a_barrier catches them by watching the
@@ -113,9 +114,28 @@ M_XPROC = [  # buffers across processes: run against core/tests/test_peer_xproc.
     ("exchange: files left in /dev/shm", X, "        keep.unlink()  # every rank has mapped", "        pass  #"),
     ("exchange: a failed collective not named", X, "except Exception as e:  # gloo", "except KeyError as e:  # gloo"),
     ("exchange: the TPInfo not checked against the group", X, "    _check_group(tp)\n", ""),
+    ("exchange: an allocation failure kept from the peers", H, "except Exception as e:  # told to the other ranks",
+     "except KeyError as e:  # told to the other ranks"),
+]
+R = pathlib.Path("core/src/lowlat/runtime/peer_reduce.py")
+D = pathlib.Path("core/src/lowlat/distributed.py")
+M_TP = [  # the general path's choice (EngineConfig.all_reduce): run against core/tests/test_peer_tp.py
+    ("tp: the peer never takes a sum", R, "if b is None or not b.fits(x):", "if True:"),
+    ("tp: every size to the peer (no NCCL beyond the buffers)", R, "if b is None or not b.fits(x):",
+     "if b is None:"),
+    ("tp: all_reduce ignores the group's peer", D, "if site is not None and tp.peer is not None:",
+     "if False and tp.peer is not None:"),
+    ("tp: calls without a site take the peer", D, "if site is not None and tp.peer is not None:",
+     "if tp.peer is not None:"),
+    ("tp: o_proj's site is the MLP's", pathlib.Path("core/src/lowlat/models/llama.py"),
+     "device=device, site=2 * layer_id)", "device=device, site=2 * layer_id + 1)"),
+    ("tp: the peer record not asked before NonFiniteLogits", pathlib.Path("core/src/lowlat/runtime/step_guard.py"),
+     "        if cause is not None:\n            cause()\n", ""),
+    ("tp: the runner never opens the buffers", pathlib.Path("core/src/lowlat/runtime/model_runner.py"),
+     "            self.open_peer()\n", ""),
 ]
 GROUPS = [(M + M_TAG_ORDER, "core/tests/test_peer_allreduce.py"), (M_TAG, "core/tests/test_peer_device_tag.py"),
-          (M_XPROC, "core/tests/test_peer_xproc.py")]
+          (M_XPROC, "core/tests/test_peer_xproc.py"), (M_TP, "core/tests/test_peer_tp.py")]
 if __name__ == "__main__":  # importing the lists (e.g. to check their anchors) runs nothing
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}

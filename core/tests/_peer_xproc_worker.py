@@ -25,7 +25,7 @@ def _scenario_main(tp: Any, device: Any, out: dict[str, Any]) -> None:
     from _peer_util import inputs, rank_order_sum
     from lowlat.distributed import TPInfo
     from lowlat.kernels.peer_allreduce import peer_all_reduce
-    from lowlat.runtime.peer_buffers import PeerBuffers, PeerWaitTimeout
+    from lowlat.runtime.peer_buffers import PeerBuffers, PeerExchangeError, PeerWaitTimeout
 
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -38,6 +38,14 @@ def _scenario_main(tp: Any, device: Any, out: dict[str, Any]) -> None:
         PeerBuffers.rendezvous(tp, cap * (1 + tp.rank), dtype, device=device, block=block)
     except ValueError as e:
         out["mismatch"] = str(e)
+
+    def failing(name: str, shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+        raise MemoryError(f"no room for {name}")
+
+    try:  # rank 1's allocator fails: it tells rank 0 in the exchange, so both fail now, not at the timeout
+        PeerBuffers.rendezvous(tp, cap, dtype, device=device, block=block, alloc=failing if tp.rank else None)
+    except PeerExchangeError as e:
+        out["alloc_failed"] = str(e)
     names: list[str] = []
 
     def alloc(name: str, shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:

@@ -103,6 +103,13 @@ def test_ranks_asking_for_different_buffers_all_refuse_naming_the_field(main_run
         assert "TPInfo says rank" in main_run[r]["wrong_tpinfo"]
 
 
+def test_an_allocation_failure_on_one_rank_fails_every_rank_at_once(main_run) -> None:
+    for r in (0, 1):
+        msg = main_run[r]["alloc_failed"]
+        assert "a rank failed before the exchange" in msg and "rank 1: could not allocate its buffers" in msg, msg
+        assert "MemoryError: no room for peer_data" in msg and "rank 0:" not in msg, msg
+
+
 def test_a_rank_that_died_before_the_exchange_fails_the_other_clearly_and_soon(tmp_path_factory) -> None:
     """Rank 1 exits after joining the group; rank 0's rendezvous raises PeerExchangeError naming itself and the
     step, well within the group's timeout (gloo sees the closed connection) and never hangs."""

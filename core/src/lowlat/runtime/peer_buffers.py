@@ -199,11 +199,15 @@ class PeerBuffers:
         alloc = alloc or _zeros(device)
         tiles = triton.cdiv(capacity, block)
         shapes = {"data": ((2, tp.size, capacity), dtype), "flags": ((2, tiles, tp.size), torch.int32)}
-        own = {name: alloc(f"peer_{name}", shape, dt) for name, (shape, dt) in shapes.items()}
-        ctl = alloc("peer_ctl", (CTL_SIZE,), torch.int64)
-        tag_state = alloc("peer_tag", (TAG_STATE_SIZE,), torch.int32)
-        for t in (own["flags"], ctl, tag_state):  # the protocol starts from zero, whatever alloc returned
-            t.zero_()
+        own: dict[str, torch.Tensor] | str
+        try:
+            own = {name: alloc(f"peer_{name}", shape, dt) for name, (shape, dt) in shapes.items()}
+            ctl = alloc("peer_ctl", (CTL_SIZE,), torch.int64)
+            tag_state = alloc("peer_tag", (TAG_STATE_SIZE,), torch.int32)
+            for t in (own["flags"], ctl, tag_state):  # the protocol starts from zero, whatever alloc returned
+                t.zero_()
+        except Exception as e:  # told to the other ranks in the exchange, so that every rank fails now
+            own = f"could not allocate its buffers ({type(e).__name__}: {e})"
         meta = {"world": tp.size, "capacity": capacity, "dtype": str(dtype), "block": block}
         mapped, keep = exchange(tp, shapes, own, meta)
         try:

@@ -143,14 +143,16 @@ def _failures(replies: list[Any]) -> str:
     return "; ".join(f"rank {r}: {m}" for r, m in enumerate(replies) if isinstance(m, str))
 
 
-def exchange(tp: TPInfo, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], own: dict[str, torch.Tensor],
-             meta: dict[str, Any]) -> tuple[dict[str, list[torch.Tensor]], PeerMappings]:
+def exchange(tp: TPInfo, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+             own: dict[str, torch.Tensor] | str, meta: dict[str, Any]) -> tuple[dict[str, list[torch.Tensor]],
+                                                                              PeerMappings]:
     """Share this rank's ``own`` buffers with the TP group and map every peer's (a collective: every rank calls it).
 
     Args:
         tp: this rank's TPInfo (rank, size, group); torch.distributed must be initialized.
         shapes: name -> (shape, dtype) every rank's buffer of that name has.
-        own: name -> this rank's buffer (contiguous, on this rank's device), as ``shapes`` says.
+        own: name -> this rank's buffer (contiguous, on this rank's device), as ``shapes`` says; or the error
+            that stopped this rank before (it takes part in the first step anyway, so every rank fails there).
         meta: what every rank must agree on (sizes, dtype, block: plain values), checked field by field.
     Returns:
         (name -> the W ranks' buffers as mapped in this process, in rank order: this rank's entry is its own
@@ -160,12 +162,15 @@ def exchange(tp: TPInfo, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
         PeerExchangeError: a rank failed to share or map, died or never arrived (naming them and the step).
     """
     _check_group(tp)
-    device = next(iter(own.values())).device
     keep = PeerMappings()
     try:
-        mine: dict[str, Any] = {**meta, "device": device.type, "host": socket.gethostname()}
         shared: dict[str, torch.Tensor] = {}
+        mine: dict[str, Any] = {}
         try:
+            if isinstance(own, str):
+                raise RuntimeError(own)
+            device = next(iter(own.values())).device
+            mine = {**meta, "device": device.type, "host": socket.gethostname()}
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the zeroed flags land before any peer can store into them
             handles = {}
@@ -174,10 +179,10 @@ def exchange(tp: TPInfo, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
             reply: Any = {**mine, "handles": handles}
         except Exception as e:
             keep.close()
-            reply = f"could not share its buffers ({type(e).__name__}: {e})"
+            reply = str(e) if isinstance(own, str) else f"could not share its buffers ({type(e).__name__}: {e})"
         replies = _gather(reply, tp, "share")
         if failed := _failures(replies):
-            raise PeerExchangeError(f"peer buffers: a rank could not share its buffers, so none maps them: {failed}")
+            raise PeerExchangeError(f"peer buffers: a rank failed before the exchange, so none maps them: {failed}")
         for key in mine:
             values = [r[key] for r in replies]
             if any(v != values[0] for v in values):
