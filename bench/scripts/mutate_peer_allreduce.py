@@ -131,6 +131,8 @@ M_TP = [  # the general path's choice (EngineConfig.all_reduce): run against cor
      "device=device, site=2 * layer_id)", "device=device, site=2 * layer_id + 1)"),
     ("tp: the peer record not asked before NonFiniteLogits", pathlib.Path("core/src/lowlat/runtime/step_guard.py"),
      "        if cause is not None:\n            cause()\n", ""),
+    ("tp: a CPU without the interpreter not refused at start", R,
+     "        check_launchable(device, \"all_reduce='peer' (--all-reduce peer) on a CPU\")\n", ""),
     ("tp: the runner never opens the buffers", pathlib.Path("core/src/lowlat/runtime/model_runner.py"),
      "            self.open_peer()\n", ""),
 ]

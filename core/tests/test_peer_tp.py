@@ -49,6 +49,18 @@ def test_the_choice_is_validated_naming_the_field_and_the_values() -> None:
     assert run_cli.engine_config_from_args(parser.parse_args(["run", "--all-reduce", "peer"])).all_reduce == "peer"
 
 
+def test_peer_on_a_cpu_without_the_interpreter_is_refused_at_start(monkeypatch) -> None:
+    from lowlat.kernels import _launch
+    from lowlat.loader import resolve_model
+    from lowlat.runtime.peer_reduce import PeerAllReduce
+
+    monkeypatch.setattr(_launch, "interpreting", lambda kernel: False)
+    with pytest.raises(ValueError, match=r"all_reduce='peer' \(--all-reduce peer\) on a CPU got CPU tensors but "
+                                         "Triton is not in interpreter mode"):
+        PeerAllReduce().open(TPInfo(0, 2), EngineConfig(), resolve_model("tiny-llama"), torch.float32,
+                             torch.device("cpu"))
+
+
 def test_all_reduce_takes_the_peer_for_sites_only_and_falls_back_when_it_declines() -> None:
     seen: list[int] = []
 

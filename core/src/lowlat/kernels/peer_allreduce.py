@@ -94,7 +94,7 @@ class PeerBuffers(Protocol):
     def check(self) -> None: ...
 
 __all__ = ["CTL_FIELDS", "CTL_SIZE", "STAGE_NAMES", "TAG_CYCLE", "TAG_STATE_SIZE", "TIMER_NS", "TIMER_POLLS",
-           "next_tag", "peer_all_reduce", "peer_push", "peer_reduce"]
+           "check_launchable", "next_tag", "peer_all_reduce", "peer_push", "peer_reduce"]
 
 CTL_FIELDS = ("abort", "tag", "rank", "peer", "stage", "tile", "site", "waited")  # the record, in order
 CTL_SIZE = len(CTL_FIELDS)
@@ -217,6 +217,13 @@ def _peer_all_reduce_kernel(
         last_program = drawn == nprog - 1
         tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)
         tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)
+
+
+def check_launchable(device: torch.device, what: str) -> None:
+    """Raise ValueError naming ``what`` when the kernel cannot launch on ``device`` (a CPU without the Triton
+    interpreter), so a caller can refuse at start-up rather than at its first call."""
+    if device.type == "cpu":
+        check_cpu_launch(what, _peer_all_reduce_kernel)
 
 
 def _check_tag(tag: int | None) -> None:

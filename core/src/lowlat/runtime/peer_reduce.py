@@ -26,7 +26,7 @@ import torch
 
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.distributed import TPInfo
-from lowlat.kernels.peer_allreduce import TIMER_NS, TIMER_POLLS, peer_all_reduce
+from lowlat.kernels.peer_allreduce import TIMER_NS, TIMER_POLLS, check_launchable, peer_all_reduce
 from lowlat.runtime.peer_buffers import DEFAULT_DEADLINE_NS, Alloc, PeerBuffers
 
 __all__ = ["CPU_POLLS_PER_S", "PeerAllReduce", "peer_capacity"]
@@ -56,8 +56,10 @@ class PeerAllReduce:
         """Make the group's buffers (a collective: every rank calls it at the same point of its start-up).
 
         Raises:
-            ValueError, PeerExchangeError: as ``PeerBuffers.rendezvous``.
+            ValueError: a CPU without TRITON_INTERPRET=1 (before any collective: every rank has the same
+                environment), or as ``PeerBuffers.rendezvous``. PeerExchangeError: as ``PeerBuffers.rendezvous``.
         """
+        check_launchable(device, "all_reduce='peer' (--all-reduce peer) on a CPU")
         seconds = config.resolved_step_timeout_s / 2
         if device.type == "cuda":
             timer, deadline = TIMER_NS, int(min(seconds * 1e9, DEFAULT_DEADLINE_NS))
