@@ -113,6 +113,14 @@ def test_a_timed_out_call_records_the_device_tag_and_reset_restarts_at_1() -> No
     assert_published(bufs, 1)
 
 
+def test_warm_compiles_alone_and_leaves_the_buffers_untouched() -> None:
+    bufs = make(2)
+    before = [t.clone() for t in (bufs[0].data, bufs[0].flags, bufs[0].ctl, bufs[0].tag_state)]
+    bufs[0].warm()  # simulated peers of its own: no wait on bufs[1]
+    after = (bufs[0].data, bufs[0].flags, bufs[0].ctl, bufs[0].tag_state)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 def test_closed_buffers_are_refused() -> None:
     bufs = make(2)
     bufs[0].close()

@@ -213,12 +213,33 @@ class PeerBuffers:
         try:
             ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)
                     for name, ts in mapped.items()}
-            return cls(rank=tp.rank, world=tp.size, capacity=capacity, dtype=dtype, block=block,
+            bufs = cls(rank=tp.rank, world=tp.size, capacity=capacity, dtype=dtype, block=block,
                        data=mapped["data"][tp.rank], flags=mapped["flags"][tp.rank], ctl=ctl, tag_state=tag_state,
                        data_ptrs=ptrs["data"], flag_ptrs=ptrs["flags"], deadline=deadline, timer=timer, keep=keep)
+            if device.type == "cuda":
+                bufs.warm()
+            return bufs
         except BaseException:
             keep.close()
             raise
+
+    def warm(self) -> None:
+        """Compile the one-launch kernel for these buffers' shapes on this rank alone, with simulated peers of a
+        small capacity on this device (same specialization), so that a rank's first cross-rank call does not
+        spend its peers' deadline compiling. ``rendezvous`` calls it on CUDA. Leaves these buffers untouched.
+
+        Raises:
+            PeerWaitTimeout: the simulated call failed (never expected: every simulated peer pushed first).
+        """
+        from lowlat.kernels.peer_allreduce import peer_all_reduce, peer_push
+
+        cap = self.block + (self.capacity % 16 != 0)  # Triton specializes ints by divisibility by 16 only
+        sim = PeerBuffers.simulated(self.world, cap, self.dtype, device=self.device, block=self.block,
+                                    deadline=self.deadline, timer=self.timer)
+        x = torch.zeros(self.block, dtype=self.dtype, device=self.device)
+        for b in sim[1:]:
+            peer_push(x, b)
+        peer_all_reduce(x, sim[0], check=True)
 
     @property
     def nbytes(self) -> int:
