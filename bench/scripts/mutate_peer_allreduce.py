@@ -1,9 +1,13 @@
 """Mutation pass of the peer all-reduce: break it in one place, run its test file, expect a failure.
 
     python3 bench/scripts/mutate_peer_allreduce.py      # from the repository root (or a worktree's)
+    python3 bench/scripts/mutate_peer_allreduce.py device_tag   # only the groups whose test file names match
 
-Each mutation is applied to the source, core/tests/test_peer_allreduce.py runs under TRITON_INTERPRET=1 with
-this checkout's core/src first on the path (a hang counts as caught after 300 s), and the source is restored.
+Each mutation is applied to the source, its group's test file (core/tests/test_peer_allreduce.py for the kernel's
+protocol and memory order, test_peer_device_tag.py for the device tag, test_peer_xproc.py for the exchange and
+the address tables across processes, test_peer_tp.py for the general path's choice) runs under
+TRITON_INTERPRET=1 with this checkout's core/src first on the path (a hang counts as caught after 300 s), and the
+source is restored.
 Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed. The memory-order
 mutations (no barrier, release before the data, weaker order or scope) change nothing the interpreter computes (it
 runs one program at a time): test_every_flag_release_follows_its_data_and_a_barrier catches them by watching the
@@ -70,7 +74,72 @@ M = [  # (name, file, original text, mutated text)
     ("memory order: acquire at gpu scope", K, 'sem="acquire", scope="sys"', 'sem="acquire", scope="gpu"'),
     ("memory order: relaxed poll", K, 'sem="acquire", scope="sys"', 'sem="relaxed", scope="sys"'),
 ]
-if __name__ == "__main__":  # importing the list (e.g. to check its anchors) runs nothing
+_BUMP = ("        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"
+         "        tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)\n")
+_TAG = "    tag = tl.where(host_tag > 0, host_tag, last % _TAG_CYCLE + 1)"
+M_TAG = [  # the device tag: run against core/tests/test_peer_device_tag.py
+    ("device tag: every program bumps (no ticket)", K, "last_program = drawn == nprog - 1",
+     "last_program = drawn >= 0"),
+    ("device tag: the last program found off by one", K, "last_program = drawn == nprog - 1",
+     "last_program = drawn == nprog"),
+    ("device tag: never advances (the old tag stored back)", K, "tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)",
+     "tl.store(tag_ptr + TAG_LAST, last, mask=last_program)"),
+    ("device tag: ticket never reset", K, _BUMP, "        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"),
+    ("device tag: bumped by program 0 as it starts (the race)", K, _TAG,
+     _TAG + "\n    tl.store(tag_ptr + TAG_LAST, tag, mask=pid == 0)"),
+    ("device tag: no wrap at TAG_CYCLE", K, "last % _TAG_CYCLE + 1", "last + 1"),
+    ("device tag: the host tag ignored", K, "tl.where(host_tag > 0, host_tag,", "tl.where(host_tag < 0, host_tag,"),
+    ("device tag: reset leaves it", H, "        self.flags.zero_()\n        self.tag_state.zero_()\n",
+     "        self.flags.zero_()\n"),
+    ("closed buffers still launch", K, "    if bufs.closed:\n", "    if bufs.closed and False:\n"),
+]
+M_TAG_ORDER = [  # the ticket's memory order: only the sm90 PTX check (core/tests/test_peer_allreduce.py) sees it
+    ("device tag: relaxed ticket", K, 'drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="acq_rel", scope="gpu")',
+     'drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="relaxed", scope="gpu")'),
+]
+X = pathlib.Path("core/src/lowlat/runtime/peer_exchange.py")
+M_XPROC = [  # buffers across processes: run against core/tests/test_peer_xproc.py (spawned ranks)
+    ("tables: this rank's own buffer in every slot", H, "[t.data_ptr() for t in ts]",
+     "[ts[tp.rank].data_ptr() for t in ts]"),
+    ("tables: ranks in reverse order", H, "[t.data_ptr() for t in ts]", "[t.data_ptr() for t in reversed(ts)]"),
+    ("tables: the peers' mappings not kept alive", H, "timer=timer, keep=keep)", "timer=timer, keep=None)"),
+    ("exchange: flags not zeroed after alloc", H, "for t in (own[\"flags\"], ctl, tag_state):",
+     "for t in (ctl, tag_state):"),
+    ("exchange: a peer's file mapped private", X,
+     "t = torch.from_file(path, shared=True, size=nbytes // dtype.itemsize, dtype=dtype)",
+     "t = torch.from_file(path, shared=False, size=nbytes // dtype.itemsize, dtype=dtype)"),
+    ("exchange: this rank keeps its private buffer", X, '    return shared, ("file", path,',
+     '    return t, ("file", path,'),
+    ("exchange: disagreeing ranks not refused", X, "if any(v != values[0] for v in values):", "if False:"),
+    ("exchange: files left in /dev/shm", X, "        keep.unlink()  # every rank has mapped", "        pass  #"),
+    ("exchange: a failed collective not named", X, "except Exception as e:  # gloo", "except KeyError as e:  # gloo"),
+    ("exchange: the TPInfo not checked against the group", X, "    _check_group(tp)\n", ""),
+    ("exchange: an allocation failure kept from the peers", H, "except Exception as e:  # told to the other ranks",
+     "except KeyError as e:  # told to the other ranks"),
+]
+R = pathlib.Path("core/src/lowlat/runtime/peer_reduce.py")
+D = pathlib.Path("core/src/lowlat/distributed.py")
+M_TP = [  # the general path's choice (EngineConfig.all_reduce): run against core/tests/test_peer_tp.py
+    ("tp: the peer never takes a sum", R, "if b is None or not b.fits(x):", "if True:"),
+    ("tp: every size to the peer (no NCCL beyond the buffers)", R, "if b is None or not b.fits(x):",
+     "if b is None:"),
+    ("tp: all_reduce ignores the group's peer", D, "if site is not None and tp.peer is not None:",
+     "if False and tp.peer is not None:"),
+    ("tp: calls without a site take the peer", D, "if site is not None and tp.peer is not None:",
+     "if tp.peer is not None:"),
+    ("tp: o_proj's site is the MLP's", pathlib.Path("core/src/lowlat/models/llama.py"),
+     "device=device, site=2 * layer_id)", "device=device, site=2 * layer_id + 1)"),
+    ("tp: the peer record not asked before NonFiniteLogits", pathlib.Path("core/src/lowlat/runtime/step_guard.py"),
+     "        if cause is not None:\n            cause()\n", ""),
+    ("tp: a CPU without the interpreter not refused at start", R,
+     "        check_launchable(device, \"all_reduce='peer' (--all-reduce peer) on a CPU\")\n", ""),
+    ("tp: the runner never opens the buffers", pathlib.Path("core/src/lowlat/runtime/model_runner.py"),
+     "            self.open_peer()\n", ""),
+]
+GROUPS = [(M + M_TAG_ORDER, "core/tests/test_peer_allreduce.py"), (M_TAG, "core/tests/test_peer_device_tag.py"),
+          (M_XPROC, "core/tests/test_peer_xproc.py"), (M_TP, "core/tests/test_peer_tp.py")]
+if __name__ == "__main__":  # importing the lists (e.g. to check their anchors) runs nothing
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(["core/src", os.environ.get("PYTHONPATH", "")])}
-    sys.exit(mutation_runner.run(M, "core/tests/test_peer_allreduce.py", env))
+    only = sys.argv[1:]  # optional: run only the groups whose test file names contain one of these words
+    sys.exit(max(mutation_runner.run(ms, f, env) for ms, f in GROUPS if not only or any(w in f for w in only)))

@@ -15,7 +15,8 @@ SCRIPTS = sorted((ROOT / "bench" / "scripts").glob("mutate_*.py"))
 
 
 def _mutations(script: Path) -> list[tuple]:
-    """The script's list ``M`` of (name, file, original, mutated), loaded without running the pass."""
+    """The script's mutations (name, file, original, mutated), loaded without running the pass: its list ``M``, or
+    every group's list where it runs groups against several test files (``GROUPS``: [(mutations, test file)])."""
     sys.path.insert(0, str(script.parent))  # the scripts import mutation_runner from their folder
     try:
         spec = importlib.util.spec_from_file_location(script.stem, script)
@@ -23,7 +24,8 @@ def _mutations(script: Path) -> list[tuple]:
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(script.parent))
-    return mod.M
+    groups = getattr(mod, "GROUPS", None)
+    return [m for ms, _ in groups for m in ms] if groups else mod.M
 
 
 def test_the_scripts_are_found() -> None:

@@ -19,12 +19,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from _peer_util import BLOCK, CAP, CPU, DEV, DTYPES, N, guard, inputs, make, rank_order_sum, record
 from lowlat.kernels.peer_allreduce import (
     CTL_FIELDS,
     TAG_CYCLE,
@@ -38,34 +37,6 @@ from lowlat.runtime.peer_buffers import PeerBuffers, PeerWaitTimeout
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (conftest.py)
-CPU = DEV.type == "cpu"
-N, CAP, BLOCK = 40, 64, 16  # 3 tiles, the last one partial; room for 4
-DEADLINE = 25 if CPU else 200_000_000  # polls under the interpreter (~0.1 s here), 0.2 s on a GPU
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def make(world: int, dtype: torch.dtype = torch.float32, deadline: int = DEADLINE, **kw) -> list[PeerBuffers]:
-    return PeerBuffers.simulated(world, CAP, dtype, device=DEV, block=BLOCK, deadline=deadline, **kw)
-
-
-def inputs(world: int, dtype: torch.dtype, seed: int = 0, n: int = N) -> list[torch.Tensor]:
-    """One contribution per rank, magnitudes a factor 4 apart from rank to rank: the float32 sum depends on the
-    order of the additions, so a reduction in another order gives other bits."""
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(n, generator=g) * 4.0 ** r).to(DEV, dtype) for r in range(world)]
-
-
-def rank_order_sum(xs: list[torch.Tensor]) -> torch.Tensor:
-    """(((x0 + x1) + x2) + ...) in float32, cast once to the inputs' dtype. Triton 3.9's interpreter casts
-    float32 -> bf16 by truncation (the GPU and torch round to nearest even), so on CPU bf16 is truncated here too."""
-    acc = torch.zeros(xs[0].shape, dtype=torch.float32, device=DEV)
-    for x in xs:
-        acc = acc + x.float()
-    if CPU and xs[0].dtype == torch.bfloat16:
-        return (acc.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
-    return acc.to(xs[0].dtype)
-
 
 def two_launch_step(bufs: list[PeerBuffers], xs: list[torch.Tensor], tag: int, silent: tuple[int, ...] = ()
                     ) -> list[torch.Tensor]:
@@ -73,31 +44,6 @@ def two_launch_step(bufs: list[PeerBuffers], xs: list[torch.Tensor], tag: int, s
     for b, x in zip(bufs, xs, strict=True):
         peer_push(x, b, tag, publish=b.rank not in silent)
     return [peer_reduce(b, tag, x.numel()) for b, x in zip(bufs, xs, strict=True)]
-
-
-def record(b: PeerBuffers) -> dict[str, int]:
-    return dict(zip(CTL_FIELDS, b.ctl.tolist(), strict=True))
-
-
-@contextmanager
-def guard(bufs: list[PeerBuffers], seconds: float = 30.0) -> Iterator[None]:
-    """Fails the test if a wait ignores its deadline: after ``seconds`` a thread sets every rank's abort word
-    (-1), which stops the interpreted waits, and the test fails instead of hanging. No help on a GPU (the write
-    queues behind the kernel); there the device deadline is the only bound."""
-    fired = threading.Event()
-
-    def stop() -> None:
-        fired.set()
-        for b in bufs:
-            b.ctl[0] = -1
-
-    timer = threading.Timer(seconds, stop)
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-    assert not fired.is_set(), f"a wait ignored its deadline: the test stopped it after {seconds} s"
 
 
 def assert_timed_out(b: PeerBuffers, peer: int, tag: int) -> None:
@@ -352,7 +298,8 @@ def test_cuda_one_launch_ranks_on_concurrent_streams(world: int) -> None:
 def test_kernel_compiles_for_sm90_with_system_scope_release_acquire() -> None:
     """Without a GPU: Triton's compiler and bundled ptxas build the kernel for sm90 (one launch, push alone, reduce
     alone; three dtypes; W = 2, 4, 8; both timers), and its PTX publishes with a system-scope release exchange,
-    polls with a system-scope acquire, orders with bar.sync and reads %globaltimer for the nanosecond deadline."""
+    polls with a system-scope acquire, orders with bar.sync, reads %globaltimer for the nanosecond deadline, and
+    draws the device tag's ticket with an acq_rel add in the launches that end a call (never in a push alone)."""
     pytest.importorskip("triton.backends.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("_sm90_compile_peer.py")
@@ -365,6 +312,9 @@ def test_kernel_compiles_for_sm90_with_system_scope_release_acquire() -> None:
     assert got[("bf16", 2, True, True, 1)] >= {release, acquire, "bar.sync", "%globaltimer", "ld.volatile.global.b64"}
     assert release in got[("fp32", 4, True, False, 1)] and acquire not in got[("fp32", 4, True, False, 1)]
     assert acquire in got[("fp16", 8, False, True, 0)] and "%globaltimer" not in got[("fp16", 8, False, True, 0)]
+    ticket = "atom.global.gpu.acq_rel.add.u32"
+    assert ticket in got[("bf16", 2, True, True, 1)] and ticket in got[("fp16", 8, False, True, 0)]
+    assert ticket not in got[("fp32", 4, True, False, 1)]
 
 
 # -- inputs and allocation -----------------------------------------------------------------------------------
@@ -378,9 +328,10 @@ def test_buffers_are_allocated_through_the_given_allocator() -> None:
         return t
 
     bufs = make(2, torch.float16, alloc=alloc)
-    assert sorted(n for n, _ in seen) == sorted(f"peer_{k}.{r}" for k in ("data", "flags", "ctl") for r in (0, 1))
+    assert sorted(n for n, _ in seen) == sorted(f"peer_{k}.{r}" for k in ("data", "flags", "ctl", "tag")
+                                                 for r in (0, 1))
     data_bytes, flag_bytes = 2 * 2 * CAP * 2, 2 * 4 * 2 * 4  # [2, W, CAP] fp16 and [2, 4 tiles, W] int32
-    assert bufs[0].nbytes == data_bytes + flag_bytes + 8 * 8 + 2 * 2 * 8
+    assert bufs[0].nbytes == data_bytes + flag_bytes + 8 * 8 + 2 * 4 + 2 * 2 * 8  # + record, tag, tables
     assert bufs[0].data_ptrs.tolist() == [b.data.data_ptr() for b in bufs]
     assert bufs[1].flag_ptrs.tolist() == [b.flags.data_ptr() for b in bufs]
     assert bufs[0].fits(torch.zeros(CAP, dtype=torch.float16, device=DEV))
@@ -392,8 +343,8 @@ def test_buffers_are_allocated_through_the_given_allocator() -> None:
     (lambda b: peer_push(torch.zeros(8, dtype=torch.float16, device=DEV), b, 1), "must be torch.float32"),
     (lambda b: peer_push(torch.zeros(CAP + 1, device=DEV), b, 1), "use the NCCL all-reduce"),
     (lambda b: peer_push(torch.zeros(8, 2, device=DEV).t(), b, 1), "must be contiguous"),
-    (lambda b: peer_push(torch.zeros(8, device=DEV), b, 0), "tag must be an int in"),
-    (lambda b: peer_push(torch.zeros(8, device=DEV), b, TAG_CYCLE + 1), "tag must be an int in"),
+    (lambda b: peer_push(torch.zeros(8, device=DEV), b, 0), "or an int in"),
+    (lambda b: peer_push(torch.zeros(8, device=DEV), b, TAG_CYCLE + 1), "or an int in"),
     (lambda b: peer_reduce(b, 1, 8, out=torch.zeros(9, device=DEV)), "expected n = 8"),
     (lambda b: peer_all_reduce(torch.zeros(8, device=DEV), b, 1, out=torch.zeros(4, 2, device=DEV)), "shaped like"),
     (lambda b: PeerBuffers.simulated(1, 8, torch.float32), r"world must be in \[2, 8\]"),

@@ -17,6 +17,8 @@ from lowlat.model_config import SUPPORTED_ARCHITECTURES, ModelConfig  # noqa: F4
 
 # How the general forward may run (EngineConfig.general_impl; lowlat.models.general_impl has the three kinds).
 GENERAL_IMPLS = ("auto", "reference", "fused", "compiled")
+# How the general forward's row-parallel outputs are summed over TP ranks (EngineConfig.all_reduce).
+ALL_REDUCES = ("nccl", "peer")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # The common short names of DTYPES' keys (torch's own aliases among them): accepted wherever a dtype name is.
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "f16": "float16", "fp32": "float32",
@@ -69,7 +71,7 @@ DEFAULT_STEP_TIMEOUT_S = 60.0
 _INT_FIELDS = ("tp_size", "page_size", "max_batch_size", "max_context_len", "max_verify_tokens",
                "chunked_prefill_size", "seed")
 _BOOL_FIELDS = ("cuda_graph", "speculative")
-_STR_FIELDS = ("model", "device", "dtype", "plugin")
+_STR_FIELDS = ("model", "device", "dtype", "plugin", "all_reduce")
 
 
 def _check_types(cfg: EngineConfig) -> None:
@@ -147,6 +149,11 @@ class EngineConfig:
             RoPE + KV write, SiLU-and-mul, decode MoE) or "compiled" (torch.compile of the same pieces, before
             CUDA-graph capture). Why fused on CUDA: it measured fastest of the three on the H200 (llama-3.2-1b
             and qwen3-30b-a3b, every batch 1-8 and VERIFY x6; bench/results/2026-12-01-h200-general-speed).
+        all_reduce: how the general forward sums its row-parallel outputs (o_proj, down_proj, MoE experts) over
+            TP ranks: "nccl" (the default: ``torch.distributed``, NCCL on GPUs, gloo on CPU) or "peer" (the
+            one-shot peer all-reduce, ``lowlat.runtime.peer_reduce``, for steps of at most max_batch_size x
+            max_verify_tokens rows; larger ones still take NCCL). "peer" has not been measured on a machine of
+            two GPUs yet, hence not the default. Ignored at tp_size 1.
     """
 
     model: str = "tiny-llama"
@@ -173,6 +180,7 @@ class EngineConfig:
     strict_max_position: bool = False
     step_timeout_s: float | None = None
     general_impl: str = "auto"
+    all_reduce: str = "nccl"
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -196,6 +204,9 @@ class EngineConfig:
             raise ConfigError("plugin must be 'none', 'auto' or a plugin name")
         if self.general_impl not in GENERAL_IMPLS:
             raise ConfigError(f"general_impl must be one of {', '.join(GENERAL_IMPLS)}, got {self.general_impl!r}")
+        if self.all_reduce not in ALL_REDUCES:
+            raise ConfigError(f"all_reduce must be one of {', '.join(ALL_REDUCES)} (--all-reduce), got "
+                              f"{self.all_reduce!r}")
         if self.speculative_method is not None or self.speculative:
             self._check_speculative()
         if self.step_timeout_s is not None and not 0 < self.step_timeout_s < float("inf"):

@@ -9,7 +9,8 @@ along the last dim with ``all_gather_last_dim``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ class TPInfo:
         rank: this rank, ``0 <= rank < size``.
         size: ranks in the group (1 = no tensor parallelism).
         group: the ``torch.distributed`` ProcessGroup; None means the default (world) group.
+        peer: the group's peer all-reduce, or None (every sum through ``torch.distributed``): a callable
+            ``peer(x, site) -> x summed in place, or None`` (None: ``x`` does not fit, use torch.distributed), e.g.
+            ``lowlat.runtime.peer_reduce.PeerAllReduce``; ``all_reduce`` calls it for the call sites that pass a
+            ``site``. Not part of equality.
 
     Raises:
         ValueError: when size < 1 or rank is outside ``[0, size)``.
@@ -32,6 +37,7 @@ class TPInfo:
     rank: int = 0
     size: int = 1
     group: Any = None
+    peer: Callable[[torch.Tensor, int], torch.Tensor | None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -56,14 +62,21 @@ def _check_initialized(tp: TPInfo) -> None:
         )
 
 
-def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, tp: TPInfo, site: int | None = None) -> torch.Tensor:
     """Sum ``x`` over the TP group, in place. Returns ``x`` (unchanged at size 1).
 
     Args:
         x: any shape and dtype the backend supports; must be contiguous.
+        site: this call site's id (``2 * layer + k``: k = 0 after attention, 1 after the MLP), for the sites that
+            may take the group's peer all-reduce (``TPInfo.peer``; it names the site in its error record); None:
+            always torch.distributed. Every rank must pass the same sites in the same order.
     """
     if tp.size == 1:
         return x
+    if site is not None and tp.peer is not None:
+        y = tp.peer(x, site)
+        if y is not None:
+            return y
     _check_initialized(tp)
     dist.all_reduce(x, op=dist.ReduceOp.SUM, group=tp.group)
     return x

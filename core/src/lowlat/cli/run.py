@@ -14,7 +14,7 @@ from typing import Any
 
 from lowlat.cli.errors import one_line_errors
 from lowlat.cli.spec_args import add_speculative_args, speculative_config
-from lowlat.config import DTYPES, EngineConfig, dtype_name
+from lowlat.config import ALL_REDUCES, DTYPES, EngineConfig, dtype_name
 
 DEFAULT_PROMPT = "The quick brown fox"
 
@@ -52,6 +52,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
                    help="auto (the plugins whose guard passes, those made for this platform first, then by name), "
                         "none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
+    p.add_argument("--all-reduce", choices=ALL_REDUCES, default=d.all_reduce,
+                   help="how the general path sums row-parallel outputs over --tp ranks: nccl (the default; gloo "
+                        "on CPU) or peer (a one-shot all-reduce over peer buffers for DECODE/VERIFY steps; not "
+                        "measured on two GPUs yet)")
     p.add_argument("--step-timeout", type=float, default=None, metavar="S",
                    help="deadline of one step in seconds; a step that misses it stops the engine with an error "
                         "naming the step and the plugin or rank (default: LOWLAT_STEP_TIMEOUT, else 60)")
@@ -92,7 +96,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=resolve_model_path(args.model), device=args.device, dtype=args.dtype, tp_size=args.tp,
         page_size=args.page_size, max_batch_size=args.max_batch_size, max_context_len=args.max_context_len,
         cuda_graph=not args.no_cuda_graph, overlap=False if args.no_overlap else None, seed=args.seed,
-        plugin=args.plugin, step_timeout_s=getattr(args, "step_timeout", None), **speculative_config(args),
+        plugin=args.plugin, step_timeout_s=getattr(args, "step_timeout", None),
+        all_reduce=getattr(args, "all_reduce", "nccl"), **speculative_config(args),
     )
 
 
@@ -209,7 +214,14 @@ def _print_json(engine: Any, prompts: list[str], completions: list[Any]) -> None
     print(json.dumps({"type": "stats", "model": engine.config.model, "by_mode": engine.stats.as_dict(),
                       "by_path": engine.stats.paths_as_dict(),
                       "overlap": getattr(engine, "overlap", None) is not None,
+                      "all_reduce": _all_reduce_stats(engine),
                       "speculative": spec.as_dict(engine) if spec is not None else None}))
+
+
+def _all_reduce_stats(engine: Any) -> dict[str, Any]:
+    """The all-reduce the general path uses, and how many of this rank's sums took the peer buffers."""
+    peer = getattr(engine.runner, "peer", None)
+    return {"mode": engine.config.all_reduce, "peer_sums": peer.calls if peer is not None else 0}
 
 
 def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, texts: bool = True) -> None:

@@ -6,6 +6,7 @@ Layout (one rank's buffers; ``PeerBuffers`` owns them, ``W`` ranks, capacity ``C
     flags [2, T, W]  int32       flags[p, t, s] holds the tag of the last step rank s published tile t for
                                  (T = ceil(C / BLOCK); 0 = never published)
     ctl   [CTL_SIZE] int64       this rank's error record (below); never written by peers
+    tag_state [2] int32          this rank's device tag: [last tag used (0 = none yet), ticket]; local
 
 Each rank's table ``data_ptrs`` / ``flag_ptrs`` (int64 [W], on the device) holds the base address of every
 rank's ``data`` / ``flags`` as seen from this rank (the way torch's symmetric-memory Triton kernels take
@@ -23,6 +24,19 @@ push of step k, which each rank issues after its own reduce of step k - 1), so t
 the other parity while a slow peer still reads step k, and a flag that still holds step k - 1's tag (same parity,
 tag - 2) never equals the tag being waited for. Tags must therefore be consecutive (``next_tag``): 1 .. 2**30,
 then 1 again (2**30 is even, so the parity alternates across the wrap too). One stream per ``PeerBuffers``.
+
+The device tag (the engine's path, and what makes a call capturable in a CUDA graph: no host value changes from
+one replay to the next). A call without a host ``tag`` reads ``tag_state[0]`` (the last tag used) in every
+program and uses ``tag = last % TAG_CYCLE + 1``. The last launch of a call (the one-launch kernel, or the reduce
+of the two-launch mode; a push-only launch never bumps) writes that tag back, through a ticket: each program,
+after a CTA barrier (every thread has read the tag), adds 1 to ``tag_state[1]`` (acq_rel); the program that draws
+``num_programs - 1`` is the last of the launch, so it stores the tag into ``tag_state[0]`` and resets the ticket
+to 0. No program can read the bumped value: the bump happens after every program's ticket, each released after
+its own read. The next call is a later launch on the same stream, so it sees the bump. Rejected: a separate
+bump launch after each call (one more launch, ~1 us, on the path this kernel exists to shorten); bumping in the
+first program of the next call (the other programs of that call would race with it); a host counter (a CUDA
+graph bakes it in). A host ``tag`` (tests) overrides the read and is stored the same way, so device-tagged calls
+continue from it. ``PeerBuffers.reset`` zeroes ``tag_state`` (tags restart at 1 on every rank).
 
 Modes: ``peer_all_reduce`` is one launch (push, then reduce; programs walk the tiles grid-stride and the grid is
 at most the SM count, so every program is resident and every push happens before any program can block).
@@ -74,11 +88,13 @@ class PeerBuffers(Protocol):
     data_ptrs: torch.Tensor
     flag_ptrs: torch.Tensor
     ctl: torch.Tensor
+    tag_state: torch.Tensor
+    closed: bool
 
     def check(self) -> None: ...
 
-__all__ = ["CTL_FIELDS", "CTL_SIZE", "STAGE_NAMES", "TAG_CYCLE", "TIMER_NS", "TIMER_POLLS", "next_tag",
-           "peer_all_reduce", "peer_push", "peer_reduce"]
+__all__ = ["CTL_FIELDS", "CTL_SIZE", "STAGE_NAMES", "TAG_CYCLE", "TAG_STATE_SIZE", "TIMER_NS", "TIMER_POLLS",
+           "check_launchable", "next_tag", "peer_all_reduce", "peer_push", "peer_reduce"]
 
 CTL_FIELDS = ("abort", "tag", "rank", "peer", "stage", "tile", "site", "waited")  # the record, in order
 CTL_SIZE = len(CTL_FIELDS)
@@ -90,6 +106,9 @@ TIMER_POLLS = 0  # deadline counted in polls (the interpreter; a fallback on GPU
 TIMER_NS = 1  # %globaltimer, nanoseconds (CUDA)
 
 TAG_CYCLE = 1 << 30  # tags run 1 .. TAG_CYCLE, then 1 again; 0 means "never published"
+_TAG_CYCLE = tl.constexpr(TAG_CYCLE)  # the kernels' copy (a jit function reads only constexpr globals)
+TAG_LAST, TAG_TICKET = tl.constexpr(0), tl.constexpr(1)  # tag_state: the last tag used, the launch's ticket
+TAG_STATE_SIZE = 2
 
 
 def next_tag(tag: int) -> int:
@@ -147,15 +166,17 @@ def _wait_tile(flag_ptr, tag, ctl_ptr, deadline, rank, tile, site,
     return state == 1
 
 
-@triton.jit(do_not_specialize=["n", "rank", "tag", "deadline", "site", "publish"])
+@triton.jit(do_not_specialize=["n", "rank", "host_tag", "deadline", "site", "publish"])
 def _peer_all_reduce_kernel(
-    x_ptr, out_ptr, data_ptrs, flag_ptrs, ctl_ptr,
-    n, cap, rank, tag, deadline, site, publish,
+    x_ptr, out_ptr, data_ptrs, flag_ptrs, ctl_ptr, tag_ptr,
+    n, cap, rank, host_tag, deadline, site, publish,
     WORLD: tl.constexpr, WPAD: tl.constexpr, BLOCK: tl.constexpr,
     PUSH: tl.constexpr, REDUCE: tl.constexpr, TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    last = tl.load(tag_ptr + TAG_LAST, volatile=True)
+    tag = tl.where(host_tag > 0, host_tag, last % _TAG_CYCLE + 1)  # every program reads before any bump (below)
     n_tiles = tl.cdiv(n, BLOCK)
     cap_tiles = tl.cdiv(cap, BLOCK)
     parity = tag & 1
@@ -190,11 +211,25 @@ def _peer_all_reduce_kernel(
                 tl.store(out_ptr + offs, acc.to(elem), mask=mask)
             else:
                 tl.store(out_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(elem), mask=mask)
+        # The call's last launch: the last program to draw a ticket stores the tag (module docstring).
+        tl.debug_barrier()  # every thread of this program has read the tag
+        drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="acq_rel", scope="gpu")
+        last_program = drawn == nprog - 1
+        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)
+        tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)
 
 
-def _check_tag(tag: int) -> None:
-    if not isinstance(tag, int) or not 1 <= tag <= TAG_CYCLE:
-        raise ValueError(f"tag must be an int in [1, {TAG_CYCLE}] (next_tag gives consecutive tags), got {tag!r}")
+def check_launchable(device: torch.device, what: str) -> None:
+    """Raise ValueError naming ``what`` when the kernel cannot launch on ``device`` (a CPU without the Triton
+    interpreter), so a caller can refuse at start-up rather than at its first call."""
+    if device.type == "cpu":
+        check_cpu_launch(what, _peer_all_reduce_kernel)
+
+
+def _check_tag(tag: int | None) -> None:
+    if tag is not None and (not isinstance(tag, int) or not 1 <= tag <= TAG_CYCLE):
+        raise ValueError(f"tag must be None (the device tag) or an int in [1, {TAG_CYCLE}] (next_tag gives "
+                         f"consecutive tags), got {tag!r}")
 
 
 def _check_input(x: torch.Tensor, bufs: PeerBuffers, what: str) -> None:
@@ -210,9 +245,11 @@ def _check_input(x: torch.Tensor, bufs: PeerBuffers, what: str) -> None:
                          "all-reduce for messages that do not fit (PeerBuffers.fits)")
 
 
-def _launch(bufs: PeerBuffers, x: torch.Tensor | None, out: torch.Tensor | None, tag: int, site: int,
+def _launch(bufs: PeerBuffers, x: torch.Tensor | None, out: torch.Tensor | None, tag: int | None, site: int,
             publish: bool, push: bool, reduce: bool, check: bool = False) -> None:
     """Launch the kernel in one mode; ``check`` then reads the error record (``PeerBuffers.check``, a host sync)."""
+    if bufs.closed:
+        raise RuntimeError("these PeerBuffers are closed (their peers' mappings are released); make new ones")
     _check_tag(tag)
     if not 0 <= site < 2**31:
         raise ValueError(f"site must be in [0, 2**31), got {site}")
@@ -227,8 +264,8 @@ def _launch(bufs: PeerBuffers, x: torch.Tensor | None, out: torch.Tensor | None,
     grid = tiles if not (push and reduce) or bufs.device.type == "cpu" else min(tiles, bufs.max_programs)
     _peer_all_reduce_kernel[(grid,)](
         x if x is not None else out, out if out is not None else x,
-        bufs.data_ptrs, bufs.flag_ptrs, bufs.ctl,
-        n, bufs.capacity, bufs.rank, tag, bufs.deadline, site, int(publish),
+        bufs.data_ptrs, bufs.flag_ptrs, bufs.ctl, bufs.tag_state,
+        n, bufs.capacity, bufs.rank, 0 if tag is None else tag, bufs.deadline, site, int(publish),
         WORLD=bufs.world, WPAD=triton.next_power_of_2(bufs.world), BLOCK=bufs.block,
         PUSH=push, REDUCE=reduce, TIMER=bufs.timer, num_warps=4,
     )
@@ -236,28 +273,32 @@ def _launch(bufs: PeerBuffers, x: torch.Tensor | None, out: torch.Tensor | None,
         bufs.check()
 
 
-def peer_push(x: torch.Tensor, bufs: PeerBuffers, tag: int, *, publish: bool = True) -> None:
+def peer_push(x: torch.Tensor, bufs: PeerBuffers, tag: int | None = None, *, publish: bool = True) -> None:
     """PUSH alone (the first of the two launches): store ``x`` into this rank's slot of every rank's buffer.
 
     Args:
         x: this rank's contribution, any shape, contiguous, ``bufs.dtype`` (bf16/fp16/fp32) on ``bufs.device``,
             at most ``bufs.capacity`` elements (flattened).
-        tag: this call's step tag, in [1, TAG_CYCLE], consecutive across calls (``next_tag``), the same on every
-            rank.
+        tag: None (the engine's way): the device tag, ``bufs.tag_state``'s last tag + 1 (module docstring). Or a
+            host tag, in [1, TAG_CYCLE], consecutive across calls (``next_tag``), the same on every rank (tests);
+            it overrides the device tag, which then continues from it.
         publish: fault injection: False stores the data but never publishes the flags (a rank that never
             arrives), so every rank's reduce times out naming this rank.
     Raises:
         ValueError: bad dtype, device, layout, size or tag; CPU tensors without ``TRITON_INTERPRET=1``.
+        RuntimeError: ``bufs`` is closed.
     """
     _check_input(x, bufs, "x")
     _launch(bufs, x, None, tag, 0, publish, True, False)
 
 
-def peer_reduce(bufs: PeerBuffers, tag: int, n: int, *, out: torch.Tensor | None = None, site: int = 0,
+def peer_reduce(bufs: PeerBuffers, tag: int | None, n: int, *, out: torch.Tensor | None = None, site: int = 0,
                 check: bool = False) -> torch.Tensor:
-    """REDUCE alone (the second launch): wait for every rank's push of ``tag``, then sum in rank order.
+    """REDUCE alone (the second launch): wait for every rank's push of ``tag``, then sum in rank order; with the
+    device tag (``tag=None``) it then advances ``bufs.tag_state`` (the push before it does not).
 
     Args:
+        tag: as ``peer_push`` (the same as the push's).
         n: elements per rank (the pushes' ``x.numel()``).
         out: optional contiguous [n] tensor of ``bufs.dtype`` on ``bufs.device`` to write into.
         site: a caller's id of this all-reduce (e.g. 2 * layer + k, < 2**31), copied into the error record.
@@ -266,7 +307,7 @@ def peer_reduce(bufs: PeerBuffers, tag: int, n: int, *, out: torch.Tensor | None
         ``out`` (or a new [n] tensor): the float32 rank-order sum cast to ``bufs.dtype``; NaN in the tiles whose
         wait gave up (see ``PeerBuffers.check``).
     Raises:
-        ValueError: as ``peer_push``; PeerWaitTimeout: only with ``check=True``.
+        ValueError, RuntimeError: as ``peer_push``; PeerWaitTimeout: only with ``check=True``.
     """
     if out is None:
         out = torch.empty(n, dtype=bufs.dtype, device=bufs.device)
@@ -277,11 +318,13 @@ def peer_reduce(bufs: PeerBuffers, tag: int, n: int, *, out: torch.Tensor | None
     return out
 
 
-def peer_all_reduce(x: torch.Tensor, bufs: PeerBuffers, tag: int, *, out: torch.Tensor | None = None,
+def peer_all_reduce(x: torch.Tensor, bufs: PeerBuffers, tag: int | None = None, *, out: torch.Tensor | None = None,
                     site: int = 0, publish: bool = True, check: bool = False) -> torch.Tensor:
-    """The sum of every rank's ``x`` in one launch (push, then reduce). The GPU mode.
+    """The sum of every rank's ``x`` in one launch (push, then reduce). The GPU mode, and the engine's call: with
+    the default device tag it captures in a CUDA graph and each replay advances the tag on the device.
 
-    Under the interpreter it completes only once every other simulated rank has pushed ``tag`` (``peer_push``).
+    Under the interpreter it completes only once every other simulated rank has pushed ``tag`` (``peer_push``), or
+    once the other processes' ranks have (``PeerBuffers.rendezvous``).
 
     Args:
         x, tag, publish: as ``peer_push``. out, site, check: as ``peer_reduce`` (``out`` may be ``x``: each tile
@@ -290,7 +333,7 @@ def peer_all_reduce(x: torch.Tensor, bufs: PeerBuffers, tag: int, *, out: torch.
         ``out`` (or a new tensor shaped like ``x``): the float32 rank-order sum in ``x``'s dtype, bit-identical on
         every rank; NaN in the tiles whose wait gave up.
     Raises:
-        ValueError: as ``peer_push``; PeerWaitTimeout: only with ``check=True``.
+        ValueError, RuntimeError: as ``peer_push``; PeerWaitTimeout: only with ``check=True``.
     """
     _check_input(x, bufs, "x")
     if out is None:

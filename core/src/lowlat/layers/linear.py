@@ -132,19 +132,22 @@ class MergedColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = all_reduce(x_l @ W_l^T) + b, input dim sharded. x [T, in / tp] -> [T, out] (full on every rank)."""
+    """y = all_reduce(x_l @ W_l^T) + b, input dim sharded. x [T, in / tp] -> [T, out] (full on every rank).
+
+    ``site``: the all-reduce's call-site id (``lowlat.distributed.all_reduce``), None for torch.distributed only.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, tp: TPInfo,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, site: int | None = None) -> None:
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"row-parallel input dim {in_features} is not divisible by tp_size={tp.size}")
-        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.in_features, self.out_features, self.tp, self.site = in_features, out_features, tp, site
         self.weight = _param(out_features, in_features // tp.size, dtype=dtype, device=device)
         self.bias = _param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(F.linear(x, self.weight), self.tp, self.site)
         return y if self.bias is None else y + self.bias
 
     def hf_targets(self, prefix: str) -> dict[str, WeightTarget]:

@@ -151,17 +151,17 @@ class SparseMoeBlock(nn.Module):
     """Router ``gate`` (replicated [E, H]) plus ``experts``. h [T, H] -> [T, H], summed over TP ranks."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, norm_topk_prob: bool, *,
-                 tp: TPInfo, dtype: torch.dtype, device: torch.device) -> None:
+                 tp: TPInfo, dtype: torch.dtype, device: torch.device, site: int | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
-        self.top_k, self.norm_topk_prob, self.tp = top_k, norm_topk_prob, tp
+        self.top_k, self.norm_topk_prob, self.tp, self.site = top_k, norm_topk_prob, tp, site
         self.gate = ReplicatedLinear(hidden, num_experts, dtype=dtype, device=device)
         self.experts = FusedExperts(num_experts, hidden, inter, tp=tp, dtype=dtype, device=device)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(h), self.top_k, self.norm_topk_prob, h.dtype)
-        return all_reduce(self.experts(h, weights, ids), self.tp)
+        return all_reduce(self.experts(h, weights, ids), self.tp, self.site)
 
     def hf_targets(self, prefix: str) -> dict[str, WeightTarget]:
         return {**self.gate.hf_targets(prefix + "gate."), **self.experts.hf_targets(prefix + "experts.")}

@@ -190,7 +190,7 @@ class LayeredForward:
                 elif ops.moe_experts is not None and t * mlp.top_k <= ops.moe_max_pairs:  # decode-sized MoE
                     weights, ids = route(mlp.gate(h), mlp.top_k, mlp.norm_topk_prob, h.dtype)
                     ex = mlp.experts
-                    x = all_reduce(ops.moe_experts(h, ex.w13_weight, ex.w2_weight, weights, ids), mlp.tp)
+                    x = all_reduce(ops.moe_experts(h, ex.w13_weight, ex.w2_weight, weights, ids), mlp.tp, mlp.site)
                 else:  # SparseMoeBlock: router, grouped GEMMs and all-reduce as the reference runs them
                     x = mlp(h)
             norm = m.model.norm

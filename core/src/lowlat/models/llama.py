@@ -31,14 +31,15 @@ class DenseMLP(nn.Module):
     """SwiGLU MLP: x [T, H] -> down(silu(gate(x)) * up(x)) [T, H]; gate_up column parallel, down row parallel.
 
     ``bias`` (Llama's ``mlp_bias``): gate, up and down carry biases (down's is added once, after the all-reduce).
+    ``site``: down_proj's all-reduce call-site id (``2 * layer + 1``; ``lowlat.distributed.all_reduce``).
     """
 
     def __init__(self, hidden: int, inter: int, *, tp: TPInfo, dtype: torch.dtype, device: torch.device,
-                 bias: bool = False) -> None:
+                 bias: bool = False, site: int | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, inter, ("gate_proj", "up_proj"), tp=tp,
                                                        dtype=dtype, device=device, bias=bias)
-        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=tp, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp=tp, dtype=dtype, device=device, site=site)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -60,7 +61,7 @@ class Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads,
                                           bias=c.attention_bias, tp=tp, dtype=dtype, device=device)
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias,
-                                        tp=tp, dtype=dtype, device=device)
+                                        tp=tp, dtype=dtype, device=device, site=2 * layer_id)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, device=device) if c.has_qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, device=device) if c.has_qk_norm else None
 
@@ -170,7 +171,7 @@ class LlamaForCausalLM(nn.Module):
         """The MLP of decoder layer ``layer_id`` (dense here; Qwen3-MoE overrides it)."""
         c = self.config
         return DenseMLP(c.hidden_size, c.intermediate_size, tp=self.tp, dtype=self.dtype, device=self.device,
-                        bias=c.mlp_bias)
+                        bias=c.mlp_bias, site=2 * layer_id + 1)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv_pool: KVPool) -> torch.Tensor:

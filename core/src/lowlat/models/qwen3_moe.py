@@ -31,4 +31,5 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if not c.is_moe_layer(layer_id):
             return super().make_mlp(layer_id)
         return SparseMoeBlock(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
-                              c.norm_topk_prob, tp=self.tp, dtype=self.dtype, device=self.device)
+                              c.norm_topk_prob, tp=self.tp, dtype=self.dtype, device=self.device,
+                              site=2 * layer_id + 1)

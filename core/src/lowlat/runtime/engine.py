@@ -305,11 +305,12 @@ class Engine:
         if is_ids(rows):  # a sampling plugin's ids: -1 flags non-finite logits (step_guard)
             self._sync()
             return checked_picks(packed_ids(rows, self.model_config.vocab_size)[0].tolist(),
-                                 lambda: describe_step(step, self.runner, self._steps_run + 1))
+                                 lambda: describe_step(step, self.runner, self._steps_run + 1), self.runner.check_peer)
         picked = None if step.greedy else sample(rows, [r.params for r in step.sample_reqs],
                                                  [r.generator for r in step.sample_reqs])  # None: argmax
         self._sync()
-        return picks_if_finite(rows, picked, lambda: describe_step(step, self.runner, self._steps_run + 1))
+        return picks_if_finite(rows, picked, lambda: describe_step(step, self.runner, self._steps_run + 1),
+                               self.runner.check_peer)
 
     def _sync(self) -> None:
         """On CUDA with spawned workers, wait for the step while watching the workers (never hang on NCCL)."""

@@ -8,7 +8,9 @@ Start-up order (after SGLang's ModelRunner, python/sglang/srt/model_executor/mod
 2. stream the checkpoint (or the preset's seeded random weights) into it, with a progress bar for
    checkpoints of 1 GiB or more;
 3. ``setup_forward()``: build the plugin, if one was selected, into the runner's Dispatcher (which otherwise
-   sends every step to the general forward); workspaces add to ``self.reserved_bytes``;
+   sends every step to the general forward); workspaces add to ``self.reserved_bytes``; with
+   ``all_reduce="peer"`` at tp_size > 1, ``open_peer()`` makes the peer buffers of the general forward's
+   row-parallel all-reduces (``lowlat.runtime.peer_reduce``; the model was built with them in its TPInfo);
 4. size and allocate the KV pool (``lowlat.runtime.memory``), agreeing on the smallest pool over TP ranks;
 5. capture CUDA graphs (CUDA with ``cuda_graph``): the Dispatcher gives the function of each captured shape.
 
@@ -22,6 +24,7 @@ A failure at any point frees what was allocated before re-raising.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from collections.abc import Callable
@@ -37,6 +40,7 @@ from lowlat.runtime.cuda_graph_runner import CudaGraphRunner
 from lowlat.runtime.dispatch import GENERAL, Dispatcher
 from lowlat.runtime.memory import KVPoolPlan, plan_kv_pool, workspace_budget
 from lowlat.runtime.memory_check import check_start_memory
+from lowlat.runtime.peer_reduce import PeerAllReduce
 from lowlat.runtime.plugin_host.agreed_selection import select_agreed
 from lowlat.runtime.plugin_host.host import PluginHost
 from lowlat.runtime.progress import weights_with_progress
@@ -75,6 +79,8 @@ class ModelRunner:
         last_graphed: whether the latest ``forward`` replayed a graph.
         plugin_host: the plugin's selection and binding (``lowlat.runtime.plugin_host.PluginHost``).
         last_path: "plugin" or "general", the path the latest ``forward`` took (read from the Dispatcher).
+        peer: the general forward's peer all-reduce (``all_reduce="peer"`` at tp_size > 1), else None; ``tp``
+            then carries it (``TPInfo.peer``).
 
     Raises:
         ConfigError / ValueError / WeightLoadError / KVMemoryError: from resolving, loading or sizing.
@@ -103,6 +109,7 @@ class ModelRunner:
         self.dummy_row = -1
         self.plugin_host = PluginHost(None)
         self.dispatcher: Dispatcher | None = None
+        self.peer: PeerAllReduce | None = None
         try:
             self.model_config: ModelConfig = resolve_model(config.model)
             config.check_model(self.model_config)
@@ -112,12 +119,16 @@ class ModelRunner:
             self.plugin_host = select_agreed(config, self.model_config, tp_size=self.tp.size,
                                              group=self.cpu_group)  # the guard, agreed by all ranks: before any load
             check_start_memory(config, self.model_config, self.dtype, device=self.device, tp_size=self.tp.size)
+            if config.all_reduce == "peer" and self.tp.size > 1:
+                self.peer = PeerAllReduce()
+                self.tp = dataclasses.replace(self.tp, peer=self.peer)  # every layer holds this TPInfo
             self.load_model()
             self.num_kv_heads = getattr(self.model, "local_kv_heads", None) or kv_heads_per_rank(
                 self.model_config.num_key_value_heads, self.tp.size)
             self.dispatcher = Dispatcher(general_forward=self.general_forward,
                                          vocab_size=self.model_config.vocab_size)
             self.setup_forward()
+            self.open_peer()
             self.init_kv_pool()
             if config.cuda_graph and self.device.type == "cuda":
                 self.init_cuda_graphs()
@@ -164,6 +175,30 @@ class ModelRunner:
         if dispatcher is not None:
             self.dispatcher = dispatcher
             self.kv_pool_ready.append(self.plugin_host.attach_kv_pool)
+
+    def open_peer(self) -> None:
+        """Make the peer all-reduce's buffers (a collective of the TP group; nothing without ``self.peer``), through
+        an allocator accounted against ``workspace_budget``, before the KV pool is sized."""
+        if self.peer is None:
+            return
+        budget, used = workspace_budget(self.device), 0
+
+        def alloc(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            nonlocal used
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            if used + nbytes > budget:
+                raise ValueError(f"the peer all-reduce's {name} needs {nbytes / 2**20:.1f} MiB but "
+                                 f"{(budget - used) / 2**20:.1f} MiB are left after the weights; lower "
+                                 "max_batch_size or max_verify_tokens, or use all_reduce='nccl'")
+            used += nbytes
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        self.peer.open(self.tp, self.config, self.model_config, self.dtype, self.device, alloc)
+
+    def check_peer(self) -> None:
+        """Raise ``PeerWaitTimeout`` when a peer all-reduce wait of this rank gave up (reads its error record)."""
+        if self.peer is not None:
+            self.peer.check()
 
     def init_kv_pool(self) -> None:
         """Size (``lowlat.runtime.memory.plan_kv_pool``) and allocate the KV pool; reserve its dummy row.
@@ -301,6 +336,8 @@ class ModelRunner:
         self.model = self.general_step = None
         self.plugin_host = PluginHost(None)
         self.dispatcher = None
+        if self.peer is not None:
+            self.peer.close()
         gc.collect()  # plugin objects may hold weights in reference cycles; free them before the next runner
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -262,7 +262,7 @@ class OverlapLoop:
             step = replace(step, requests=reqs, sample_rows=keep, sample_reqs=reqs)
             n = len(out) // 2
             out = [out[i] for i in keep] + [out[n + i] for i in keep]
-        toks = checked_picks(out, lambda: describe_step(step, e.runner, e._steps_run + 1))
+        toks = checked_picks(out, lambda: describe_step(step, e.runner, e._steps_run + 1), e.runner.check_peer)
         if e.logits_observer is not None and f.logits is not None:
             e.logits_observer(step, f.logits)
         finished = e.scheduler.update_decode(step, toks, now)

@@ -1,7 +1,8 @@
 """Peer buffers: one rank's symmetric buffers for the one-shot peer all-reduce, and its error record.
 
 Every rank holds the same-shaped ``data`` [2, W, capacity] (the all-reduce's dtype) and ``flags``
-[2, ceil(capacity / block), W] int32 (zero at the start), plus a local ``ctl`` error record; a table of int64 base
+[2, ceil(capacity / block), W] int32 (zero at the start), plus a local ``ctl`` error record and a local
+``tag_state`` (the device tag: the last tag used and a launch's ticket, int32 [2]); a table of int64 base
 addresses (``data_ptrs``, ``flag_ptrs``, [W], on the device) tells this rank where every rank's buffers are in its
 own address space. The layout and the protocol are in ``lowlat.kernels.peer_allreduce``.
 
@@ -10,13 +11,12 @@ Where the table comes from:
 * ``PeerBuffers.simulated`` (implemented): W ranks' buffers in one process on one device (separate tensors, their
   real addresses in one shared table), one ``PeerBuffers`` per simulated rank. Tests use it on CPU under the
   Triton interpreter; on one GPU it runs the two-launch mode.
-* CUDA across processes (not implemented here: it cannot be run without two GPUs): allocate ``data`` with
-  ``torch.distributed._symmetric_memory.empty`` and ``flags`` as a second symmetric tensor (or the handle's
-  signal pad, sized by ``set_signal_pad_size``), ``handle = rendezvous(tensor, group)`` on every rank, and build
-  the tables from ``handle.buffer_ptrs`` (host list of W addresses, this rank's view; ``buffer_ptrs_dev`` is the
-  same array already on the device). Multicast must stay off: set ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
-  never read ``handle.multicast_ptr``. CUDA IPC handles (``cudaIpcGetMemHandle`` / ``cudaIpcOpenMemHandle``, what
-  vLLM's custom all-reduce exchanges) would give the same table.
+* ``PeerBuffers.rendezvous`` (implemented): one rank per process, every rank of a TP group calls it; the
+  buffers are shared and the peers' mapped through ``lowlat.runtime.peer_exchange`` (CPU: shared-memory files;
+  CUDA: CUDA IPC through torch's tensor sharing, which maps another GPU's memory or, for two processes of one
+  GPU, the same GPU's), and each process builds its own table. Rejected: torch symmetric memory
+  (``torch.distributed._symmetric_memory``): its rendezvous may set up NVLink multicast, which is forbidden on
+  the machines we run on, and it needs CUDA (the CPU tests could not run it).
 
 Accounting: every buffer is allocated through ``alloc(name, shape, dtype)`` (default: a zero-filled tensor on the
 device), so the caller can hand in an accounted workspace allocator; ``nbytes`` is this rank's total. The general
@@ -37,10 +37,13 @@ from collections.abc import Callable, Sequence
 import torch
 import triton
 
-from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TIMER_NS, TIMER_POLLS
+from lowlat.distributed import TPInfo
+from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TAG_STATE_SIZE, TIMER_NS, TIMER_POLLS
 from lowlat.runtime.deadline import StepDeadlineExceeded
+from lowlat.runtime.peer_exchange import PeerExchangeError, exchange
 
-__all__ = ["DEFAULT_BLOCK", "DEFAULT_DEADLINE_NS", "DEFAULT_DEADLINE_POLLS", "PeerBuffers", "PeerWaitTimeout"]
+__all__ = ["DEFAULT_BLOCK", "DEFAULT_DEADLINE_NS", "DEFAULT_DEADLINE_POLLS", "PeerBuffers", "PeerExchangeError",
+           "PeerWaitTimeout"]
 
 DEFAULT_BLOCK = 1024  # elements per tile (one program's work in a loop step, one flag per rank)
 DEFAULT_DEADLINE_NS = 5_000_000_000
@@ -72,6 +75,21 @@ def _check_sizes(world: int, capacity: int, dtype: torch.dtype, block: int) -> N
         raise ValueError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
 
 
+def _timer_and_deadline(device: torch.device, timer: int | None, deadline: int | None) -> tuple[int, int]:
+    if timer is None:
+        timer = TIMER_NS if device.type == "cuda" else TIMER_POLLS
+    if timer not in (TIMER_NS, TIMER_POLLS) or (timer == TIMER_NS and device.type != "cuda"):
+        raise ValueError(f"timer must be TIMER_POLLS, or TIMER_NS on CUDA; got {timer} on {device}")
+    if deadline is None:
+        if timer == TIMER_POLLS and device.type != "cpu":
+            raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline, in polls")
+        deadline = DEFAULT_DEADLINE_NS if timer == TIMER_NS else DEFAULT_DEADLINE_POLLS
+    if not 0 < deadline < 2**62:
+        raise ValueError(f"deadline must be a positive count of {'ns' if timer == TIMER_NS else 'polls'}, "
+                         f"got {deadline}")
+    return timer, int(deadline)
+
+
 def _zeros(device: torch.device) -> Alloc:
     return lambda name, shape, dtype: torch.zeros(shape, dtype=dtype, device=device)
 
@@ -84,33 +102,27 @@ class PeerBuffers:
         capacity: elements per rank a call may reduce at most; dtype: the element dtype; device: where all live.
         block: elements per tile; the same on every rank.
         data: [2, world, capacity] ``dtype``; flags: [2, ceil(capacity / block), world] int32; ctl: [CTL_SIZE]
-            int64, the error record (``lowlat.kernels.peer_allreduce``), local to this rank.
+            int64, the error record (``lowlat.kernels.peer_allreduce``), local to this rank; tag_state:
+            [TAG_STATE_SIZE] int32, the device tag (the last tag used, a launch's ticket), local to this rank.
         data_ptrs, flag_ptrs: int64 [world] on ``device``: every rank's ``data`` / ``flags`` base address.
         timer, deadline: TIMER_NS (CUDA) or TIMER_POLLS, and the wait's bound in that unit.
         max_programs: the one-launch mode's grid bound (the SM count on CUDA).
+        closed: True after ``close``; the launchers then refuse these buffers.
     """
 
     def __init__(self, *, rank: int, world: int, capacity: int, dtype: torch.dtype, block: int,
-                 data: torch.Tensor, flags: torch.Tensor, ctl: torch.Tensor, data_ptrs: torch.Tensor,
-                 flag_ptrs: torch.Tensor, deadline: int | None = None, timer: int | None = None) -> None:
+                 data: torch.Tensor, flags: torch.Tensor, ctl: torch.Tensor, tag_state: torch.Tensor,
+                 data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, deadline: int | None = None,
+                 timer: int | None = None, keep: object = None) -> None:
         _check_sizes(world, capacity, dtype, block)
         if not 0 <= rank < world:
             raise ValueError(f"rank must be in [0, {world}), got {rank}")
         device = data.device
-        if timer is None:
-            timer = TIMER_NS if device.type == "cuda" else TIMER_POLLS
-        if timer not in (TIMER_NS, TIMER_POLLS) or (timer == TIMER_NS and device.type != "cuda"):
-            raise ValueError(f"timer must be TIMER_POLLS, or TIMER_NS on CUDA; got {timer} on {device}")
-        if deadline is None:
-            if timer == TIMER_POLLS and device.type != "cpu":
-                raise ValueError("timer=TIMER_POLLS on a GPU needs an explicit deadline, in polls")
-            deadline = DEFAULT_DEADLINE_NS if timer == TIMER_NS else DEFAULT_DEADLINE_POLLS
-        if not 0 < deadline < 2**62:
-            raise ValueError(f"deadline must be a positive count of {'ns' if timer == TIMER_NS else 'polls'}, "
-                             f"got {deadline}")
+        timer, deadline = _timer_and_deadline(device, timer, deadline)
         tiles = triton.cdiv(capacity, block)
         want = {"data": (data, (2, world, capacity), dtype), "flags": (flags, (2, tiles, world), torch.int32),
-                "ctl": (ctl, (CTL_SIZE,), torch.int64), "data_ptrs": (data_ptrs, (world,), torch.int64),
+                "ctl": (ctl, (CTL_SIZE,), torch.int64), "tag_state": (tag_state, (TAG_STATE_SIZE,), torch.int32),
+                "data_ptrs": (data_ptrs, (world,), torch.int64),
                 "flag_ptrs": (flag_ptrs, (world,), torch.int64)}
         for name, (t, shape, dt) in want.items():
             if tuple(t.shape) != shape or t.dtype != dt or t.device != device or not t.is_contiguous():
@@ -119,7 +131,10 @@ class PeerBuffers:
         self.rank, self.world, self.capacity, self.dtype, self.block = rank, world, capacity, dtype, block
         self.device = device
         self.data, self.flags, self.ctl, self.data_ptrs, self.flag_ptrs = data, flags, ctl, data_ptrs, flag_ptrs
-        self.timer, self.deadline = timer, int(deadline)
+        self.tag_state = tag_state
+        self.closed = False
+        self._keep = keep  # what keeps the peers' buffers mapped (``rendezvous``); released by ``close``
+        self.timer, self.deadline = timer, deadline
         self.max_programs = (torch.cuda.get_device_properties(device).multi_processor_count
                              if device.type == "cuda" else tiles)
 
@@ -146,19 +161,96 @@ class PeerBuffers:
         data = [alloc(f"peer_data.{r}", (2, world, capacity), dtype) for r in range(world)]
         flags = [alloc(f"peer_flags.{r}", (2, tiles, world), torch.int32) for r in range(world)]
         ctls = [alloc(f"peer_ctl.{r}", (CTL_SIZE,), torch.int64) for r in range(world)]
-        for t in flags + ctls:  # the protocol starts from zero flags and an empty record, whatever alloc returned
+        tags = [alloc(f"peer_tag.{r}", (TAG_STATE_SIZE,), torch.int32) for r in range(world)]
+        for t in flags + ctls + tags:  # the protocol starts from zero flags, tags and record, whatever alloc returned
             t.zero_()
         data_ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device=device)
         flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
         return [cls(rank=r, world=world, capacity=capacity, dtype=dtype, block=block, data=data[r], flags=flags[r],
-                    ctl=ctls[r], data_ptrs=data_ptrs, flag_ptrs=flag_ptrs, deadline=deadline, timer=timer)
-                for r in range(world)]
+                    ctl=ctls[r], tag_state=tags[r], data_ptrs=data_ptrs, flag_ptrs=flag_ptrs, deadline=deadline,
+                    timer=timer) for r in range(world)]
+
+    @classmethod
+    def rendezvous(cls, tp: TPInfo, capacity: int, dtype: torch.dtype, *, device: torch.device | str,
+                   alloc: Alloc | None = None, block: int = DEFAULT_BLOCK, deadline: int | None = None,
+                   timer: int | None = None) -> PeerBuffers:
+        """This process's rank of a TP group: its buffers, shared with the group, and every rank's mapped here.
+
+        A collective: every rank of ``tp`` calls it with the same capacity, dtype, block and device type
+        (``lowlat.runtime.peer_exchange`` has the steps and the handles).
+
+        Args:
+            tp: this rank's TPInfo (rank, size 2..8, group); torch.distributed initialized, every rank on one host.
+            capacity: elements per rank (> 0). dtype: bf16, fp16 or fp32. device: this rank's device (CPU, or its
+                CUDA device).
+            alloc: ``alloc(name, shape, dtype) -> tensor`` on ``device`` (names ``peer_data``, ``peer_flags``,
+                ``peer_ctl``, ``peer_tag``), e.g. the accounted workspace allocator; on CPU ``data`` and ``flags``
+                then move into shared memory of the same size (their bytes copied, as ``share_memory_`` does).
+            block, deadline, timer: as ``simulated``.
+        Returns:
+            this rank's ``PeerBuffers``; it keeps the peers' buffers mapped until ``close``.
+        Raises:
+            ValueError: sizes out of range, a bad group, or ranks asking for different buffers (the field named).
+            PeerExchangeError: a rank could not share or map, died or never arrived within the group's timeout.
+        """
+        device = torch.device(device)
+        _check_sizes(tp.size, capacity, dtype, block)
+        timer, deadline = _timer_and_deadline(device, timer, deadline)  # before the exchange: no rank fails alone
+        alloc = alloc or _zeros(device)
+        tiles = triton.cdiv(capacity, block)
+        shapes = {"data": ((2, tp.size, capacity), dtype), "flags": ((2, tiles, tp.size), torch.int32)}
+        own: dict[str, torch.Tensor] | str
+        try:
+            own = {name: alloc(f"peer_{name}", shape, dt) for name, (shape, dt) in shapes.items()}
+            ctl = alloc("peer_ctl", (CTL_SIZE,), torch.int64)
+            tag_state = alloc("peer_tag", (TAG_STATE_SIZE,), torch.int32)
+            for t in (own["flags"], ctl, tag_state):  # the protocol starts from zero, whatever alloc returned
+                t.zero_()
+        except Exception as e:  # told to the other ranks in the exchange, so that every rank fails now
+            own = f"could not allocate its buffers ({type(e).__name__}: {e})"
+        meta = {"world": tp.size, "capacity": capacity, "dtype": str(dtype), "block": block}
+        mapped, keep = exchange(tp, shapes, own, meta)
+        try:
+            ptrs = {name: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=device)
+                    for name, ts in mapped.items()}
+            bufs = cls(rank=tp.rank, world=tp.size, capacity=capacity, dtype=dtype, block=block,
+                       data=mapped["data"][tp.rank], flags=mapped["flags"][tp.rank], ctl=ctl, tag_state=tag_state,
+                       data_ptrs=ptrs["data"], flag_ptrs=ptrs["flags"], deadline=deadline, timer=timer, keep=keep)
+            if device.type == "cuda":
+                bufs.warm()
+            return bufs
+        except BaseException:
+            keep.close()
+            raise
+
+    def warm(self) -> None:
+        """Compile the one-launch kernel for these buffers' shapes on this rank alone, with simulated peers of a
+        small capacity on this device (same specialization), so that a rank's first cross-rank call does not
+        spend its peers' deadline compiling. ``rendezvous`` calls it on CUDA. Leaves these buffers untouched.
+
+        Raises:
+            PeerWaitTimeout: the simulated call failed (never expected: every simulated peer pushed first).
+        """
+        from lowlat.kernels.peer_allreduce import peer_all_reduce, peer_push
+
+        cap = self.block + (self.capacity % 16 != 0)  # Triton specializes ints by divisibility by 16 only
+        sim = PeerBuffers.simulated(self.world, cap, self.dtype, device=self.device, block=self.block,
+                                    deadline=self.deadline, timer=self.timer)
+        x = torch.zeros(self.block, dtype=self.dtype, device=self.device)
+        for b in sim[1:]:
+            peer_push(x, b)
+        peer_all_reduce(x, sim[0], check=True)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this rank's buffers (data, flags, error record; the tables are counted too)."""
-        ts = (self.data, self.flags, self.ctl, self.data_ptrs, self.flag_ptrs)
+        """Bytes of this rank's buffers (data, flags, error record, device tag; the tables are counted too)."""
+        ts = (self.data, self.flags, self.ctl, self.tag_state, self.data_ptrs, self.flag_ptrs)
         return sum(t.numel() * t.element_size() for t in ts)
+
+    @property
+    def last_tag(self) -> int:
+        """The device tag's last value (0 before the first call; a host sync: for tests and reports)."""
+        return int(self.tag_state[0])
 
     def fits(self, x: torch.Tensor) -> bool:
         """True when ``x`` can go through the peer all-reduce (dtype, device, contiguity, size); else use NCCL."""
@@ -198,7 +290,28 @@ class PeerBuffers:
             "PeerBuffers.reset(); this engine is unusable: close it and create a new one", rec)
 
     def reset(self) -> None:
-        """Clear the error record and the flags. Only when no launch is in flight on any rank and
+        """Clear the error record, the flags and the device tag. Only when no launch is in flight on any rank and
         every rank resets before its next call; tags then start again at 1."""
         self.ctl.zero_()
         self.flags.zero_()
+        self.tag_state.zero_()
+
+    def close(self) -> None:
+        """Wait for this rank's launches on the device, then release the peers' mappings (idempotent); the
+        launchers refuse closed buffers. Peers may still store into this rank's buffers: they stay mapped until
+        every process has released them."""
+        if self.closed:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.closed = True
+        self.data_ptrs = self.flag_ptrs = torch.zeros(self.world, dtype=torch.int64, device=self.device)
+        keep, self._keep = self._keep, None
+        if hasattr(keep, "close"):
+            keep.close()
+
+    def __enter__(self) -> PeerBuffers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -20,17 +20,20 @@ class NonFiniteLogits(RuntimeError):
     """A step's logits held NaN or inf (bad weights, a nonsense config value, an overflow); nothing was served."""
 
 
-def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor | None, describe: Callable[[], str]) -> list[int]:
+def picks_if_finite(rows: torch.Tensor, picked: torch.Tensor | None, describe: Callable[[], str],
+                    cause: Callable[[], None] | None = None) -> list[int]:
     """The picked ids as a list, after checking ``rows`` (the sampled logits) are all finite.
 
     Args:
         rows: float logits [R, V] the picks came from; picked: int64 [R] on the same device, or None for greedy
             (argmax, computed with the check).
         describe: says what the step was (mode, tokens, requests, path); called only for the error.
+        cause: called before NonFiniteLogits is raised, to raise a more precise error of its own (e.g.
+            ``ModelRunner.check_peer``: a peer all-reduce that gave up leaves NaN).
     Raises:
         NonFiniteLogits: naming the step, how many rows were bad and the usual causes.
     """
-    return checked_picks(packed_picks(rows, picked).tolist(), describe)
+    return checked_picks(packed_picks(rows, picked).tolist(), describe, cause)
 
 
 def packed_picks(rows: torch.Tensor, picked: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,11 +73,13 @@ def is_ids(out: torch.Tensor) -> bool:
     return out.dim() == 1
 
 
-def checked_picks(out: list[int], describe: Callable[[], str]) -> list[int]:
-    """The ids of a ``packed_picks`` read back as a list. Raises NonFiniteLogits as ``picks_if_finite``."""
+def checked_picks(out: list[int], describe: Callable[[], str], cause: Callable[[], None] | None = None) -> list[int]:
+    """The ids of a ``packed_picks`` read back as a list. Raises as ``picks_if_finite``."""
     n = len(out) // 2
     bad = [i for i, ok in enumerate(out[n:]) if not ok]
     if bad:
+        if cause is not None:
+            cause()
         raise NonFiniteLogits(
             f"the {describe()} produced non-finite logits (NaN or inf; from a sampling plugin: an id of -1 or "
             f"outside the vocabulary) in {len(bad)} of {n} sampled rows (first: row {bad[0]}); the engine stopped "
