@@ -8,8 +8,9 @@ one CUDA graph launching it once per distinct weight copy (more bytes than 4x th
 launch. Stage 1 sweeps (BLOCK_N, split-K) at the production BLOCK_K / warps / stages; stage 2 sweeps BLOCK_K
 and warps around the two best, then stages around the best; the same weights through ``F.linear`` alone (cuBLAS,
 none of the fusions) are timed as a reference. It prints the production plan (``tuned_plans``: the
-measured table, else the heuristic), the best found and the ratio; ``--json`` keeps every candidate's time. Add
-a winner to ``tuned_plans.TUNED`` only from such a run. ``--smoke`` runs a few candidates at tiny shapes on the
+measured table, this GPU's or a same-chip GPU's, else the heuristic), the best found and the ratio; ``--json``
+keeps every candidate's time. Add a winner to ``tuned_plans.TUNED`` only from such a run, with the GPU's
+``MEASURED_ON`` line the first output line prints. ``--smoke`` runs a few candidates at tiny shapes on the
 CPU (``TRITON_INTERPRET=1``) to check the script. The attention's plans: ``tune_attention.py``.
 """
 
@@ -31,7 +32,13 @@ from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import (  # noqa: E402
+    device_chip,
+    device_name,
+    gemm_plan,
+    plan_sources,
+    qkv_plan,
+)
 
 
 @triton.jit
@@ -243,6 +250,9 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows_out = []
+    print(f"device {device_name(dev)}: production plans read the tables of "
+          f"{', '.join(plan_sources(dev)) or 'no GPU (LOWLAT_MEGA_TUNED=0)'}; a new GPU's entries need its "
+          f"MEASURED_ON line: {device_name(dev)!r}: {device_chip(dev)},", flush=True)
     if dev.type == "cuda":
         for pdl in (True, False):
             for programs in (1, 132, 528):
