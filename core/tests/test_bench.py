@@ -208,9 +208,26 @@ def test_cpu_run_is_quiet_truthful_and_writes_into_the_current_directory(tmp_pat
     assert p.returncode == 0, p.stderr
     assert "USDT" not in p.stderr and "profiler_start" not in p.stderr, p.stderr
     assert "CUDA graphs" not in p.stderr and "(eager steps)" in p.stderr, p.stderr
+    assert "no CUDA GPU here" not in p.stderr  # --device cpu: the user said so
     made = [d.name for d in tmp_path.iterdir()]
     assert len(made) == 1 and made[0].startswith("lowlat-bench-"), made
     assert (tmp_path / made[0] / "results.json").is_file()
+
+
+def test_a_gpu_command_run_on_a_cpu_says_so_at_once(tmp_path, capsys, monkeypatch):
+    """--device auto that finds no GPU prints, before the first model loads, that it measures on the CPU (a README
+    GPU command run here by mistake otherwise spends minutes on a 1 B model without a word)."""
+    import torch
+
+    from lowlat.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["bench", "--model", "tiny-llama", "--paths", "general", "--batch-sizes", "1", "--modes", "decode",
+            "--context", "8", "--input-sets", "1", "--warmup", "1", "--iters", "1", "--copy-bytes", str(1 << 20),
+            "--no-plot", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.index("no CUDA GPU here: measuring on the CPU") < err.index("tiny-llama"), err
 
 
 def test_readme_bench_examples_say_where_they_run():

@@ -67,9 +67,13 @@ def test_plugins_table_and_explain(tmp_path):
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
     assert text.count("guard here: pass") == 1 and "(--model is a Qwen3ForCausalLM, not this architecture)" in text
+    # a guard that passes where the plugin is not made for: auto leaves it out, and the row says how to run it
+    assert "guard here: pass (auto leaves it out: made for cuda, not cpu; --plugin nvidia_mega runs it)" in text
+    assert "made for cuda (--plugin auto takes it there only)" in text
     out = lowlat(site, "plugins", "--device", "cpu", "--dtype", "bf16", "--json", env_extra=interp)
     specs = json.loads(out.stdout)["plugins"][0]["specs"]
     assert {s["guard"] for s in specs} == {"not checked"} and "model.head_dim" in specs[0]["not_checked"]
+    assert specs[0]["requirements"]["made_for"] == ["cuda"] and json.loads(out.stdout)["platform_kind"] == "cpu"
     out = lowlat(site, "plugins", "--device", "cpu", "--explain", "Qwen3ForCausalLM", "--dtype", "bfloat16",
                  env_extra={"LOWLAT_PLUGINS": "nvidia_mega", "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr
@@ -89,14 +93,15 @@ def _spec(arch, guard, *failures):
     trace += [{"requirement": r, "status": "fail", "reason": why} for r, why in failures]
     return {"architecture": arch, "coverage": "DECODE", "requirements": {
         "platforms": ["cuda"], "dtypes": ["bfloat16"], "tp_sizes": [1], "page_sizes": "any", "features_required": [],
-        "features_refused": [], "libraries": [], "model": {}}, "guard": guard, "not_checked": [],
+        "features_refused": [], "libraries": [], "model": {}, "made_for": ["cpu"]}, "guard": guard,
+        "not_checked": [],
         "reason": "; ".join(f"{r}: {why}" for r, why in failures) or "ok", "trace": trace}
 
 
 def _table(capsys, *specs):
     from lowlat.cli.plugins import _print_table
 
-    _print_table({"core_version": "0", "platform": "cpu", "model": None, "plugins": [{
+    _print_table({"core_version": "0", "platform": "cpu", "platform_kind": "cpu", "model": None, "plugins": [{
         "name": "p", "distribution": "lowlat-p", "version": "1", "core_range": "(any)", "status": "ok", "error": None,
         "specs": list(specs)}]})
     return " ".join(capsys.readouterr().out.split())

@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if args.device == "auto" and cfg.device == "cpu":  # say so at once: a GPU command run here by mistake is slow
+        log("[bench] no CUDA GPU here: measuring on the CPU (figures check the harness only; plugins need "
+            "TRITON_INTERPRET=1, hf is skipped; a GPU-sized preset takes seconds per step). --device cpu says so "
+            "and silences this line")
     results = run_bench(cfg, out_dir=out, command=command_line(args), plot=not args.no_plot, log=log)
     print_table(results)
     return 0

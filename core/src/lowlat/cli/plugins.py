@@ -9,6 +9,7 @@ from typing import Any
 from lowlat.config import EngineConfig, ModelConfig, dtype_name
 from lowlat.runtime.plugin_host.discovery import PluginRegistry, discover
 from lowlat.runtime.plugin_host.guard import GuardTrace, evaluate
+from lowlat.runtime.plugin_host.selection import made_for
 
 
 def add_parser(sub: Any) -> None:
@@ -18,7 +19,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", help="evaluate model requirements against this checkpoint dir or preset")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", type=dtype_name, default=None,
-                   help="evaluate dtype requirements for this dtype (bf16 etc. accepted; default: skip)")
+                   help="evaluate dtype requirements for this dtype (bf16 etc. accepted; default: auto, as lowlat "
+                        "run computes: float32 on a CPU, the model's dtype on a GPU, not checked without --model)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to evaluate (default 1)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size to evaluate (default 16)")
     p.set_defaults(func=run)
@@ -77,7 +79,7 @@ def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None
             "name": info.name, "distribution": info.distribution, "version": info.version,
             "core_range": info.core_range or "(any)", "status": info.status, "error": info.error, "specs": specs,
         })
-    return {"core_version": registry.core_version, "platform": platform.describe(),
+    return {"core_version": registry.core_version, "platform": platform.describe(), "platform_kind": platform.kind,
             "model": model.architecture if model is not None else None, "plugins": plugins}
 
 
@@ -92,6 +94,7 @@ def _requirements(spec: Any) -> dict[str, Any]:
         "features_refused": sorted(r.features_refused),
         "libraries": [f"{n}{v}" for n, v in r.libraries],
         "model": {k: list(v) for k, v in r.model},
+        "made_for": list(made_for(spec)),
     }
 
 
@@ -128,6 +131,7 @@ def _print_table(report: dict[str, Any]) -> None:
 
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"lowlat {report['core_version']} on {report['platform']}")
+    kind = report["platform_kind"]
     if not report["plugins"]:
         console.print("no plugins installed; pip install 'lowlat[all]'")
         return
@@ -152,6 +156,9 @@ def _print_table(report: dict[str, Any]) -> None:
             if s["guard"] == "fail" and shared:  # only what this architecture adds to the shared reason
                 own = [r for r in s["trace"] if r["status"] == "fail" and r not in shared]
                 guard = "[yellow]fail[/] (as above" + (f"; also {_failures_text(own)}" if own else "") + ")"
+            elif s["guard"] == "pass" and kind not in s["requirements"]["made_for"]:
+                guard = (f"[green]pass[/] (auto leaves it out: made for {'/'.join(s['requirements']['made_for'])}, "
+                         f"not {kind}; --plugin {p['name']} runs it)")
             else:
                 guard = {"pass": "[green]pass[/]", "fail": f"[yellow]fail[/] ({s['reason']})"}.get(s["guard"]) or (
                     f"[yellow]not checked[/]: {_unchecked(s['not_checked'], report.get('model'))}; "
@@ -197,4 +204,5 @@ def _describe_requirements(req: dict[str, Any]) -> str:
     parts += req["libraries"]
     parts += [f"needs {f}" for f in req["features_required"]] + [f"refuses {f}" for f in req["features_refused"]]
     parts += [f"{k} in {v}" for k, v in req["model"].items()]
+    parts.append(f"made for {'/'.join(req['made_for'])} (--plugin auto takes it there only)")
     return "; ".join(parts)
