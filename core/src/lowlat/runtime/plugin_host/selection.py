@@ -92,14 +92,14 @@ def auto_candidates(registry: PluginRegistry, platform: Platform, engine: Engine
             rejections.append(f"{info.name}: made for {', '.join(made_for(spec))}, not {platform.kind}; its guard "
                               f"passes here, so it runs when asked for by name (--plugin {info.name})")
         else:
-            passing.append((info.name, info, spec, trace))
+            passing.append((info, spec, trace))
     for line in rejections:
         log.info("auto: skipped %s", line)
     out = []
-    for i, (_name, info, spec, trace) in enumerate(sorted(passing, key=lambda p: p[0])):
+    for i, (info, spec, trace) in enumerate(passing):  # registry.usable() lists them by name
         why = f"auto: made for {platform.kind} and its guard passes on {platform.describe()}"
         if i == 0 and len(passing) > 1:
-            why += f"; first by name of {', '.join(p[0] for p in sorted(passing, key=lambda p: p[0]))}"
+            why += f"; first by name of {', '.join(p[0].name for p in passing)}"
         out.append(Selection(info, spec, trace, why))
     return out
 
