@@ -66,7 +66,7 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
 )
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import num_sms  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, device_chip, device_name, plan_sources  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, device_name, plan_sources_line  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,8 +322,7 @@ def main() -> None:
     finally:
         if ahead is not None:
             ahead.close()
-    print(f"production plans read the tables of {', '.join(plan_sources(dev)) or 'no GPU (LOWLAT_MEGA_TUNED=0)'}; "
-          f"a new GPU's entries need its MEASURED_ON line: {device_name(dev)!r}: {device_chip(dev)},")
+    print(plan_sources_line(dev))
     print("TUNED_ATTN entries (best faster than production by > 3% on both timings"
           + (", µs per layer of the in-layer chain):" if args.in_layer else "):"))
     for row in rows:

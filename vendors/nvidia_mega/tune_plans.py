@@ -32,13 +32,7 @@ from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import (  # noqa: E402
-    device_chip,
-    device_name,
-    gemm_plan,
-    plan_sources,
-    qkv_plan,
-)
+from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, plan_sources_line, qkv_plan  # noqa: E402
 
 
 @triton.jit
@@ -250,9 +244,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows_out = []
-    print(f"device {device_name(dev)}: production plans read the tables of "
-          f"{', '.join(plan_sources(dev)) or 'no GPU (LOWLAT_MEGA_TUNED=0)'}; a new GPU's entries need its "
-          f"MEASURED_ON line: {device_name(dev)!r}: {device_chip(dev)},", flush=True)
+    print(plan_sources_line(dev), flush=True)
     if dev.type == "cuda":
         for pdl in (True, False):
             for programs in (1, 132, 528):

@@ -38,7 +38,16 @@ import torch
 import triton
 
 from lowlat.distributed import TPInfo
-from lowlat.kernels.peer_allreduce import CTL_FIELDS, CTL_SIZE, STAGE_NAMES, TAG_STATE_SIZE, TIMER_NS, TIMER_POLLS
+from lowlat.kernels.peer_allreduce import (
+    CTL_FIELDS,
+    CTL_SIZE,
+    STAGE_NAMES,
+    TAG_STATE_SIZE,
+    TIMER_NS,
+    TIMER_POLLS,
+    peer_all_reduce,
+    peer_push,
+)
 from lowlat.runtime.deadline import StepDeadlineExceeded
 from lowlat.runtime.peer_exchange import PeerExchangeError, exchange
 
@@ -231,8 +240,6 @@ class PeerBuffers:
         Raises:
             PeerWaitTimeout: the simulated call failed (never expected: every simulated peer pushed first).
         """
-        from lowlat.kernels.peer_allreduce import peer_all_reduce, peer_push
-
         cap = self.block + (self.capacity % 16 != 0)  # Triton specializes ints by divisibility by 16 only
         sim = PeerBuffers.simulated(self.world, cap, self.dtype, device=self.device, block=self.block,
                                     deadline=self.deadline, timer=self.timer)

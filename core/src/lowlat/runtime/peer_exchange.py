@@ -37,7 +37,6 @@ import os
 import secrets
 import socket
 import tempfile
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +47,6 @@ from lowlat.distributed import TPInfo
 __all__ = ["PeerExchangeError", "PeerMappings", "exchange"]
 
 SHM_DIR = "/dev/shm"
-Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 class PeerExchangeError(RuntimeError):

@@ -166,6 +166,13 @@ def plan_sources(device: torch.device) -> tuple[str, ...]:
     return (own, *(n for n, c in MEASURED_ON.items() if n != own and chip is not None and c == chip))
 
 
+def plan_sources_line(device: torch.device) -> str:
+    """One line for the tuning scripts: the tables production reads on ``device`` and its ``MEASURED_ON`` entry."""
+    return (f"device {device_name(device)}: production plans read the tables of "
+            f"{', '.join(plan_sources(device)) or 'no GPU (LOWLAT_MEGA_TUNED=0)'}; a new GPU's entries need its "
+            f"MEASURED_ON line: {device_name(device)!r}: {device_chip(device)},")
+
+
 def _lookup(table: dict, rest: tuple, device: torch.device):  # type: ignore[no-untyped-def,type-arg]
     """``table``'s entry for key ``(source, *rest)`` from the first of ``plan_sources(device)`` that has one."""
     for source in plan_sources(device):
