@@ -26,16 +26,16 @@ _LOADS = ("                for s in tl.static_range(WORLD):\n"
           "                    v = tl.load(own_data + (parity * WORLD + s).to(tl.int64) * cap + offs, mask=mask, "
           "other=0.0)\n                    acc += v.to(tl.float32)\n")
 _LOADS_EARLY = "".join(line[4:] + "\n" for line in _LOADS.splitlines())  # the same loads, one level out
-_WAIT = ("            ready = _wait_tile(own_flags + (parity * cap_tiles + t) * WORLD, tag, ctl_ptr, deadline, rank, "
-         "t, site,\n                               WORLD, WPAD, TIMER)\n")
-_PUSH_DATA = ("            for p in tl.static_range(WORLD):\n"
-              "                peer_data = tl.load(data_ptrs + p).to(tl.pointer_type(elem))\n"
-              "                tl.store(peer_data + (parity * WORLD + rank).to(tl.int64) * cap + offs, v, mask=mask)\n")
-_PUSH_FLAGS = ("            for p in tl.static_range(WORLD):\n"
-               "                peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))\n"
-               "                tl.atomic_xchg(peer_flags + (parity * cap_tiles + t) * WORLD + rank, tag, "
-               "mask=publish != 0,\n                               sem=\"release\", scope=\"sys\")\n")
-_BARRIER = "            tl.debug_barrier()  # every thread's stores of this tile happen before the release below\n"
+_WAIT = ("            ready = wait_tiles(own_flags + (parity * cap_tiles + t) * WORLD, tag, ctl_ptr, deadline, rank, "
+         "t, site, 1,\n                               WORLD, WPAD, TIMER, 1)\n")
+_PUSH_DATA = ("    for p in tl.static_range(WORLD):\n"
+              "        peer_data = tl.load(data_ptrs + p).to(tl.pointer_type(v.dtype))\n"
+              "        tl.store(peer_data + (parity * WORLD + rank).to(tl.int64) * cap + offs, v, mask=mask)\n")
+_PUSH_FLAGS = ("    for p in tl.static_range(WORLD):\n"
+               "        peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))\n"
+               "        tl.atomic_xchg(peer_flags + (parity * cap_tiles + tile) * WORLD + rank, tag, mask=live, "
+               "sem=\"release\",\n                       scope=\"sys\")\n")
+_BARRIER = "    tl.debug_barrier()  # every thread's stores of this tile happen before the release below\n"
 M = [  # (name, file, original text, mutated text)
     ("wrong rank order (sum W-1 .. 0)", K, "(parity * WORLD + s).to(tl.int64)",
      "(parity * WORLD + (WORLD - 1 - s)).to(tl.int64)"),
@@ -44,7 +44,10 @@ M = [  # (name, file, original text, mutated text)
      "            acc = tl.zeros([BLOCK], tl.float32)\n" + _LOADS_EARLY + _WAIT + "            if ready:\n"),
     ("tag compare off by one (the previous tag counts)", K, "live & (seen != tag)", "live & (seen < tag - 1)"),
     ("tag compare: any published tag counts (stale flags)", K, "live & (seen != tag)", "live & (seen == 0)"),
-    ("no parity (one slot for every step)", K, "parity = tag & 1", "parity = tag & 0"),
+    ("no parity (one slot for every step): push", K, "    parity = tag & 1\n    live =",
+     "    parity = tag & 0\n    live ="),
+    ("no parity (one slot for every step): reduce", K, "    parity = tag & 1\n    elem =",
+     "    parity = tag & 0\n    elem ="),
     ("deadline ignored", K, "tl.where(zero + waited > deadline, 3, 0)", "tl.where(zero + waited < 0, 3, 0)"),
     ("deadline doubled", K, "tl.where(zero + waited > deadline, 3, 0)", "tl.where(zero + waited > 2 * deadline, 3, 0)"),
     ("error record not written", K, "first = timed_out & (prev == 0)", "first = timed_out & (prev == -7)"),
@@ -57,10 +60,10 @@ M = [  # (name, file, original text, mutated text)
      "abort = tl.full([], 0, tl.int64)"),
     ("an aborted wait counts as ready", K, "state = tl.where(peer >= WORLD, 1, sig)",
      "state = tl.where(peer >= WORLD, 1, tl.where(sig == 2, 1, sig))"),
-    ("fault injection ignored (publish always)", K, "mask=publish != 0,", "mask=publish != 2,"),
+    ("fault injection ignored (publish always)", K, "+ publish) != 0", "+ publish) != 2"),
     ("push only into this rank's own buffer", K, "peer_data = tl.load(data_ptrs + p)",
      "peer_data = tl.load(data_ptrs + rank)"),
-    ("flag published into the wrong rank's slot", K, "* WORLD + rank, tag,", "* WORLD + p, tag,"),
+    ("flag published into the wrong rank's slot", K, "* WORLD + rank, tag, mask=live", "* WORLD + p, tag, mask=live"),
     ("host check never raises", H, 'if rec["abort"] == 0:', 'if rec["abort"] != -12345:'),
     ("host message names the wrong peer", H, "{rec['peer']}'s push (step tag", "{rec['rank']}'s push (step tag"),
     ("host check on by default (a sync per call)", K,
@@ -69,22 +72,23 @@ M = [  # (name, file, original text, mutated text)
     ("memory order: no CTA barrier before the release", K, _BARRIER, ""),
     ("memory order: flags released before the data", K, _PUSH_DATA + _BARRIER + _PUSH_FLAGS,
      _PUSH_FLAGS + _BARRIER + _PUSH_DATA),
-    ("memory order: relaxed flag store", K, 'sem="release", scope="sys"', 'sem="relaxed", scope="sys"'),
-    ("memory order: release at gpu scope", K, 'sem="release", scope="sys"', 'sem="release", scope="gpu"'),
+    ("memory order: relaxed flag store", K, 'mask=live, sem="release",', 'mask=live, sem="relaxed",'),
+    ("memory order: release at gpu scope", K, 'sem="release",\n                       scope="sys")',
+     'sem="release",\n                       scope="gpu")'),
     ("memory order: acquire at gpu scope", K, 'sem="acquire", scope="sys"', 'sem="acquire", scope="gpu"'),
     ("memory order: relaxed poll", K, 'sem="acquire", scope="sys"', 'sem="relaxed", scope="sys"'),
 ]
-_BUMP = ("        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"
-         "        tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)\n")
-_TAG = "    tag = tl.where(host_tag > 0, host_tag, last % _TAG_CYCLE + 1)"
+_BUMP = ("    tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"
+         "    tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)\n")
+_TAG = "    tag = device_tag(tag_ptr, host_tag)  # every program reads before any bump (below)"
 M_TAG = [  # the device tag: run against core/tests/test_peer_device_tag.py
     ("device tag: every program bumps (no ticket)", K, "last_program = drawn == nprog - 1",
      "last_program = drawn >= 0"),
     ("device tag: the last program found off by one", K, "last_program = drawn == nprog - 1",
      "last_program = drawn == nprog"),
     ("device tag: never advances (the old tag stored back)", K, "tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)",
-     "tl.store(tag_ptr + TAG_LAST, last, mask=last_program)"),
-    ("device tag: ticket never reset", K, _BUMP, "        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"),
+     "tl.store(tag_ptr + TAG_LAST, tag - 1, mask=last_program)"),
+    ("device tag: ticket never reset", K, _BUMP, "    tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)\n"),
     ("device tag: bumped by program 0 as it starts (the race)", K, _TAG,
      _TAG + "\n    tl.store(tag_ptr + TAG_LAST, tag, mask=pid == 0)"),
     ("device tag: no wrap at TAG_CYCLE", K, "last % _TAG_CYCLE + 1", "last + 1"),

@@ -218,7 +218,6 @@ def test_a_gpu_command_run_on_a_cpu_says_so_at_once(tmp_path, capsys, monkeypatc
     """--device auto that finds no GPU prints, before the first model loads, that it measures on the CPU (a README
     GPU command run here by mistake otherwise spends minutes on a 1 B model without a word)."""
     import torch
-
     from lowlat.cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

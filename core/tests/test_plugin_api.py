@@ -20,7 +20,7 @@ VENDOR_NEEDS = ("ModelSpec", "Requirements", "Coverage", "PlatformRequirement", 
 
 
 def test_api_version_is_3():
-    assert api.PLUGIN_API_VERSION == 3
+    assert api.PLUGIN_API_VERSION == 4
 
 
 def test_every_vendor_name_is_importable_from_lowlat_plugin():

@@ -3,10 +3,12 @@ and not, stop strings, logprobs, cancellation freeing KV, overload (503), bad pa
 
 from __future__ import annotations
 
-import httpx
-import openai
 import pytest
-from _serve_util import MODEL, running_server, wait_for
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need lowlat[serve] (httpx, openai, fastapi)")
+openai = pytest.importorskip("openai", reason="the serve tests need lowlat[serve] (httpx, openai, fastapi)")
+pytest.importorskip("fastapi", reason="the serve tests need lowlat[serve] (httpx, openai, fastapi)")
+from _serve_util import MODEL, running_server, wait_for  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlap"])

@@ -6,9 +6,12 @@ import argparse
 import json
 from pathlib import Path
 
-from _serve_util import running_server
-from lowlat.bench.serve_bench import percentiles, ratios, spec_ratios
-from lowlat.cli import bench as bench_cli
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve tests need lowlat[serve] (fastapi, uvicorn)")
+from _serve_util import running_server  # noqa: E402
+from lowlat.bench.serve_bench import percentiles, ratios, spec_ratios  # noqa: E402
+from lowlat.cli import bench as bench_cli  # noqa: E402
 
 TINY = ["--device", "cpu", "--input-len", "8", "--output-len", "4", "--concurrency", "1,2", "--requests", "2",
         "--warmup", "1"]

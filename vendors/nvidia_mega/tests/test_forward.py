@@ -349,8 +349,13 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MEGA_COMPILE_CHECK", "1")  # the test suite's own switch is not refused
     monkeypatch.setenv("LOWLAT_MEGA_PDL", "0")
     build(_binding(mc, torch.float32, params))
-    with pytest.raises(PluginBuildError, match="tp_size=1"):
+    # At TP the parameters must be this rank's shards (the general model's), named with the shape expected
+    with pytest.raises(PluginBuildError, match=r"self_attn.qkv_proj.weight' is \(256, 64\), nvidia_mega expects "
+                                               r"\(128, 64\)"):
         build(_binding(mc, torch.float32, params, tp_size=2))
+    moe = _config("Qwen3MoeForCausalLM")
+    with pytest.raises(PluginBuildError, match="Qwen3MoeForCausalLM at tp_size 1 only"):
+        build(_binding(moe, torch.float32, _params(moe, torch.float32), tp_size=2))
     del params["model.layers.1.self_attn.k_norm.weight"]
     with pytest.raises(PluginBuildError, match="model.layers.1.self_attn.k_norm.weight"):
         build(_binding(mc, torch.float32, params))

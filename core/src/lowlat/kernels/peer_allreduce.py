@@ -94,7 +94,8 @@ class PeerBuffers(Protocol):
     def check(self) -> None: ...
 
 __all__ = ["CTL_FIELDS", "CTL_SIZE", "STAGE_NAMES", "TAG_CYCLE", "TAG_STATE_SIZE", "TIMER_NS", "TIMER_POLLS",
-           "check_launchable", "next_tag", "peer_all_reduce", "peer_push", "peer_reduce"]
+           "check_launchable", "device_tag", "finish_call", "next_tag", "peer_all_reduce", "peer_push", "peer_reduce",
+           "publish_tile", "wait_tiles"]
 
 CTL_FIELDS = ("abort", "tag", "rank", "peer", "stage", "tile", "site", "waited")  # the record, in order
 CTL_SIZE = len(CTL_FIELDS)
@@ -126,24 +127,56 @@ def _clock(TIMER: tl.constexpr):
 
 
 @triton.jit
-def _wait_tile(flag_ptr, tag, ctl_ptr, deadline, rank, tile, site,
-               WORLD: tl.constexpr, WPAD: tl.constexpr, TIMER: tl.constexpr):
-    """Poll ``flag_ptr[0:WORLD]`` (one tile's flags, one per source rank) until all hold ``tag``.
+def device_tag(tag_ptr, host_tag):
+    """The tag of a call: ``host_tag`` when > 0 (tests), else the device tag, ``tag_state[0] % TAG_CYCLE + 1``.
+    Every program of every launch of one call reads it before the call's last launch bumps it (``finish_call``)."""
+    last = tl.load(tag_ptr + TAG_LAST, volatile=True)
+    return tl.where(host_tag > 0, host_tag, last % _TAG_CYCLE + 1)
 
-    Returns 1 when they do, 0 when the deadline passed or the abort word is set. Each thread read the abort word
-    and the clock itself, so the decision goes through a reduction: every thread of the program takes the same one.
+
+@triton.jit
+def publish_tile(v, offs, mask, data_ptrs, flag_ptrs, tag, rank, cap, cap_tiles, tile, publish, WORLD: tl.constexpr):
+    """PUSH of one tile, from any kernel (a GEMM epilogue, say): store ``v`` (any block shape, the buffers' dtype)
+    at element offsets ``offs`` of this rank's slot in every rank's ``data`` (the tag's parity), then a CTA
+    barrier, then release ``tag`` into ``flags[parity, tile, rank]`` of every rank (system scope). ``publish`` = 0
+    stores the data but never the flags (fault injection: a rank that never arrives)."""
+    parity = tag & 1
+    live = (tl.zeros([], tl.int32) + publish) != 0  # a tensor even where the caller's int was specialized to 1
+    for p in tl.static_range(WORLD):
+        peer_data = tl.load(data_ptrs + p).to(tl.pointer_type(v.dtype))
+        tl.store(peer_data + (parity * WORLD + rank).to(tl.int64) * cap + offs, v, mask=mask)
+    tl.debug_barrier()  # every thread's stores of this tile happen before the release below
+    for p in tl.static_range(WORLD):
+        peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(peer_flags + (parity * cap_tiles + tile) * WORLD + rank, tag, mask=live, sem="release",
+                       scope="sys")
+
+
+@triton.jit
+def wait_tiles(flag_ptr, tag, ctl_ptr, deadline, rank, tile, site, live_tiles,
+               WORLD: tl.constexpr, WPAD: tl.constexpr, TIMER: tl.constexpr, NT: tl.constexpr):
+    """Poll the first ``live_tiles`` (<= ``NT``) of ``NT`` consecutive tiles' flags from ``flag_ptr`` (``[NT, WORLD]``
+    int32, one flag per tile and source rank, this rank's own buffer) until all hold ``tag``, bounded by
+    ``deadline`` units of ``TIMER``.
+
+    Returns 1 when they do, 0 when the deadline passed or the abort word is set (then the first wait to give up
+    on this rank writes the error record: ``tile`` is the first of the ``NT``, ``peer`` the first missing rank).
+    Each thread read the abort word and the clock itself, so the decision goes through a reduction: every thread
+    of the program takes the same one. A CTA barrier follows, so the data loads after it are ordered after every
+    thread's acquire.
     """
-    lanes = tl.arange(0, WPAD)
-    live = lanes < WORLD
-    zero = tl.zeros([WPAD], tl.int64)
+    lanes = tl.arange(0, NT * WPAD)
+    live = ((lanes % WPAD) < WORLD) & ((lanes // WPAD) < live_tiles)
+    offs = (lanes // WPAD) * WORLD + lanes % WPAD
+    zero = tl.zeros([NT * WPAD], tl.int64)
     t0 = _clock(TIMER)
     polls = tl.full([], 0, tl.int64)
     waited = tl.full([], 0, tl.int64)
     peer = tl.full([], 0, tl.int32)
     state = tl.full([], 0, tl.int32)  # 0 polling, 1 ready, 2 abort word seen, 3 deadline passed
     while state == 0:
-        seen = tl.atomic_add(flag_ptr + lanes, 0, mask=live, sem="acquire", scope="sys")
-        peer = tl.min(tl.where(live & (seen != tag), lanes, WPAD), axis=0)
+        seen = tl.atomic_add(flag_ptr + offs, 0, mask=live, sem="acquire", scope="sys")
+        peer = tl.min(tl.where(live & (seen != tag), lanes % WPAD, WPAD), axis=0)
         abort = tl.load(ctl_ptr + CTL_ABORT, volatile=True)
         polls += 1
         if TIMER == 1:
@@ -166,6 +199,17 @@ def _wait_tile(flag_ptr, tag, ctl_ptr, deadline, rank, tile, site,
     return state == 1
 
 
+@triton.jit
+def finish_call(tag_ptr, tag, nprog):
+    """End of a call's last launch (the one that reduces): the program that draws the last of ``nprog`` tickets
+    stores ``tag`` as the last tag used and re-arms the ticket (module docstring, "The device tag")."""
+    tl.debug_barrier()  # every thread of this program has read the tag
+    drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="acq_rel", scope="gpu")
+    last_program = drawn == nprog - 1
+    tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)
+    tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)
+
+
 @triton.jit(do_not_specialize=["n", "rank", "host_tag", "deadline", "site", "publish"])
 def _peer_all_reduce_kernel(
     x_ptr, out_ptr, data_ptrs, flag_ptrs, ctl_ptr, tag_ptr,
@@ -175,8 +219,7 @@ def _peer_all_reduce_kernel(
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    last = tl.load(tag_ptr + TAG_LAST, volatile=True)
-    tag = tl.where(host_tag > 0, host_tag, last % _TAG_CYCLE + 1)  # every program reads before any bump (below)
+    tag = device_tag(tag_ptr, host_tag)  # every program reads before any bump (below)
     n_tiles = tl.cdiv(n, BLOCK)
     cap_tiles = tl.cdiv(cap, BLOCK)
     parity = tag & 1
@@ -187,22 +230,15 @@ def _peer_all_reduce_kernel(
             offs = t * BLOCK + cols
             mask = offs < n
             v = tl.load(x_ptr + offs, mask=mask)
-            for p in tl.static_range(WORLD):
-                peer_data = tl.load(data_ptrs + p).to(tl.pointer_type(elem))
-                tl.store(peer_data + (parity * WORLD + rank).to(tl.int64) * cap + offs, v, mask=mask)
-            tl.debug_barrier()  # every thread's stores of this tile happen before the release below
-            for p in tl.static_range(WORLD):
-                peer_flags = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(peer_flags + (parity * cap_tiles + t) * WORLD + rank, tag, mask=publish != 0,
-                               sem="release", scope="sys")
+            publish_tile(v, offs, mask, data_ptrs, flag_ptrs, tag, rank, cap, cap_tiles, t, publish, WORLD)
     if REDUCE:
         own_data = tl.load(data_ptrs + rank).to(tl.pointer_type(elem))
         own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int32))
         for t in tl.range(pid, n_tiles, nprog):
             offs = t * BLOCK + cols
             mask = offs < n
-            ready = _wait_tile(own_flags + (parity * cap_tiles + t) * WORLD, tag, ctl_ptr, deadline, rank, t, site,
-                               WORLD, WPAD, TIMER)
+            ready = wait_tiles(own_flags + (parity * cap_tiles + t) * WORLD, tag, ctl_ptr, deadline, rank, t, site, 1,
+                               WORLD, WPAD, TIMER, 1)
             if ready:
                 acc = tl.zeros([BLOCK], tl.float32)
                 for s in tl.static_range(WORLD):
@@ -211,12 +247,7 @@ def _peer_all_reduce_kernel(
                 tl.store(out_ptr + offs, acc.to(elem), mask=mask)
             else:
                 tl.store(out_ptr + offs, tl.full([BLOCK], float("nan"), tl.float32).to(elem), mask=mask)
-        # The call's last launch: the last program to draw a ticket stores the tag (module docstring).
-        tl.debug_barrier()  # every thread of this program has read the tag
-        drawn = tl.atomic_add(tag_ptr + TAG_TICKET, 1, sem="acq_rel", scope="gpu")
-        last_program = drawn == nprog - 1
-        tl.store(tag_ptr + TAG_LAST, tag, mask=last_program)
-        tl.store(tag_ptr + TAG_TICKET, 0, mask=last_program)
+        finish_call(tag_ptr, tag, nprog)  # the call's last launch (module docstring)
 
 
 def check_launchable(device: torch.device, what: str) -> None:

@@ -1,4 +1,4 @@
-"""The plugin interface (plugin API 3): everything a vendor imports, and nothing host-side.
+"""The plugin interface (plugin API 4): everything a vendor imports, and nothing host-side.
 
 A vendor imports from here only: specs and requirements (``ModelSpec``, ``Requirements``, ``Coverage``,
 ``PlatformRequirement``), the hook marker (``hookimpl``), what ``build`` gets and returns (``PluginBinding``,
@@ -6,7 +6,8 @@ A vendor imports from here only: specs and requirements (``ModelSpec``, ``Requir
 parameter binder (``bind_params``, ``ModelParams``, ``LayerParams``), ``rope_tables``, the runtime types a step
 sees (``ForwardBatch``, ``ForwardMode``, ``KVPool``, ``ModelConfig``, ``EngineConfig``), sampled ids
 (``SamplingCoverage`` in a spec's coverage, ``SamplingInfo`` in a batch, ``sample_ids`` the torch reference)
-and the errors.
+and the errors. Cross-rank tiles for kernels at tp_size > 1 (plugin API 4: ``binding.peer_buffers``) are in
+``lowlat.plugin.peer``.
 Discovery, the guard and selection are ``lowlat.runtime.plugin_host``; the dispatcher ``lowlat.runtime.dispatch``.
 Public names are re-exported here once; the modules beside this file are the implementation.
 """

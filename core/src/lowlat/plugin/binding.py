@@ -13,8 +13,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
+from lowlat.distributed import TPInfo
 from lowlat.errors import KVPoolNotReady, PluginBuildError
 from lowlat.forward_batch import ForwardBatch
+
+PeerFactory = Callable[[int, torch.dtype, int, Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]], Any]
+"""``factory(capacity, dtype, block, alloc) -> PeerBuffers``: the runtime's rendezvous of the TP group
+(``lowlat.runtime.peer_reduce.peer_factory``), handed to the binding at tp_size > 1."""
 
 
 @runtime_checkable
@@ -65,10 +70,12 @@ class PluginBinding:
         model_config, engine_config: the model and engine configurations.
         device, dtype: where and in what dtype the model runs.
         params: the loaded general model's parameters by name (per TP rank; see docs/writing-a-plugin.md).
-        tp_rank, tp_size, tp_group: tensor parallelism (group None at size 1).
+        tp_rank, tp_size, tp_group: tensor parallelism (group None at size 1); ``tp`` the same as a TPInfo.
         checkpoint_tensors: original checkpoint tensors by HF name when the spec sets retain_checkpoint,
             else empty; released right after build.
         workspace_bytes: bytes handed out by ``alloc_workspace`` so far.
+        peers: the PeerBuffers ``peer_buffers`` opened (the runtime checks their error records after each step
+            and closes them with the engine).
     """
 
     def __init__(
@@ -85,6 +92,7 @@ class PluginBinding:
         tp_group: Any = None,
         checkpoint_tensors: dict[str, torch.Tensor] | None = None,
         workspace_budget_bytes: int | None = None,
+        peer_factory: PeerFactory | None = None,
     ) -> None:
         self.plugin = plugin
         self.model_config = model_config
@@ -98,6 +106,53 @@ class PluginBinding:
         self._budget = workspace_budget_bytes
         self._kv_pool: Any = None
         self._kv_callbacks: list[Callable[[Any], None]] = []
+        self._peer_factory = peer_factory
+        self.peers: list[Any] = []
+
+    @property
+    def tp(self) -> TPInfo:
+        """This rank's place in the TP group (``lowlat.distributed.TPInfo``: rank, size, group)."""
+        return TPInfo(rank=self.tp_rank, size=self.tp_size, group=self.tp_group)
+
+    def peer_buffers(self, capacity: int, dtype: torch.dtype, *, block: int = 1024) -> Any:
+        """This rank's peer buffers for cross-rank tiles (plugin API 4): ``lowlat.plugin.peer`` has the layout and
+        the device functions that publish into them and wait on them.
+
+        A collective: every rank's build calls it at the same point, with the same arguments. The buffers are
+        allocated through ``alloc_workspace`` (accounted; names ``peer.peer_data`` etc.), mapped into every rank,
+        and given the engine's wait deadline (half the step deadline, at most 5 s on CUDA). The runtime turns a
+        wait that gave up into ``PeerWaitTimeout`` after the step, naming the rank, the awaited peer and the site,
+        and closes the buffers with the engine.
+
+        Args:
+            capacity: elements per rank one call may publish (e.g. ``rows x hidden_size``); dtype: bf16, fp16 or
+                fp32; block: elements per flag tile of ``peer_all_reduce`` (a power of two; the flags hold
+                ``ceil(capacity / block)`` tiles, which also bounds the tile index a kernel may publish).
+        Returns:
+            a ``PeerBuffers`` (``lowlat.plugin.peer.PeerBuffers`` describes what kernels read of it).
+        Raises:
+            PluginBuildError: at tp_size 1, on a binding the engine did not make (no group to meet), or when the
+                buffers do not fit the workspace budget or a rank could not share or map them (naming it).
+        """
+        if self.tp_size == 1:
+            raise PluginBuildError(f"plugin {self.plugin!r} asked for peer buffers at tp_size 1; they connect TP "
+                                   "ranks: ask only when binding.tp_size > 1")
+        if self._peer_factory is None:
+            raise PluginBuildError(f"plugin {self.plugin!r} asked for peer buffers of a binding without a TP "
+                                   "group's rendezvous; build through an engine (ModelRunner) at tp_size > 1")
+
+        def alloc(name: str, shape: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return self.alloc_workspace(f"peer.{name}", shape, dt)
+
+        try:
+            bufs = self._peer_factory(capacity, dtype, block, alloc)
+        except PluginBuildError:
+            raise
+        except Exception as e:  # ValueError, PeerExchangeError: one message naming the plugin and the cause
+            raise PluginBuildError(f"plugin {self.plugin!r}: peer buffers of {capacity} x {dtype} could not be "
+                                   f"opened on rank {self.tp_rank}: {type(e).__name__}: {e}") from e
+        self.peers.append(bufs)
+        return bufs
 
     def rope_cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The general path's RoPE tables (plugin API 2): see ``lowlat.plugin.rope_tables``.

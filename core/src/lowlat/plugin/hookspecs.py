@@ -17,7 +17,8 @@ import pluggy
 
 PROJECT_NAME = "lowlat"
 ENTRY_POINT_GROUP = "lowlat.plugins"
-PLUGIN_API_VERSION = 3  # 3: lowlat.plugin is the whole vendor API (ReferenceStep, sampled ids); 2: rope_tables
+PLUGIN_API_VERSION = 4  # 4: binding.peer_buffers + lowlat.plugin.peer (TP inside kernels); 3: lowlat.plugin is the
+# whole vendor API (ReferenceStep, sampled ids); 2: rope_tables
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -75,6 +75,9 @@ class Dispatcher:
         self.check_outputs = check_outputs
         self.stats = PathStats()
         self.force_path: Callable[[ForwardBatch], str | None] | None = None  # tests force a path per step
+        # Raises the precise cause of non-finite plugin output when there is one (the plugin's cross-rank waits:
+        # PluginHost.check_peers, plugin API 4), called before the PluginStepError below.
+        self.explain_nonfinite: Callable[[], None] | None = None
         self.last_path: str | None = None
         self.graph_paths: dict[Any, str] = {}
 
@@ -100,8 +103,10 @@ class Dispatcher:
 
     @property
     def samples(self) -> bool:
-        """Whether the installed plugin's coverage declares sampled ids (``Coverage.sampling``)."""
-        return self.coverage is not None and self.coverage.sampling is not None
+        """Whether the installed plugin's coverage declares sampled ids (``Coverage.sampling``), at tp_size 1 only:
+        under TP every rank holds a vocabulary shard of the LM head, so its steps return gathered logits and the
+        engine samples (one rank's ids would come from its shard alone)."""
+        return self.coverage is not None and self.coverage.sampling is not None and self.tp_size == 1
 
     def serves_ids(self, batch: ForwardBatch, path: str = PLUGIN) -> bool:
         """Whether ``path`` returns sampled ids for ``batch``: the plugin path, the batch ``wants_ids`` and the
@@ -203,6 +208,8 @@ class Dispatcher:
         """Raise PluginStepError when an id is -1 (non-finite logits) or outside [0, vocab) (one host sync)."""
         lo, hi = (int(v) for v in torch.stack((out.min(), out.max())).tolist())
         if lo < 0 or hi >= self.vocab_size:
+            if lo == -1 and self.explain_nonfinite is not None:
+                self.explain_nonfinite()
             what = "flagged non-finite logits (id -1)" if lo == -1 else f"returned ids in [{lo}, {hi}]"
             raise PluginStepError(f"plugin {self.plugin!r} {what} for a {_describe(batch)}; ids must lie in "
                                   f"[0, {self.vocab_size}); the engine stopped rather than serve them")
@@ -210,6 +217,8 @@ class Dispatcher:
     def check_finite(self, out: torch.Tensor, batch: ForwardBatch) -> None:
         """Raise PluginStepError when plugin logits hold NaN or inf (one host sync)."""
         if not bool(torch.isfinite(out).all()):
+            if self.explain_nonfinite is not None:
+                self.explain_nonfinite()  # e.g. PeerWaitTimeout naming the rank that never published
             raise PluginStepError(f"plugin {self.plugin!r} returned non-finite logits for a {_describe(batch)}; "
                                   f"the engine stopped rather than serve them")
 

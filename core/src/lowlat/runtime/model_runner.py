@@ -196,9 +196,11 @@ class ModelRunner:
         self.peer.open(self.tp, self.config, self.model_config, self.dtype, self.device, alloc)
 
     def check_peer(self) -> None:
-        """Raise ``PeerWaitTimeout`` when a peer all-reduce wait of this rank gave up (reads its error record)."""
+        """Raise ``PeerWaitTimeout`` when a cross-rank wait of this rank gave up: the general path's peer
+        all-reduce or the plugin's peer buffers (reads their error records)."""
         if self.peer is not None:
             self.peer.check()
+        self.plugin_host.check_peers()
 
     def init_kv_pool(self) -> None:
         """Size (``lowlat.runtime.memory.plan_kv_pool``) and allocate the KV pool; reserve its dummy row.
@@ -334,6 +336,7 @@ class ModelRunner:
         self.kv_pool = None
         self.step_inputs = self.sampling_inputs = None
         self.model = self.general_step = None
+        self.plugin_host.close()
         self.plugin_host = PluginHost(None)
         self.dispatcher = None
         if self.peer is not None:

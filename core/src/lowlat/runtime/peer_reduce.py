@@ -29,7 +29,7 @@ from lowlat.distributed import TPInfo
 from lowlat.kernels.peer_allreduce import TIMER_NS, TIMER_POLLS, check_launchable, peer_all_reduce
 from lowlat.runtime.peer_buffers import DEFAULT_DEADLINE_NS, Alloc, PeerBuffers
 
-__all__ = ["CPU_POLLS_PER_S", "PeerAllReduce", "peer_capacity"]
+__all__ = ["CPU_POLLS_PER_S", "PeerAllReduce", "peer_capacity", "peer_factory", "wait_bound"]
 
 CPU_POLLS_PER_S = 400  # the interpreter's polls per second on a busy 2-core CPU (peer_buffers' docstring)
 
@@ -37,6 +37,31 @@ CPU_POLLS_PER_S = 400  # the interpreter's polls per second on a busy 2-core CPU
 def peer_capacity(config: EngineConfig, model_config: ModelConfig) -> int:
     """Elements per rank the buffers hold: the largest DECODE/VERIFY step's rows x hidden_size."""
     return config.max_batch_size * config.max_verify_tokens * model_config.hidden_size
+
+
+def wait_bound(config: EngineConfig, device: torch.device) -> tuple[int, int]:
+    """(timer, deadline) of every cross-rank wait: half the step deadline (``resolved_step_timeout_s``), at most
+    ``DEFAULT_DEADLINE_NS`` on CUDA (nanoseconds), in interpreter polls on CPU (``CPU_POLLS_PER_S``)."""
+    seconds = config.resolved_step_timeout_s / 2
+    if device.type == "cuda":
+        return TIMER_NS, max(1, int(min(seconds * 1e9, DEFAULT_DEADLINE_NS)))
+    return TIMER_POLLS, max(1, int(seconds * CPU_POLLS_PER_S))
+
+
+def peer_factory(tp: TPInfo, config: EngineConfig, device: torch.device):  # type: ignore[no-untyped-def]
+    """The ``PluginBinding.peer_buffers`` rendezvous of this rank (plugin API 4): ``factory(capacity, dtype, block,
+    alloc) -> PeerBuffers``, with the engine's ``wait_bound``.
+
+    Raises (from the factory): ValueError: a CPU without TRITON_INTERPRET=1, sizes out of range, ranks asking for
+    different buffers. PeerExchangeError: as ``PeerBuffers.rendezvous``.
+    """
+    def factory(capacity: int, dtype: torch.dtype, block: int, alloc: Alloc) -> PeerBuffers:
+        check_launchable(device, "a plugin's peer buffers (tp_size > 1) on a CPU")
+        timer, deadline = wait_bound(config, device)
+        return PeerBuffers.rendezvous(tp, capacity, dtype, device=device, alloc=alloc, block=block,
+                                      deadline=deadline, timer=timer)
+
+    return factory
 
 
 class PeerAllReduce:
@@ -60,13 +85,9 @@ class PeerAllReduce:
                 environment), or as ``PeerBuffers.rendezvous``. PeerExchangeError: as ``PeerBuffers.rendezvous``.
         """
         check_launchable(device, "all_reduce='peer' (--all-reduce peer) on a CPU")
-        seconds = config.resolved_step_timeout_s / 2
-        if device.type == "cuda":
-            timer, deadline = TIMER_NS, int(min(seconds * 1e9, DEFAULT_DEADLINE_NS))
-        else:
-            timer, deadline = TIMER_POLLS, int(seconds * CPU_POLLS_PER_S)
+        timer, deadline = wait_bound(config, device)
         self.bufs = PeerBuffers.rendezvous(tp, peer_capacity(config, model_config), dtype, device=device,
-                                           alloc=alloc, deadline=max(1, deadline), timer=timer)
+                                           alloc=alloc, deadline=deadline, timer=timer)
 
     def __call__(self, x: torch.Tensor, site: int) -> torch.Tensor | None:
         b = self.bufs

@@ -39,13 +39,14 @@ from lowlat_nvidia_mega.kernels.tuned_plans import (
     qkv_plan,
     tuned_switch,
 )
+from lowlat_nvidia_mega.tp import FAULT_ENV, open_tp
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV)  # the user-facing switches (README "Switches")
-TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK",)  # read by the test suite only
+TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK", FAULT_ENV)  # read by the test suite only (FAULT_ENV: fault injection)
 
 
 def check_switches() -> None:
@@ -79,8 +80,8 @@ def build(binding: Any) -> MegaForward:
     Returns:
         a MegaForward; it serves steps once the KV pool is attached.
     Raises:
-        PluginBuildError: unsupported architecture, dtype, TP size or head_dim, a missing / misshapen
-            parameter (the message names it and the fix), a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
+        PluginBuildError: unsupported architecture, dtype, TP size (MoE models: 1 only) or head_dim, a missing /
+            misshapen parameter (the message names it and the fix), a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
             ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` value, or an unknown ``LOWLAT_MEGA_*`` variable
             (``check_switches``).
     """
@@ -90,23 +91,26 @@ def build(binding: Any) -> MegaForward:
         raise PluginBuildError(f"nvidia_mega builds {', '.join(ARCHITECTURES)}, not {mc.architecture}")
     if dt not in DTYPES:
         raise PluginBuildError(f"nvidia_mega runs bfloat16, float16 or float32 models, not {dt}")
-    if binding.tp_size != 1:
-        raise PluginBuildError(f"nvidia_mega runs with tp_size=1, got {binding.tp_size}; use plugin='none' for TP")
+    tp = binding.tp_size
+    if tp != 1 and mc.is_moe:
+        raise PluginBuildError(f"nvidia_mega runs {mc.architecture} at tp_size 1 only (its MoE does not publish "
+                               f"across ranks), got tp_size={tp}; use --tp 1 or --plugin none")
     check_switches()
     d = mc.head_dim
     if d < 32 or d & (d - 1):
         raise PluginBuildError(f"nvidia_mega needs a power-of-two head_dim >= 32, got {d}")
     p = _Params(binding.params, dt, dev)
-    hq, hkv, hid = mc.num_attention_heads, mc.num_key_value_heads, mc.hidden_size
-    layers = [_layer(p, mc, i) for i in range(mc.num_hidden_layers)]
-    embed = p.get("model.embed_tokens.weight", (mc.vocab_size, hid))
+    sh = _Shard(mc, tp)
+    hq, hkv, hid = sh.heads, sh.kv_heads, mc.hidden_size
+    layers = [_layer(p, mc, i, sh) for i in range(mc.num_hidden_layers)]
+    embed = p.get("model.embed_tokens.weight", (sh.vocab, hid))
     tied = mc.tie_word_embeddings and "lm_head.weight" not in binding.params
-    lm_head = embed if tied else p.get("lm_head.weight", (mc.vocab_size, hid))
+    lm_head = embed if tied else p.get("lm_head.weight", (sh.vocab, hid))
     final_norm = p.get("model.norm.weight", (hid,))
 
     sms = num_sms(dev)
     plans = {"qkv": qkv_plan(hq, hkv, d, hid, dt, dev), "o_proj": gemm_plan(hid, hq * d, dt, dev)}
-    dense_inter = mc.intermediate_size
+    dense_inter = sh.inter
     has_dense = any(not lw.is_moe for lw in layers)
     if has_dense:
         plans["gate_up"] = gemm_plan(dense_inter, hid, dt, dev, gated=True)
@@ -132,7 +136,7 @@ def build(binding: Any) -> MegaForward:
         off += n
     attn_plans = {(b, r): attn_plan(b, r, hq, hkv, d, ec.max_context_len, sms, dt, device=dev)
                   for b in range(1, MAX_ROWS + 1) for r in range(1, MAX_ROWS // b + 1)}
-    n_o, n_l = _attention_partials(mc, attn_plans)
+    n_o, n_l = _attention_partials(hq, hkv, d, attn_plans)
     cos, sin = binding.rope_cos_sin()  # plugin API 2: the general path's tables
     cos_ws, sin_ws = alloc("rope_cos", tuple(cos.shape), f32), alloc("rope_sin", tuple(sin.shape), f32)
     cos_ws.copy_(cos)
@@ -147,11 +151,12 @@ def build(binding: Any) -> MegaForward:
         lse_partial=alloc("attn_lse_partial", (n_l,), f32), cos=cos_ws, sin=sin_ws,
         h=alloc("prenorm_h", (MAX_ROWS, hid), dt),
         moe=_moe_workspace(mc, dt, dev, alloc) if mc.is_moe else None,
-        head=_head_workspace(mc, dev, alloc),
+        head=_head_workspace(mc, dev, alloc) if tp == 1 else None,  # at TP the engine samples (core's Dispatcher)
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
                       layers=layers, ws=ws, plans=plans, attn_plans=attn_plans,
-                      prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev))
+                      prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev), heads=(hq, hkv),
+                      tp=open_tp(binding, hid, MAX_ROWS, dt) if tp > 1 else None)
     binding.on_kv_pool_ready(fwd.attach_kv_pool)
     return fwd
 
@@ -174,9 +179,27 @@ class _Params:
         return t if t.is_contiguous() else t.contiguous()
 
 
-def _layer(p: _Params, mc: Any, i: int) -> LayerWeights:
+class _Shard:
+    """This rank's sizes at ``tp`` ranks (the general model's sharding): query heads, KV heads (split, or one
+    replicated head per rank), dense intermediate size and vocabulary rows (``ceil(V / tp)``).
+
+    Raises:
+        PluginBuildError: a size ``tp`` does not divide (the general model refuses these first).
+    """
+
+    def __init__(self, mc: Any, tp: int) -> None:
+        hkv = mc.num_key_value_heads
+        if mc.num_attention_heads % tp or mc.intermediate_size % tp or (hkv % tp and tp % hkv):
+            raise PluginBuildError(f"tp_size={tp} does not divide num_attention_heads={mc.num_attention_heads}, "
+                                   f"intermediate_size={mc.intermediate_size} and num_key_value_heads={hkv}")
+        self.heads, self.inter = mc.num_attention_heads // tp, mc.intermediate_size // tp
+        self.kv_heads = hkv // tp if hkv % tp == 0 else 1
+        self.vocab = -(-mc.vocab_size // tp)
+
+
+def _layer(p: _Params, mc: Any, i: int, sh: _Shard) -> LayerWeights:
     pre, hid, d = f"model.layers.{i}.", mc.hidden_size, mc.head_dim
-    hq, hkv = mc.num_attention_heads, mc.num_key_value_heads
+    hq, hkv = sh.heads, sh.kv_heads
     kw: dict[str, torch.Tensor | None] = {
         "input_norm": p.get(pre + "input_layernorm.weight", (hid,)),
         "qkv": p.get(pre + "self_attn.qkv_proj.weight", ((hq + 2 * hkv) * d, hid)),
@@ -192,16 +215,17 @@ def _layer(p: _Params, mc: Any, i: int) -> LayerWeights:
         kw["w13"] = p.get(pre + "mlp.experts.w13_weight", (e, 2 * inter, hid))
         kw["w2"] = p.get(pre + "mlp.experts.w2_weight", (e, hid, inter))
     else:
-        kw["gate_up"] = p.get(pre + "mlp.gate_up_proj.weight", (2 * mc.intermediate_size, hid))
-        kw["down"] = p.get(pre + "mlp.down_proj.weight", (hid, mc.intermediate_size))
+        kw["gate_up"] = p.get(pre + "mlp.gate_up_proj.weight", (2 * sh.inter, hid))
+        kw["down"] = p.get(pre + "mlp.down_proj.weight", (hid, sh.inter))
     return LayerWeights(**kw)  # type: ignore[arg-type]
 
 
-def _attention_partials(mc: Any, attn_plans: dict[tuple[int, int], AttnPlan]) -> tuple[int, int]:
-    """Largest (o_partial, lse_partial) fp32 sizes over the plans of every (batch, rows per request), B * R <= 8."""
+def _attention_partials(hq: int, hkv: int, d: int, attn_plans: dict[tuple[int, int], AttnPlan]) -> tuple[int, int]:
+    """Largest (o_partial, lse_partial) fp32 sizes over the plans of every (batch, rows per request), B * R <= 8,
+    for this rank's ``hq`` query and ``hkv`` KV heads of ``d``."""
     n_o = n_l = 1
     for (b, r), plan in attn_plans.items():
-        o, lse = partial_numel(b, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, r, plan)
+        o, lse = partial_numel(b, hq, hkv, d, r, plan)
         n_o, n_l = max(n_o, o), max(n_l, lse)
     return n_o, n_l
 

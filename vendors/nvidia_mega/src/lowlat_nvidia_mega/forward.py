@@ -14,6 +14,10 @@ shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row
 forces every 2-8-row step / none) the input norms of qkv_rope and gate_up run as ``kernels.norm_rows`` launches
 into ``Workspaces.h`` and those GEMMs skip their norm prologue.
 
+At tp_size > 1 (dense models; ``lowlat_nvidia_mega.tp``) o_proj and down publish their tiles to every rank from
+their epilogues and ``kernels.tp_reduce.reduce_rows`` sums them in rank order, adds the residual and runs the next
+input norm; the embedding and the LM head are vocabulary-parallel.
+
 A Qwen3-MoE layer replaces gate_up/down by ``kernels.moe.moe_forward`` (norm + routing + experts + residual).
 The step ends with ``kernels.lm_head.lm_head_logits`` (final norm + LM head, float32 logits), or, when the batch
 ``wants_ids`` (plugin API 3), with ``kernels.lm_head.lm_head_sample``: the same pass over the LM head fused with
@@ -31,13 +35,15 @@ import torch
 from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention
-from lowlat_nvidia_mega.kernels.gemv import gemm
+from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import moe_forward
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
+from lowlat_nvidia_mega.kernels.tp_reduce import reduce_rows
+from lowlat_nvidia_mega.tp import MegaTP
 
 MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
 
@@ -108,13 +114,17 @@ class MegaForward:
             (``tuned_plans.attn_plan`` at build; the attention workspaces are sized for all of them).
         prenorm_max_rows: steps of 2 to this many rows are prenorm steps when ``LOWLAT_MEGA_PRENORM`` is unset
             (``tuned_plans.prenorm_rows`` at build; 0: none).
+        heads: (query heads, KV heads) of this rank (the config's at tp_size 1).
+        tp: this rank's MegaTP at tp_size > 1 (dense models), else None.
     """
 
     def __init__(self, *, config: ModelConfig, device: torch.device, dtype: torch.dtype, embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, layers: list[LayerWeights], ws: Workspaces,
                  plans: dict[str, GemmPlan], attn_plans: dict[tuple[int, int], AttnPlan],
-                 prenorm_max_rows: int = 0) -> None:
+                 prenorm_max_rows: int = 0, heads: tuple[int, int] | None = None, tp: MegaTP | None = None) -> None:
         self.config, self.device, self.dtype = config, device, dtype
+        self.heads = heads or (config.num_attention_heads, config.num_key_value_heads)
+        self.tp = tp
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
         self.layers, self.ws, self.plans = layers, ws, plans
         self.attn_plans, self.prenorm_max_rows = attn_plans, prenorm_max_rows
@@ -131,7 +141,7 @@ class MegaForward:
             ValueError: when the pool's layers, KV heads, head_dim, dtype or device do not match the model.
         """
         c = self.config
-        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype, self.device.type)
+        want = (c.num_hidden_layers, self.heads[1], c.head_dim, self.dtype, self.device.type)
         got = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype, kv_pool.device.type)
         if want != got:
             raise ValueError(f"KV pool has (layers, kv heads, head_dim, dtype, device) = {got}; nvidia_mega was built "
@@ -175,43 +185,80 @@ class MegaForward:
                 f"{batch.num_tokens} tokens for {batch.batch_size} requests: route it to the general path"
             )
         assert self.k_buffers is not None and self.v_buffers is not None and self.req_to_token is not None
-        c, ws, plans = self.config, self.ws, self.plans
-        use_pdl = pdl_enabled(self.device)
-        t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
-        rows = t // b
-        attn_plan = self.attn_plans[(b, rows)]
-        x, q, attn = ws.x[:t], ws.q[:t], ws.attn[:t]
+        ws, use_pdl = self.ws, pdl_enabled(self.device)
+        t = int(batch.input_ids.shape[0])
+        x = ws.x[:t]
+        if self.tp is not None:
+            self._layers_tp(batch, x, use_pdl)
+            logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
+            return self.tp.gather_logits(lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits,
+                                                        pdl=use_pdl))
         h = self._prenorm_rows(t)
         torch.index_select(self.embed, 0, batch.input_ids, out=x)
         for i, lw in enumerate(self.layers):
             qkv_in, qkv_norm = self._gemm_input(x, lw.input_norm, h, use_pdl)
-            qkv_rope(qkv_in, qkv_norm, lw.qkv, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                     q_norm=lw.q_norm, k_norm=lw.k_norm, cos=ws.cos, sin=ws.sin, positions=batch.positions,
-                     out_cache_loc=batch.out_cache_loc, q_out=q, k_buffer=self.k_buffers[i],
-                     v_buffer=self.v_buffers[i], eps=self.eps, plan=plans["qkv"], workspace=ws.qkv_ws,
-                     counters=ws.counters["qkv"], use_pdl=use_pdl)
-            paged_decode_attention(q, self.k_buffers[i], self.v_buffers[i], self.req_to_token,
-                                   batch.req_pool_indices, batch.seq_lens, attn, rows_per_req=rows,
-                                   sm_scale=self.sm_scale, plan=attn_plan, o_partial=ws.o_partial,
-                                   lse_partial=ws.lse_partial, use_pdl=use_pdl)
-            gemm(attn, lw.o_proj, x, plan=plans["o_proj"], epilogue="residual", residual=x,
+            self._attention(batch, i, lw, qkv_in, qkv_norm, use_pdl)
+            gemm(ws.attn[:t], lw.o_proj, x, plan=self.plans["o_proj"], epilogue="residual", residual=x,
                  workspace=ws.gemm_ws, counters=ws.counters["o_proj"], use_pdl=use_pdl)
             if lw.is_moe:
                 self._moe(x, lw, use_pdl)
             else:
-                assert lw.gate_up is not None and lw.down is not None and ws.act is not None
-                act = ws.act[:t]
                 gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)
-                gemm(gu_in, lw.gate_up, act, plan=plans["gate_up"], epilogue="silu_mul", norm_weight=gu_norm,
-                     eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
-                gemm(act, lw.down, x, plan=plans["down"], epilogue="residual", residual=x,
-                     workspace=ws.gemm_ws, counters=ws.counters["down"], use_pdl=use_pdl)
+                self._mlp(lw, gu_in, gu_norm, x, use_pdl, epilogue="residual")
         # A fresh output per step (inside a CUDA graph it comes from the graph's pool), so logits or ids a caller
         # keeps are never overwritten by the next step.
         if batch.wants_ids:
             return self._sample(x, batch, use_pdl)
         logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
         return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl)
+
+    def _attention(self, batch: ForwardBatch, i: int, lw: LayerWeights, qkv_in: torch.Tensor,
+                   qkv_norm: torch.Tensor | None, use_pdl: bool) -> None:
+        """qkv_rope (this layer's K/V written at ``out_cache_loc``) then paged attention into ``ws.attn``."""
+        ws = self.ws
+        t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
+        assert self.k_buffers is not None and self.v_buffers is not None
+        qkv_rope(qkv_in, qkv_norm, lw.qkv, num_heads=self.heads[0], num_kv_heads=self.heads[1], q_norm=lw.q_norm,
+                 k_norm=lw.k_norm, cos=ws.cos, sin=ws.sin, positions=batch.positions,
+                 out_cache_loc=batch.out_cache_loc, q_out=ws.q[:t], k_buffer=self.k_buffers[i],
+                 v_buffer=self.v_buffers[i], eps=self.eps, plan=self.plans["qkv"], workspace=ws.qkv_ws,
+                 counters=ws.counters["qkv"], use_pdl=use_pdl)
+        paged_decode_attention(ws.q[:t], self.k_buffers[i], self.v_buffers[i], self.req_to_token,
+                               batch.req_pool_indices, batch.seq_lens, ws.attn[:t], rows_per_req=t // b,
+                               sm_scale=self.sm_scale, plan=self.attn_plans[(b, t // b)], o_partial=ws.o_partial,
+                               lse_partial=ws.lse_partial, use_pdl=use_pdl)
+
+    def _mlp(self, lw: LayerWeights, gu_in: torch.Tensor, gu_norm: torch.Tensor | None, x: torch.Tensor,
+             use_pdl: bool, epilogue: str) -> None:
+        """gate_up (SwiGLU epilogue) into ``ws.act``, then down with ``epilogue`` ("residual": x += act @ Wd^T in
+        place; "publish": the partial goes to every rank, ``self.tp``)."""
+        ws, t = self.ws, x.shape[0]
+        assert lw.gate_up is not None and lw.down is not None and ws.act is not None
+        act = ws.act[:t]
+        gemm(gu_in, lw.gate_up, act, plan=self.plans["gate_up"], epilogue="silu_mul", norm_weight=gu_norm,
+             eps=self.eps, workspace=ws.gemm_ws, counters=ws.counters["gate_up"], use_pdl=use_pdl)
+        gemm(act, lw.down, x, plan=self.plans["down"], epilogue=epilogue,
+             residual=x if epilogue == "residual" else None, workspace=ws.gemm_ws, counters=ws.counters["down"],
+             use_pdl=use_pdl, peer=self.tp.target if epilogue == "publish" and self.tp is not None else None)
+
+    def _layers_tp(self, batch: ForwardBatch, x: torch.Tensor, use_pdl: bool) -> None:
+        """The decoder layers at tp_size > 1 (``lowlat_nvidia_mega.tp``): x [T, H] ends as the residual stream
+        after the last layer, equal on every rank."""
+        tp, ws, plans, t = self.tp, self.ws, self.plans, x.shape[0]
+        assert tp is not None
+        n_layers = len(self.layers)
+        tp.embed(self.embed, batch.input_ids, x, site=2 * n_layers)
+        h = ws.h[:t]
+        for i, lw in enumerate(self.layers):
+            self._attention(batch, i, lw, x if i == 0 else h, lw.input_norm if i == 0 else None, use_pdl)
+            gemm(ws.attn[:t], lw.o_proj, x, plan=plans["o_proj"], epilogue="publish", workspace=ws.gemm_ws,
+                 counters=ws.counters["o_proj"], use_pdl=use_pdl, peer=tp.target)
+            reduce_rows(tp.target, x, tile_n=publish_tile_n(plans["o_proj"], t), site=2 * i,
+                        norm_weight=lw.post_norm, h=h, eps=self.eps, use_pdl=use_pdl)
+            self._mlp(lw, h, None, x, use_pdl, epilogue="publish")
+            nxt = self.layers[i + 1].input_norm if i + 1 < n_layers else None
+            reduce_rows(tp.target, x, tile_n=publish_tile_n(plans["down"], t), site=2 * i + 1, norm_weight=nxt,
+                        h=h if nxt is not None else None, eps=self.eps, use_pdl=use_pdl)
 
     def _prenorm_rows(self, t: int) -> torch.Tensor | None:
         """The [t, H] buffer of a prenorm step (each input norm in its own ``norm_rows`` launch, the GEMM after it

@@ -15,10 +15,12 @@ from typing import Any
 import torch
 
 from lowlat.config import EngineConfig, ModelConfig
+from lowlat.distributed import TPInfo
 from lowlat.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
 from lowlat.platform import Platform, detect_platform
 from lowlat.plugin.binding import PluginBinding, PluginForward
 from lowlat.runtime.dispatch import Dispatcher
+from lowlat.runtime.peer_reduce import peer_factory
 from lowlat.runtime.plugin_host.agreement import agree_build, build_failure_text
 from lowlat.runtime.plugin_host.discovery import discover, load_callable
 from lowlat.runtime.plugin_host.param_guard import changed, fingerprint
@@ -135,6 +137,7 @@ class PluginHost:
                                   group=agree_group if agree_group is not None else tp_group)
             if reports is None:
                 return self.dispatcher
+            self.close()
             self.binding, self.dispatcher = None, None
             text = build_failure_text(sel.plugin.name, reports)
             if explicit or any(r["fatal"] for r in reports):  # an explicit request, or the model is corrupted
@@ -159,8 +162,8 @@ class PluginHost:
         self.binding = PluginBinding(
             plugin=name, model_config=model_config, engine_config=engine, device=device, dtype=dtype,
             params=dict(model.named_parameters(remove_duplicate=False)), tp_rank=tp_rank, tp_size=tp_size,
-            tp_group=tp_group,
-            checkpoint_tensors=self._retained, workspace_budget_bytes=workspace_budget_bytes)
+            tp_group=tp_group, checkpoint_tensors=self._retained, workspace_budget_bytes=workspace_budget_bytes,
+            peer_factory=peer_factory(TPInfo(tp_rank, tp_size, tp_group), engine, device) if tp_size > 1 else None)
         before = fingerprint(self.binding.params)
         try:
             if spec.check_model:
@@ -186,6 +189,8 @@ class PluginHost:
         self.dispatcher = Dispatcher(plugin=name, coverage=spec.coverage, plugin_forward=forward,
                                      general_forward=general_forward, vocab_size=model_config.vocab_size,
                                      tp_size=tp_size, tp_group=agree_group if agree_group is not None else tp_group)
+        if self.binding.peers:
+            self.dispatcher.explain_nonfinite = self.check_peers
         return self.dispatcher
 
     def _check_unchanged(self, name: str, before: dict[str, tuple[int, int]]) -> None:
@@ -199,6 +204,18 @@ class PluginHost:
                 "read-only to plugins (copy them into alloc_workspace buffers to transform them). The engine "
                 "does not start, since the general path would use the changed weights: fix the plugin or use "
                 "--plugin none")
+
+    def check_peers(self) -> None:
+        """Raise ``PeerWaitTimeout`` when a cross-rank wait of the plugin's kernels gave up (plugin API 4: reads
+        the error record of every ``binding.peer_buffers``; a host sync, so the engine calls it after a step)."""
+        for bufs in self.binding.peers if self.binding is not None else ():
+            if not bufs.closed:
+                bufs.check()
+
+    def close(self) -> None:
+        """Close the plugin's peer buffers (idempotent; their peers' mappings are released)."""
+        for bufs in self.binding.peers if self.binding is not None else ():
+            bufs.close()
 
     def attach_kv_pool(self, kv_pool: object) -> None:
         """Publish the sized KV pool to the plugin (runs its on_kv_pool_ready callbacks)."""

@@ -33,6 +33,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     small_gemm,
     to_act,
 )
+from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args, publish_epilogue
 
 
 @triton.jit
@@ -60,8 +61,9 @@ def one_row_rstd(x_ptr, K: tl.constexpr, eps, BLOCK: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, stride_wn, nw_ptr, res_ptr, out_ptr, N, K, eps,
+    data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, EPILOGUE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WORLD: tl.constexpr,
 ):
     GATED: tl.constexpr = EPILOGUE == 1
     pid = tl.program_id(0)
@@ -96,18 +98,23 @@ def _gemv_kernel(
             acc_u += tl.sum(wu.to(tl.float32) * xl, 1)
     offs_m = tl.arange(0, 1)
     o_mask = n_mask[None, :]
-    _gemm_epilogue(acc[None, :], acc_u[None, :], offs_m, offs_n, o_mask, out_ptr, 0, res_ptr, 0, EPILOGUE)
+    if EPILOGUE == 3:
+        publish_epilogue(acc[None, :], offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs, flag_ptrs,
+                         tag_ptr, rank, cap, cap_tiles, pid, publish, WORLD)
+    else:
+        _gemm_epilogue(acc[None, :], acc_u[None, :], offs_m, offs_n, o_mask, out_ptr, 0, res_ptr, 0, EPILOGUE)
 
 
 def gemm(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str = "none",
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None, use_pdl: bool | None = None,
-    prefetch_act: bool | None = None,
+    prefetch_act: bool | None = None, peer: PeerTarget | None = None,
 ) -> torch.Tensor:
     """``small_gemm`` (same arguments, checks and result), or the one-row GEMV when x has one row and
     ``plan.row1`` is set. The choice depends only on the shape, so each CUDA graph records one kernel.
-    ``prefetch_act`` reaches ``small_gemm`` only (the GEMV's x chunk is one row).
+    ``prefetch_act`` reaches ``small_gemm`` only (the GEMV's x chunk is one row). With epilogue "publish" the
+    column tiles a ``tp_reduce.reduce_rows`` waits for are ``publish_tile_n(plan, rows)`` wide.
 
     Raises:
         ValueError: as ``small_gemm`` (every argument is checked there first, on both paths).
@@ -116,20 +123,27 @@ def gemm(
     if x.dim() != 2 or x.shape[0] != 1 or row1 is None:
         return small_gemm(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight, eps=eps,
                           residual=residual, workspace=workspace, counters=counters, use_pdl=use_pdl,
-                          prefetch_act=prefetch_act)
+                          prefetch_act=prefetch_act, peer=peer)
     if row1.split_k != 1:
         raise ValueError(f"the one-row GEMV never splits K; plan.row1.split_k is {row1.split_k}")
     if prefetch_act is None:
         prefetch_act_enabled()  # a bad LOWLAT_MEGA_PREFETCH_ACT is refused at every row count
     _, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
                                  residual=residual, workspace=workspace, counters=counters, split_k=False)
+    check_publish(peer, epilogue, out, triton.cdiv(n, row1.block_n))
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     _gemv_kernel[(triton.cdiv(n, row1.block_n),)](
         x, w, w.stride(0), norm_weight if norm_weight is not None else out,
-        residual if residual is not None else out, out, n, k, eps,
+        residual if residual is not None else out, out, n, k, eps, **peer_launch_args(peer, out),
         NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 1024),
         HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], BLOCK_N=row1.block_n,
         BLOCK_K=row1.block_k, EVEN_K=k % row1.block_k == 0, USE_PDL=use_pdl,
         num_warps=row1.num_warps, num_stages=row1.num_stages, **launch_kwargs(use_pdl),
     )
     return out
+
+
+def publish_tile_n(plan: GemmPlan, rows: int) -> int:
+    """Columns per published tile of ``gemm(..., epilogue="publish")`` at ``rows`` rows: the one-row GEMV's
+    ``block_n`` where it runs, else ``small_gemm``'s."""
+    return plan.row1.block_n if rows == 1 and plan.row1 is not None else plan.block_n

@@ -44,10 +44,12 @@ from lowlat_nvidia_mega.kernels.pdl import (
     launch_kwargs,
     pdl_enabled,
 )
+from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
+from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args, publish_epilogue
 
 MAX_ROWS = 8
 BLOCK_M = 16
-EPILOGUES = {"none": 0, "silu_mul": 1, "residual": 2}
+EPILOGUES = {"none": 0, "silu_mul": 1, "residual": 2, "publish": 3}  # 3: tp_epilogue.py
 # Activation prefetch in the K loops that RMS-normalize their input (small GEMM with a norm, qkv_rope, LM head):
 # load the next raw x chunk and norm-weight chunk one K chunk ahead into registers, so their round trip and the
 # norm arithmetic overlap the current chunk's dot (as amd_mono's gemv loops do). Results are bit-identical either
@@ -55,31 +57,6 @@ EPILOGUES = {"none": 0, "silu_mul": 1, "residual": 2}
 # turns it on, read at each launch like ``LOWLAT_MEGA_PDL``; a launcher's ``prefetch_act`` argument wins over both.
 PREFETCH_ENV = "LOWLAT_MEGA_PREFETCH_ACT"
 PREFETCH_ACT_DEFAULT = False
-# The interpreter (triton 3.9) truncates fp32 -> bf16 casts instead of rounding to nearest even as GPUs do;
-# ``to_act`` then rounds with integer arithmetic so CPU results round like the GPU's and like torch's.
-_EMULATE_BF16_ROUNDING = tl.constexpr(interpreting())
-
-
-@triton.jit
-def to_act(x, dt: tl.constexpr):
-    """Cast fp32 ``x`` to the activation dtype ``dt``, rounding to nearest even (also under the interpreter)."""
-    if _EMULATE_BF16_ROUNDING:
-        if dt == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            return x.to(dt)
-    else:
-        return x.to(dt)
-
-
-@triton.jit
-def rnd(x, dt: tl.constexpr):
-    """fp32 ``x`` rounded to ``dt`` and back: what storing an intermediate in the activation dtype does."""
-    return to_act(x, dt).to(tl.float32)
-
-
 @triton.jit
 def dot_acc(a, b, acc, DOT_F32: tl.constexpr):
     """acc += a @ b. ``DOT_F32``: upcast to fp32 and multiply exactly (fp32 models, and the interpreter,
@@ -178,11 +155,11 @@ def _gemm_epilogue(acc, acc_u, offs_m, offs_n, mask, out_ptr, stride_om, res_ptr
 @triton.jit
 def _small_gemm_kernel(
     x_ptr, stride_xm, w_ptr, stride_wn, nw_ptr, res_ptr, stride_rm, out_ptr, stride_om, ws_ptr, cnt_ptr,
-    T, N, K, K_PER_SPLIT, eps,
+    T, N, K, K_PER_SPLIT, eps, data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, HAS_NORM: tl.constexpr,
     EPILOGUE: tl.constexpr, NPART: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, WORLD: tl.constexpr,
 ):
     GATED: tl.constexpr = EPILOGUE == 1
     PREFETCH: tl.constexpr = PREFETCH_ACT and HAS_NORM
@@ -231,7 +208,11 @@ def _small_gemm_kernel(
 
     o_mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K == 1:
-        _gemm_epilogue(acc, acc_u, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
+        if EPILOGUE == 3:
+            publish_epilogue(acc, offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs, flag_ptrs, tag_ptr,
+                             rank, cap, cap_tiles, pid_n, publish, WORLD)
+        else:
+            _gemm_epilogue(acc, acc_u, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
     else:
         # Partials: ws[split, part, row, col] fp32, part 0 = acc (gate), part 1 = up (NPART = 2 when GATED).
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -249,7 +230,11 @@ def _small_gemm_kernel(
                 if GATED:
                     tot_u += tl.load(ws_ptr + s * (NPART * T * N) + T * N + tile, mask=o_mask, other=0.0,
                                      cache_modifier=".cg")
-            _gemm_epilogue(tot, tot_u, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
+            if EPILOGUE == 3:
+                publish_epilogue(tot, offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs, flag_ptrs,
+                                 tag_ptr, rank, cap, cap_tiles, pid_n, publish, WORLD)
+            else:
+                _gemm_epilogue(tot, tot_u, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)  # re-arm for the next launch (graph replays included)
 
 
@@ -369,7 +354,7 @@ def small_gemm(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str = "none",
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None, use_pdl: bool | None = None,
-    prefetch_act: bool | None = None,
+    prefetch_act: bool | None = None, peer: PeerTarget | None = None,
 ) -> torch.Tensor:
     """Launch the small-row GEMM.
 
@@ -378,7 +363,8 @@ def small_gemm(
         w: [N, K] weight (``[2N, K]``, gate rows then up rows, for ``silu_mul``), contiguous.
         out: [T, N] output, unit stride along N, same dtype; may be ``residual``.
         plan: tiles from ``plan_gemm`` for this (N, K).
-        epilogue: "none", "silu_mul" or "residual".
+        epilogue: "none", "silu_mul", "residual" or "publish" (tp_size > 1: each rounded tile goes to every rank's
+            peer buffer, ``tp_epilogue``; ``out`` then only gives the shape and is not written).
         norm_weight: [K] RMSNorm weight: normalizes x's rows in the prologue when given.
         eps: RMSNorm epsilon.
         residual: [T, N] added in the "residual" epilogue.
@@ -387,6 +373,7 @@ def small_gemm(
         use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
         prefetch_act: with ``norm_weight``, load each activation chunk one K chunk ahead (bit-identical results);
             default ``prefetch_act_enabled()``. Ignored without a norm.
+        peer: the "publish" epilogue's target (``tp_epilogue.PeerTarget``), None for the others.
     Returns:
         ``out``.
     Raises:
@@ -394,6 +381,7 @@ def small_gemm(
     """
     t, k, n, gated = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
                                      residual=residual, workspace=workspace, counters=counters)
+    check_publish(peer, epilogue, out, plan.n_tiles(n))
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
     prefetch = prefetch_act_enabled() if prefetch_act is None else prefetch_act
     res = residual if residual is not None else out
@@ -402,7 +390,7 @@ def small_gemm(
     _small_gemm_kernel[grid](
         x, x.stride(0), w, w.stride(0), norm_weight if norm_weight is not None else dummy, res, res.stride(0),
         out, out.stride(0), workspace if workspace is not None else dummy, counters if counters is not None else dummy,
-        t, n, k, plan.k_per_split, eps,
+        t, n, k, plan.k_per_split, eps, **peer_launch_args(peer, dummy),
         NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512),
         PRE_K=plan.pre_k, HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], NPART=2 if gated else 1,
         SPLIT_K=plan.split_k,

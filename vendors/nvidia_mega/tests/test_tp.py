@@ -1,0 +1,68 @@
+"""nvidia_mega at tp_size 2 end to end on CPU (``lowlat run --tp 2``: rank 1 a spawned gloo worker, the kernels
+under the Triton interpreter, the peer buffers in /dev/shm): the same greedy tokens as the general path at TP 2,
+its DECODE steps on the plugin; a rank that never publishes stops the run within the step deadline with the rank,
+the peer and the call site named; the MoE model refused at TP by the guard, before any weight loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+from lowlat_nvidia_mega.kernels import pdl
+
+if not pdl.interpreting():
+    pytest.skip("TP 2 on one machine runs on CPU under TRITON_INTERPRET=1 (two GPUs: bench/gpu_jobs.py)",
+                allow_module_level=True)
+pytest.importorskip("lowlat.plugin.peer", reason="nvidia_mega at TP needs lowlat plugin API 4")
+
+from lowlat.cli import run as run_cli  # noqa: E402
+from lowlat_nvidia_mega.tp import FAULT_ENV  # noqa: E402
+
+
+def _run(capsys, model: str, plugin: str, *extra: str) -> tuple[int, list[list[int]], dict, str]:
+    parser = argparse.ArgumentParser(prog="lowlat")
+    run_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["run", "--model", model, "--tp", "2", "--device", "cpu", "--dtype", "bfloat16", "--json",
+                              "--plugin", plugin, "--max-new-tokens", "6", "--max-batch-size", "2",
+                              "--max-context-len", "64", "--prompt", "The quick brown fox", "--prompt", "Hi", *extra])
+    rc = run_cli.run(args)
+    cap = capsys.readouterr()
+    lines = [json.loads(line) for line in cap.out.splitlines() if line.startswith("{")]
+    stats = next((ln for ln in lines if ln["type"] == "stats"), {})
+    return rc, [ln["token_ids"] for ln in lines if ln["type"] == "completion"], stats, cap.err
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+def test_tp2_gives_the_general_paths_tokens_with_decode_on_the_plugin(capsys, model: str) -> None:
+    rc, want, _, err = _run(capsys, model, "none")
+    assert rc == 0, err
+    rc, got, stats, err = _run(capsys, model, "nvidia_mega")
+    assert rc == 0, err
+    assert got == want
+    assert stats["by_path"]["plugin"]["DECODE"]["steps"] == 5, stats["by_path"]  # 6 tokens: 1 prefill + 5 decode
+
+
+def test_a_rank_that_never_publishes_stops_the_run_naming_it(capsys, monkeypatch) -> None:
+    """Rank 1's o_proj and down store their tiles but never release the flags: every rank's first reduce gives up
+    after half the 4 s step deadline, the engine raises PeerWaitTimeout naming this rank, peer 1 and call site 0
+    (layer 0's o_proj), and the run ends with an error instead of hanging."""
+    monkeypatch.setenv(FAULT_ENV, "1")
+    start = time.monotonic()
+    rc, _, _, err = _run(capsys, "tiny-llama", "nvidia_mega", "--step-timeout", "4")
+    assert rc != 0
+    assert "PeerWaitTimeout" in err and "rank 0" in err and "rank 1's push" in err and "site 0" in err, err
+    assert time.monotonic() - start < 120
+
+
+def test_a_fault_switch_naming_no_rank_is_refused(capsys, monkeypatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "2")
+    rc, _, _, err = _run(capsys, "tiny-llama", "nvidia_mega")
+    assert rc != 0 and f"{FAULT_ENV}='2' must name a rank in [0, 2)" in err, err
+
+
+def test_the_moe_model_is_refused_at_tp_before_loading(capsys) -> None:
+    rc, _, _, err = _run(capsys, "tiny-qwen3-moe", "nvidia_mega")
+    assert rc != 0 and "tp_size" in err and "UnsupportedConfiguration" in err, err
