@@ -43,6 +43,7 @@ M_KERNELS = [  # (name, file, original text, mutated text)
     ("gemv: the GEMV's tiles announced at small_gemm's width", G,
      "return plan.row1.block_n if rows == 1 and plan.row1 is not None else plan.block_n", "return plan.block_n"),
     ("fault injection ignored", E, "publish=int(peer.publish)", "publish=1"),
+    ("logits: the padding columns kept", TP, "full if full.shape[1] == self.vocab_size else", "full if True else"),
 ]
 M_TP = [
     ("forward: the next layer's norm skipped", F, "nxt = self.layers[i + 1].input_norm if i + 1 < n_layers else None",
@@ -51,11 +52,10 @@ M_TP = [
     ("embed: every rank keeps every id", TP, "x.mul_(mine.unsqueeze(1).to(x.dtype))", "pass"),
     ("embed: the vocabulary range off by one", TP, "vocab_start=binding.tp_rank * v_l)",
      "vocab_start=binding.tp_rank * v_l + 1)"),
-    ("logits: the padding columns kept", TP, "full if full.shape[1] == self.vocab_size else", "full if True else"),
     ("fault switch: the wrong rank silent", TP, "publish=silent != str(binding.tp_rank)",
      "publish=silent == str(binding.tp_rank)"),
     ("core: the dispatcher reports non-finite logits first", C / "runtime/plugin_host/host.py",
-     "            self.dispatcher.explain_nonfinite = self.check_peers\n", ""),
+     "            self.dispatcher.explain_nonfinite = self.check_peers\n", "            pass\n"),
     ("core: the host never checks the plugin's buffers", C / "runtime/plugin_host/host.py",
      "            if not bufs.closed:\n                bufs.check()", "            pass"),
     ("core: the binding's deadline unbounded", C / "runtime/peer_reduce.py",

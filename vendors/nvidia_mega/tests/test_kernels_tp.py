@@ -200,3 +200,14 @@ def test_bad_arguments_are_refused_by_name() -> None:
         reduce_rows(PeerTarget(bufs[0]), out, tile_n=12, site=0)
     with pytest.raises(ValueError, match="norm_weight and h come together"):
         reduce_rows(PeerTarget(bufs[0]), out, tile_n=16, site=0, norm_weight=torch.ones(32, device=DEV))
+
+
+def test_gathered_logits_drop_the_last_ranks_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """V = 5 over 2 ranks: 3 rows each, the last rank's third one padding; the gathered [T, 6] loses its last
+    column, in rank order."""
+    from lowlat_nvidia_mega.tp import MegaTP
+
+    monkeypatch.setattr(lowlat_peer, "all_gather_last_dim", lambda x, tp: torch.cat([x, x + 10], dim=-1))
+    local = torch.arange(6, dtype=torch.float32, device=DEV).reshape(2, 3)
+    got = MegaTP(tp=None, target=None, vocab_size=5, vocab_start=0).gather_logits(local)  # type: ignore[arg-type]
+    assert torch.equal(got, torch.cat([local, local + 10], dim=-1)[:, :5]) and got.is_contiguous()
