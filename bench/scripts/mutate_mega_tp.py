@@ -7,7 +7,8 @@ Groups: the kernels (epilogue publishing, ``reduce_rows``) against vendors/nvidi
 (simulated ranks in one process); the forward, the build, the fault switch and core's binding / host / dispatcher
 against vendors/nvidia_mega/tests/test_tp.py (``lowlat run --tp 2`` on CPU, a spawned gloo worker); all under
 TRITON_INTERPRET=1 with this checkout's sources first on the path. Left out as equivalent on the tiny presets:
-o_proj's tiles reduced at down's width (at TP 2 their o_proj and down plans have the same 32-column tiles).
+o_proj's tiles reduced at down's width (at TP 2 their o_proj and down plans have the same 32-column tiles); the MoE's
+down publishing under another tile index (hidden 64 is one 64-column tile).
 Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed.
 """
 
@@ -49,6 +50,10 @@ M_TP = [
     ("forward: the next layer's norm skipped", F, "nxt = self.layers[i + 1].input_norm if i + 1 < n_layers else None",
      "nxt = None"),
     ("forward: o_proj's site is down's", F, "site=2 * i,", "site=2 * i + 1,"),
+    ("forward: the MoE's tiles reduced at half their width", F, "tile_n = MOE_TILE_N if lw.is_moe else",
+     "tile_n = MOE_TILE_N // 2 if lw.is_moe else"),
+    ("moe: the partial stored, not published", V / "kernels/moe.py", "PUBLISH=self.peer is not None",
+     "PUBLISH=False"),
     ("embed: every rank keeps every id", TP, "x.mul_(mine.unsqueeze(1).to(x.dtype))", "pass"),
     ("embed: the vocabulary range off by one", TP, "vocab_start=binding.tp_rank * v_l)",
      "vocab_start=binding.tp_rank * v_l + 1)"),

@@ -354,8 +354,10 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
                                                r"\(128, 64\)"):
         build(_binding(mc, torch.float32, params, tp_size=2))
     moe = _config("Qwen3MoeForCausalLM")
-    with pytest.raises(PluginBuildError, match="Qwen3MoeForCausalLM at tp_size 1 only"):
+    with pytest.raises(PluginBuildError, match="self_attn.qkv_proj.weight' is"):  # the MoE model too (shards)
         build(_binding(moe, torch.float32, _params(moe, torch.float32), tp_size=2))
+    with pytest.raises(PluginBuildError, match="tp_size=3 does not divide num_attention_heads=4"):
+        build(_binding(mc, torch.float32, params, tp_size=3))
     del params["model.layers.1.self_attn.k_norm.weight"]
     with pytest.raises(PluginBuildError, match="model.layers.1.self_attn.k_norm.weight"):
         build(_binding(mc, torch.float32, params))

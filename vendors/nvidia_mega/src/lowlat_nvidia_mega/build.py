@@ -80,7 +80,7 @@ def build(binding: Any) -> MegaForward:
     Returns:
         a MegaForward; it serves steps once the KV pool is attached.
     Raises:
-        PluginBuildError: unsupported architecture, dtype, TP size (MoE models: 1 only) or head_dim, a missing /
+        PluginBuildError: unsupported architecture, dtype, TP size or head_dim, a missing /
             misshapen parameter (the message names it and the fix), a bad ``LOWLAT_MEGA_PREFETCH_ACT`` /
             ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` value, or an unknown ``LOWLAT_MEGA_*`` variable
             (``check_switches``).
@@ -92,9 +92,6 @@ def build(binding: Any) -> MegaForward:
     if dt not in DTYPES:
         raise PluginBuildError(f"nvidia_mega runs bfloat16, float16 or float32 models, not {dt}")
     tp = binding.tp_size
-    if tp != 1 and mc.is_moe:
-        raise PluginBuildError(f"nvidia_mega runs {mc.architecture} at tp_size 1 only (its MoE does not publish "
-                               f"across ranks), got tp_size={tp}; use --tp 1 or --plugin none")
     check_switches()
     d = mc.head_dim
     if d < 32 or d & (d - 1):
@@ -150,7 +147,7 @@ def build(binding: Any) -> MegaForward:
         counters=counters, o_partial=alloc("attn_o_partial", (n_o,), f32),
         lse_partial=alloc("attn_lse_partial", (n_l,), f32), cos=cos_ws, sin=sin_ws,
         h=alloc("prenorm_h", (MAX_ROWS, hid), dt),
-        moe=_moe_workspace(mc, dt, dev, alloc) if mc.is_moe else None,
+        moe=_moe_workspace(mc, sh.moe_inter, dt, dev, alloc) if mc.is_moe else None,
         head=_head_workspace(mc, dev, alloc) if tp == 1 else None,  # at TP the engine samples (core's Dispatcher)
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
@@ -181,18 +178,20 @@ class _Params:
 
 class _Shard:
     """This rank's sizes at ``tp`` ranks (the general model's sharding): query heads, KV heads (split, or one
-    replicated head per rank), dense intermediate size and vocabulary rows (``ceil(V / tp)``).
+    replicated head per rank), dense and expert intermediate sizes and vocabulary rows (``ceil(V / tp)``).
 
     Raises:
         PluginBuildError: a size ``tp`` does not divide (the general model refuses these first).
     """
 
     def __init__(self, mc: Any, tp: int) -> None:
-        hkv = mc.num_key_value_heads
-        if mc.num_attention_heads % tp or mc.intermediate_size % tp or (hkv % tp and tp % hkv):
+        hkv, moe_inter = mc.num_key_value_heads, mc.moe_intermediate_size if mc.is_moe else 0
+        if mc.num_attention_heads % tp or mc.intermediate_size % tp or (hkv % tp and tp % hkv) or moe_inter % tp:
             raise PluginBuildError(f"tp_size={tp} does not divide num_attention_heads={mc.num_attention_heads}, "
-                                   f"intermediate_size={mc.intermediate_size} and num_key_value_heads={hkv}")
+                                   f"intermediate_size={mc.intermediate_size}, moe_intermediate_size={moe_inter} "
+                                   f"and num_key_value_heads={hkv}")
         self.heads, self.inter = mc.num_attention_heads // tp, mc.intermediate_size // tp
+        self.moe_inter = moe_inter // tp
         self.kv_heads = hkv // tp if hkv % tp == 0 else 1
         self.vocab = -(-mc.vocab_size // tp)
 
@@ -210,7 +209,7 @@ def _layer(p: _Params, mc: Any, i: int, sh: _Shard) -> LayerWeights:
         kw["q_norm"] = p.get(pre + "self_attn.q_norm.weight", (d,))
         kw["k_norm"] = p.get(pre + "self_attn.k_norm.weight", (d,))
     if mc.is_moe_layer(i):
-        e, inter = mc.num_experts, mc.moe_intermediate_size
+        e, inter = mc.num_experts, sh.moe_inter
         kw["router"] = p.get(pre + "mlp.gate.weight", (e, hid))
         kw["w13"] = p.get(pre + "mlp.experts.w13_weight", (e, 2 * inter, hid))
         kw["w2"] = p.get(pre + "mlp.experts.w2_weight", (e, hid, inter))
@@ -243,11 +242,11 @@ def _head_workspace(mc: Any, dev: torch.device, alloc: Any) -> LMHeadWorkspace:
                                     alloc=head_alloc)
 
 
-def _moe_workspace(mc: Any, dt: torch.dtype, dev: torch.device, alloc: Any) -> MoEWorkspace:
+def _moe_workspace(mc: Any, inter: int, dt: torch.dtype, dev: torch.device, alloc: Any) -> MoEWorkspace:
     count = iter(range(1 << 30))
 
     def moe_alloc(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         return alloc(f"moe.{next(count)}", tuple(shape), dtype)
 
-    return MoEWorkspace.allocate(MAX_ROWS, mc.hidden_size, mc.moe_intermediate_size, mc.num_experts,
+    return MoEWorkspace.allocate(MAX_ROWS, mc.hidden_size, inter, mc.num_experts,
                                  mc.num_experts_per_tok, dt, dev, alloc=moe_alloc)

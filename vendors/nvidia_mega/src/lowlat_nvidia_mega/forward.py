@@ -14,7 +14,7 @@ shape's plan has ``row1``; ``kernels.gemv.gemm`` makes that choice, from the row
 forces every 2-8-row step / none) the input norms of qkv_rope and gate_up run as ``kernels.norm_rows`` launches
 into ``Workspaces.h`` and those GEMMs skip their norm prologue.
 
-At tp_size > 1 (dense models; ``lowlat_nvidia_mega.tp``) o_proj and down publish their tiles to every rank from
+At tp_size > 1 (``lowlat_nvidia_mega.tp``) o_proj and down (or the MoE's down) publish their tiles to every rank from
 their epilogues and ``kernels.tp_reduce.reduce_rows`` sums them in rank order, adds the residual and runs the next
 input norm; the embedding and the LM head are vocabulary-parallel.
 
@@ -37,7 +37,7 @@ from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention
 from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
-from lowlat_nvidia_mega.kernels.moe import moe_forward
+from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, moe_forward
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
@@ -46,6 +46,7 @@ from lowlat_nvidia_mega.kernels.tp_reduce import reduce_rows
 from lowlat_nvidia_mega.tp import MegaTP
 
 MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
+MOE_TILE_N = MoEKernelConfig().down_block_n  # columns per tile the MoE's down publishes at TP (moe_forward's config)
 
 
 @dataclass(frozen=True)
@@ -253,11 +254,16 @@ class MegaForward:
             self._attention(batch, i, lw, x if i == 0 else h, lw.input_norm if i == 0 else None, use_pdl)
             gemm(ws.attn[:t], lw.o_proj, x, plan=plans["o_proj"], epilogue="publish", workspace=ws.gemm_ws,
                  counters=ws.counters["o_proj"], use_pdl=use_pdl, peer=tp.target)
-            reduce_rows(tp.target, x, tile_n=publish_tile_n(plans["o_proj"], t), site=2 * i,
-                        norm_weight=lw.post_norm, h=h, eps=self.eps, use_pdl=use_pdl)
-            self._mlp(lw, h, None, x, use_pdl, epilogue="publish")
+            post = None if lw.is_moe else lw.post_norm  # the MoE's routing kernel normalizes x itself
+            reduce_rows(tp.target, x, tile_n=publish_tile_n(plans["o_proj"], t), site=2 * i, norm_weight=post,
+                        h=h if post is not None else None, eps=self.eps, use_pdl=use_pdl)
+            if lw.is_moe:
+                self._moe(x, lw, use_pdl, publish=True)
+            else:
+                self._mlp(lw, h, None, x, use_pdl, epilogue="publish")
             nxt = self.layers[i + 1].input_norm if i + 1 < n_layers else None
-            reduce_rows(tp.target, x, tile_n=publish_tile_n(plans["down"], t), site=2 * i + 1, norm_weight=nxt,
+            tile_n = MOE_TILE_N if lw.is_moe else publish_tile_n(plans["down"], t)
+            reduce_rows(tp.target, x, tile_n=tile_n, site=2 * i + 1, norm_weight=nxt,
                         h=h if nxt is not None else None, eps=self.eps, use_pdl=use_pdl)
 
     def _prenorm_rows(self, t: int) -> torch.Tensor | None:
@@ -300,7 +306,10 @@ class MegaForward:
         return lm_head_sample(x, self.final_norm, self.lm_head, self.eps, temp, top_k, top_p, seeds, offsets, ids,
                               self.ws.head, pdl=use_pdl)  # type: ignore[arg-type]
 
-    def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool) -> None:
+    def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool, publish: bool = False) -> None:
+        """x += MoE(post_norm(x)) in place, or (``publish``, at TP) this rank's partial MoE(...) published to every
+        rank for ``reduce_rows`` (tiles of ``MoEKernelConfig().down_block_n`` columns)."""
         c = self.config
-        moe_forward(x, x, lw.post_norm, self.eps, lw.router, lw.w13, lw.w2, c.num_experts_per_tok, c.norm_topk_prob,
-                    x, self.ws.moe, pdl=use_pdl)
+        peer = self.tp.target if publish and self.tp is not None else None
+        moe_forward(x, x if peer is None else None, lw.post_norm, self.eps, lw.router, lw.w13, lw.w2,
+                    c.num_experts_per_tok, c.norm_topk_prob, x, self.ws.moe, pdl=use_pdl, peer=peer)

@@ -45,17 +45,14 @@ COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), m
                     sampling=SAMPLING)
 
 
-# Dense models run at TP 2-8 with epilogue publishing (lowlat_nvidia_mega.tp) where core has plugin API 4
-# (binding.peer_buffers); the MoE model at TP 1 only.
-DENSE_TP_SIZES = frozenset({1, 2, 4, 8}) if PLUGIN_API_VERSION >= 4 else frozenset({1})
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# TP 2-8 with epilogue publishing (lowlat_nvidia_mega.tp) where core has plugin API 4 (binding.peer_buffers).
+TP_SIZES = frozenset({1, 2, 4, 8}) if PLUGIN_API_VERSION >= 4 else frozenset({1})
 
 
 def model_specs() -> list[ModelSpec]:
     """One spec per architecture; ``build`` is imported only when an engine builds the plugin."""
     return [
         ModelSpec(architecture=a, coverage=COVERAGE, build="lowlat_nvidia_mega.build:build",
-                  requirements=REQUIREMENTS if a in MOE_ARCHITECTURES else replace(REQUIREMENTS,
-                                                                                     tp_sizes=DENSE_TP_SIZES))
+                  requirements=replace(REQUIREMENTS, tp_sizes=TP_SIZES))
         for a in ARCHITECTURES
     ]

@@ -2,10 +2,12 @@
 
 Shards are the general model's (``binding.params`` per rank, docs/writing-a-plugin.md): QKV column-parallel by
 heads, o_proj and down row-parallel, gate_up column-parallel, embedding and LM head vocabulary-parallel
-(``ceil(V / tp)`` rows per rank, the last rank's padding zero). Per decoder layer at TP the chain is::
+(``ceil(V / tp)`` rows per rank, the last rank's padding zero), every expert's intermediate dim split (w13 rows,
+w2 columns) with the router replicated. Per decoder layer at TP the chain is::
 
     qkv_rope (prologue norm at layer 0, else h) -> attention -> o_proj "publish" -> reduce_rows(+post norm -> h)
     -> gate_up(h) -> down "publish" -> reduce_rows(+next layer's input norm -> h)
+    (a MoE layer: reduce_rows without a norm -> moe_forward(peer=...): route, gate/up, down "publish" -> reduce_rows)
 
 so the two all-reduces of a layer are the GEMMs' own epilogues plus one launch each that also adds the residual
 and the next norm (``kernels.tp_epilogue``, ``kernels.tp_reduce``), instead of a store, an NCCL all-reduce, and a

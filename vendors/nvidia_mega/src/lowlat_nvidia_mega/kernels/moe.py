@@ -50,6 +50,7 @@ from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_u
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
 from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
 from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
+from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,7 @@ def _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws) -> None:
 def moe_stages(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float,
                gate_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
                out: torch.Tensor, workspace: MoEWorkspace, *, pdl: bool,
-               config: MoEKernelConfig | None = None) -> MoEStages:
+               config: MoEKernelConfig | None = None, peer: PeerTarget | None = None) -> MoEStages:
     """Check the arguments of :func:`moe_forward` and return its three launches, unlaunched (a
     :class:`MoEStages`); the same arguments, errors and results as ``moe_forward``.
 
@@ -224,28 +225,32 @@ def moe_stages(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Ten
         workspace the routing (``topk_ids``, ``topk_weights``, ``bitmap``, ``num_slots``, ...).
 
     Raises:
-        ValueError: a shape, dtype, stride or device does not match, T is outside [1, max_rows], or ``pdl=True``
-            where PDL cannot run (CPU, the Triton interpreter, GPUs before sm90).
+        ValueError: a shape, dtype, stride or device does not match, T is outside [1, max_rows], ``pdl=True``
+            where PDL cannot run (CPU, the Triton interpreter, GPUs before sm90), or a peer with a residual or
+            buffers that cannot hold the output's tiles.
     """
     cfg = config or MoEKernelConfig()
     ws = workspace
     _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws)
+    _check(peer is None or residual is None, "a published MoE output takes no residual (reduce_rows adds it)")
+    check_publish(peer, "publish" if peer is not None else "none", out, triton.cdiv(x.shape[1], cfg.down_block_n))
     _check(not pdl or pdl_supported(x.device),
            "pdl=True needs a CUDA GPU of capability >= 9.0 and no TRITON_INTERPRET; pass pdl=pdl_enabled(device)")
-    return MoEStages(x, residual, norm_w, eps, gate_w, w13, w2, top_k, renormalize, out, ws, pdl, cfg)
+    return MoEStages(x, residual, norm_w, eps, gate_w, w13, w2, top_k, renormalize, out, ws, pdl, cfg, peer)
 
 
 def moe_forward(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor | None, eps: float,
                 gate_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
                 out: torch.Tensor, workspace: MoEWorkspace, *, pdl: bool,
-                config: MoEKernelConfig | None = None) -> torch.Tensor:
-    """``out = residual + MoE(rmsnorm(x) * norm_w)`` for T <= 8 rows, in three PDL-chained launches.
+                config: MoEKernelConfig | None = None, peer: PeerTarget | None = None) -> torch.Tensor:
+    """``out = residual + MoE(rmsnorm(x) * norm_w)`` for T <= 8 rows, in three PDL-chained launches (with ``peer``,
+    at TP: this rank's ``MoE(...)`` partial published to every rank instead, ``out`` unwritten).
 
     Arguments and errors are :func:`moe_stages`'s. Returns ``out``; after the call the workspace also holds the
     routing (``topk_ids``, ``topk_weights``, ``bitmap``, ``num_slots``, ...) for inspection.
     """
     stages = moe_stages(x, residual, norm_w, eps, gate_w, w13, w2, top_k, renormalize, out, workspace, pdl=pdl,
-                        config=config)
+                        config=config, peer=peer)
     stages.route()
     stages.gate_up()
     stages.down()
@@ -271,6 +276,7 @@ class MoEStages:
     ws: MoEWorkspace
     pdl: bool
     cfg: MoEKernelConfig
+    peer: PeerTarget | None = None
 
     @property
     def slots(self) -> int:
@@ -329,9 +335,9 @@ class MoEStages:
         _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
-            t, hidden, ws.inter, out.stride(0), res.stride(0),
+            t, hidden, ws.inter, out.stride(0), res.stride(0), **peer_launch_args(self.peer, out),
             TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
             BLOCK_N=cfg.down_block_n, BLOCK_I=k_chunk(cfg.down_block_i, ws.inter, 16),
             HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1,
-            USE_PDL=self.pdl,
+            USE_PDL=self.pdl, PUBLISH=self.peer is not None,
             num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_kwargs(self.pdl))

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait
 from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
+from lowlat_nvidia_mega.kernels.tp_epilogue import publish_epilogue
 
 
 @triton.jit
@@ -60,9 +61,10 @@ def _moe_down_kernel(
     act_ptr, w2_ptr, partial_ptr, out_ptr, residual_ptr,
     slot_expert_ptr, slot_weight_ptr, num_slots_ptr, row_slot_ptr, counters_ptr,
     n_rows, H, INTER, stride_out, stride_res,
+    data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_I: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, ROW1: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PUBLISH: tl.constexpr, WORLD: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -123,4 +125,8 @@ def _moe_down_kernel(
             if HAS_RESIDUAL:
                 acc += tl.load(residual_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=omask,
                                other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], to_act(acc, dtype), mask=omask)
+            if PUBLISH:  # tp_size > 1: this rank's partial of the MoE output to every rank (tp_epilogue.py)
+                publish_epilogue(acc, rows, offs_n, omask, H, dtype, data_ptrs, flag_ptrs, tag_ptr, rank, cap,
+                                 cap_tiles, pid_n, publish, WORLD)
+            else:
+                tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], to_act(acc, dtype), mask=omask)
