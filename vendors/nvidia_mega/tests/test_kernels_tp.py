@@ -211,3 +211,46 @@ def test_gathered_logits_drop_the_last_ranks_padding(monkeypatch: pytest.MonkeyP
     local = torch.arange(6, dtype=torch.float32, device=DEV).reshape(2, 3)
     got = MegaTP(tp=None, target=None, vocab_size=5, vocab_start=0).gather_logits(local)  # type: ignore[arg-type]
     assert torch.equal(got, torch.cat([local, local + 10], dim=-1)[:, :5]) and got.is_contiguous()
+
+
+@pytest.mark.parametrize("rows,row1", [(3, False), (1, True)])
+def test_moe_publishes_its_partial_and_the_ranks_sum_to_the_whole_moe(rows: int, row1: bool) -> None:
+    """Qwen3-MoE at TP 2 with simulated ranks: each rank's ``moe_forward(..., peer=...)`` runs its slice of every
+    expert's intermediate dim (w13 rows, w2 columns; the router replicated) and publishes its top-k sum per tile;
+    ``reduce_rows`` at the down tile width adds the ranks and the residual. Equal (fp32) to the whole MoE at TP 1
+    plus the residual, bit-identical on both ranks, and ``out`` never written by the publishing launch."""
+    from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward
+
+    world, hidden, inter, experts, top_k = 2, 64, 32, 8, 2
+    cfg = MoEKernelConfig(gate_up_block_n=16, gate_up_block_k=64, down_block_n=32, route_programs=2, row1=row1,
+                          row1_block_n=8, row1_block_k=32)
+    g = torch.Generator().manual_seed(rows)
+    norm_w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(DEV)
+    gate_w = (torch.randn(experts, hidden, generator=g) * 0.3).to(DEV)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.15).to(DEV)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.15).to(DEV)
+    x = torch.randn(rows, hidden, generator=g).to(DEV)
+    whole = torch.empty_like(x)
+    moe_forward(x, x, norm_w, EPS, gate_w, w13, w2, top_k, True, whole,
+                MoEWorkspace.allocate(8, hidden, inter, experts, top_k, x.dtype, DEV), pdl=False, config=cfg)
+    bufs = _bufs(world, 8, hidden, torch.float32)
+    il = inter // world
+    outs = []
+    for r in range(world):
+        gate, up = w13[:, r * il:(r + 1) * il], w13[:, inter + r * il:inter + (r + 1) * il]
+        w13_r, w2_r = torch.cat([gate, up], dim=1).contiguous(), w2[:, :, r * il:(r + 1) * il].contiguous()
+        out = x.clone()
+        moe_forward(x, None, norm_w, EPS, gate_w, w13_r, w2_r, top_k, True, out,
+                    MoEWorkspace.allocate(8, hidden, il, experts, top_k, x.dtype, DEV), pdl=False, config=cfg,
+                    peer=PeerTarget(bufs[r]))
+        assert torch.equal(out, x), f"rank {r}: the publishing MoE wrote its out"
+        outs.append(out)
+    for r in range(world):
+        reduce_rows(PeerTarget(bufs[r]), outs[r], tile_n=cfg.down_block_n, site=1, eps=EPS)
+        bufs[r].check()
+    torch.testing.assert_close(outs[0], whole, atol=1e-4, rtol=1e-4)
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="a published MoE output takes no residual"):
+        moe_forward(x, x, norm_w, EPS, gate_w, w13, w2, top_k, True, x.clone(),
+                    MoEWorkspace.allocate(8, hidden, inter, experts, top_k, x.dtype, DEV), pdl=False, config=cfg,
+                    peer=PeerTarget(bufs[0]))
