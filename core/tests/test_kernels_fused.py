@@ -224,6 +224,17 @@ def test_moe_gemv_matches_fused_experts(dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
+def test_fused_experts_dense_form_equals_the_selected_experts_loop():
+    """``FusedExperts._forward_dense`` (every expert on every row, zero weights where not chosen: what a float32
+    CUDA-graph capture runs) equals the loop over the chosen experts, a repeated expert in a row included."""
+    ex = _experts(torch.float32)
+    h = _randn(5, 80, dtype=torch.float32, seed=13)
+    ids = torch.tensor([[0, 3], [3, 5], [1, 0], [5, 5], [2, 4]], dtype=torch.int64, device=DEV)
+    weights = torch.rand(5, 2, generator=_gen(14)).to(DEV)
+    torch.testing.assert_close(ex._forward_dense(h, weights, ids), ex._forward_loop(h, weights, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_moe_gemv_launcher_rejects_bad_inputs():
     from lowlat.kernels.moe_gemv import moe_experts_gemv
 

@@ -8,7 +8,8 @@ MegaBlocks / SGLang's fused MoE): the T*k (token, expert) pairs are sorted by ex
 per-expert counts are the grouped GEMM offsets (a device tensor), and the results are un-sorted and summed over k.
 Shapes are static and nothing reads back to the host, so it is CUDA-graph capturable. Where ``_grouped_mm`` is
 missing or rejects the dtype/device/shape (probed once per combination), a loop over the experts actually
-selected runs instead; it syncs with the host and refuses to run inside a CUDA-graph capture.
+selected runs instead; it syncs with the host and refuses to run inside a CUDA-graph capture. float32 inside a
+capture runs every expert on every row instead (``_forward_dense``: ``_grouped_mm`` is not capturable there).
 
 TP: every expert's intermediate dim is sharded (w13 rows, w2 columns); the output is all-reduced.
 Parameters per rank: ``w13_weight`` [E, 2 * I_l, H] (gate rows then up rows), ``w2_weight`` [E, H, I_l].
@@ -112,9 +113,22 @@ class FusedExperts(nn.Module):
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """h [T, H], weights [T, k] (h's dtype), ids [T, k] int64 -> this rank's partial output [T, H]."""
+        if h.is_cuda and h.dtype == torch.float32 and torch.cuda.is_current_stream_capturing():
+            return self._forward_dense(h, weights, ids)
         if self.use_grouped_mm:
             return self._forward_grouped(h, weights, ids)
         return self._forward_loop(h, weights, ids)
+
+    def _forward_dense(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, zero-weighted where not chosen: E times the expert FLOPs, but no host read
+        and no data-dependent shape, so it captures. Taken for float32 inside a CUDA-graph capture, where
+        ``torch._grouped_mm`` (torch 2.11, sm90) copies to the host and fails ("Cannot copy between CPU and CUDA
+        tensors during CUDA graph capture"; seen on an H100, 2026-12-06); bf16 keeps the grouped GEMM."""
+        comb = torch.zeros(h.shape[0], self.num_experts, dtype=h.dtype, device=h.device).scatter_add_(1, ids, weights)
+        gate_up = torch.matmul(h.unsqueeze(0), self.w13_weight.transpose(1, 2))  # [E, T, 2*I_l]
+        act = F.silu(gate_up[..., :self.inter_l]) * gate_up[..., self.inter_l:]
+        ys = torch.matmul(act, self.w2_weight.transpose(1, 2))  # [E, T, H]
+        return (ys * comb.t().unsqueeze(-1)).sum(dim=0)
 
     def _forward_grouped(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
