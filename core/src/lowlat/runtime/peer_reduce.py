@@ -12,8 +12,8 @@ the ranks run the same batches, so every rank takes the same path at every site.
 
 Deadline: each wait gives up after half the step's deadline (``resolved_step_timeout_s``, so the precise error
 comes before the step's own), at most 5 s on CUDA (nanoseconds, ``DEFAULT_DEADLINE_NS``); on CPU in polls of the
-Triton interpreter, at the ~400 polls per second ``lowlat.runtime.peer_buffers`` measured (there a rank's host
-work between steps can keep its peers waiting for seconds). A wait that gave up leaves NaN in its output, so the
+Triton interpreter, counted at ``CPU_POLLS_PER_S`` (a floor of the poll rate, so the wait ends first; there a rank's
+host work between steps can keep its peers waiting for seconds). A wait that gave up leaves NaN in its output, so the
 step's logits are not finite; the engine's finiteness check (``lowlat.runtime.step_guard.checked_picks``) calls
 ``check`` first, which raises the ``PeerWaitTimeout`` naming the rank, the peer and the call site.
 
@@ -31,7 +31,11 @@ from lowlat.runtime.peer_buffers import DEFAULT_DEADLINE_NS, Alloc, PeerBuffers
 
 __all__ = ["CPU_POLLS_PER_S", "PeerAllReduce", "peer_capacity", "peer_factory", "wait_bound"]
 
-CPU_POLLS_PER_S = 400  # the interpreter's polls per second on a busy 2-core CPU (peer_buffers' docstring)
+# A floor of the interpreter's polls per second, so that a CPU wait gives up before the step's own deadline: 350-480
+# were measured on a busy 2-core CPU (peer_buffers' docstring), under 200 with two TP ranks beside a test suite (the
+# step deadline then fired first and the run ended with StepDeadlineExceeded, not the PeerWaitTimeout naming the site).
+# At 400 polls/s a wait thus gives up after a quarter of its nominal time, still far above a step's work.
+CPU_POLLS_PER_S = 100
 
 
 def peer_capacity(config: EngineConfig, model_config: ModelConfig) -> int:
