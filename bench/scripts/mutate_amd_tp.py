@@ -50,6 +50,7 @@ M_KERNELS = [  # (name, file, original text, mutated text)
      "flags_ptr"),
     ("down's site is o_proj's", K, "pdeadline, 2 * layer + 1, H, BN_D", "pdeadline, 2 * layer, H, BN_D"),
     ("fault injection ignored", TP, "int(self.publish)),", "1),"),
+    ("logits: the padding columns kept", TP, "full if full.shape[1] == self.vocab_size else", "full if True else"),
 ]
 M_TP = [
     ("embed: every rank keeps every id", EH, "hi = tl.where((tok >= 0) & (tok < v_rows), H, 0)", "hi = H"),
@@ -58,7 +59,6 @@ M_TP = [
     ("embed: not all-reduced", F, "self.tp.all_reduce_embedding(self.x[:shape.rows], site=2 * self.dims.layers)",
      "pass"),
     ("logits: not gathered", F, "            logits = self.tp.gather_logits(logits)\n", ""),
-    ("logits: the padding columns kept", TP, "full if full.shape[1] == self.vocab_size else", "full if True else"),
     ("forward: K2 without the TP stages", F, "            if self.tp is not None:  # the same buffers",
      "            if False:  # the same buffers"),
     ("fault switch: the wrong rank silent", TP, "publish=silent != binding.tp_rank",

@@ -254,3 +254,15 @@ def test_the_persistent_launch_matches_the_staged_one_and_waits_on_the_reduce() 
         else:
             with pytest.raises(MonoStageTimeout, match="k2.gate_up_silu waited .* for k2.o_proj_reduce"):
                 pers.check_errors()
+
+
+def test_gathered_logits_drop_the_vocabulary_padding() -> None:
+    """ceil(V / tp) rows per rank: the gathered logits keep the first V columns only (here one rank's [T, 6] of a
+    vocabulary of 5, the all-gather of a group of one)."""
+    from lowlat.plugin.peer import TPInfo
+    from lowlat_amd_mono.tp import MonoTP
+
+    tp = MonoTP(tp=TPInfo(rank=0, size=1, group=None), bufs=None, publish=True, vocab_size=5, vocab_start=0,
+                vocab_rows=6)
+    local = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    assert torch.equal(tp.gather_logits(local), local[:, :5])
