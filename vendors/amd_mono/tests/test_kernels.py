@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from lowlat.forward_batch import ForwardMode
+from lowlat.plugin import PluginBuildError
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("CPU kernel tests need TRITON_INTERPRET=1 (set before triton is imported)", allow_module_level=True)
@@ -354,8 +355,8 @@ def test_supports_only_small_uniform_decode_and_verify() -> None:
 
 def test_build_refuses_what_it_cannot_run() -> None:
     s = make_setup("tiny-llama", torch.bfloat16, "cpu", layers=1)
-    s.binding.tp_size = 2
-    with pytest.raises(ValueError, match="tp_size 1"):
+    s.binding.tp_size = 2  # dense at TP opens the group's peer buffers: only an engine's binding has a rendezvous
+    with pytest.raises(PluginBuildError, match="peer buffers of a binding without a TP group's rendezvous"):
         build(s.binding)
     s.binding.tp_size = 1
     del s.binding.params["model.layers.0.mlp.down_proj.weight"]

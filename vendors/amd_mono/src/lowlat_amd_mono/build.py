@@ -9,20 +9,32 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lowlat.plugin import PluginBuildError
 
 from lowlat_amd_mono.forward import MonoForward
 from lowlat_amd_mono.kernels.launch import MonoOptions, is_interpreted
+from lowlat_amd_mono.tp import open_tp
 
 
 def build(binding: Any) -> MonoForward:
     """Build the plugin forward from a ``PluginBinding``.
 
+    At tp_size > 1 (dense models, plugin API 4) the params are this rank's shards, and build opens the TP group's
+    peer buffers (``tp.open_tp``, a collective: every rank builds).
+
     Raises:
-        ValueError: tp_size other than 1, a CPU device without ``TRITON_INTERPRET=1``, parameters missing or of
-            the wrong shape, or an unsupported RoPE scaling.
+        PluginBuildError: a MoE model at tp_size > 1 (naming the fix), or as ``tp.open_tp`` (a core without plugin
+            API 4, a bad ``LOWLAT_MONO_FAULT_NO_PUBLISH``, peer buffers that could not be opened).
+        ValueError: a CPU device without ``TRITON_INTERPRET=1``, parameters missing or of the wrong shape, an
+            unsupported RoPE scaling, or ``one_launch`` at tp_size > 1.
     """
+    mc = binding.model_config
+    tp = None
     if binding.tp_size != 1:
-        raise ValueError(f"amd_mono runs tp_size 1, got tp_size={binding.tp_size}; use plugin 'none' for TP")
+        if mc.is_moe:
+            raise PluginBuildError(f"amd_mono runs {mc.architecture} at tp_size 1 only (its MoE does not publish "
+                                   f"across ranks), got tp_size={binding.tp_size}; use --tp 1 or --plugin none")
+        tp = open_tp(binding, mc.hidden_size, binding.dtype)
     device = torch.device(binding.device)
     from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 
@@ -37,6 +49,7 @@ def build(binding: Any) -> MonoForward:
         alloc_workspace=binding.alloc_workspace,
         max_context_len=binding.engine_config.max_context_len,
         options=options,
+        tp=tp,
     )
     binding.on_kv_pool_ready(fwd.attach_kv_pool)
     return fwd

@@ -5,7 +5,9 @@ all of them (``kernels.step``, option ``one_launch``) or, per layer (the default
 (``k2_attn_out_mlp``); then ``head_kernel``. The residual stream lives in the workspace ``x [8, H]`` between
 launches. Everything a launch reads comes from device tensors, so a captured CUDA graph replays correctly
 with new inputs and a new tag. A missed deadline inside a launch is reported by ``check_errors`` (eager steps
-check after every step; captured steps are checked at the next ``prepare_for_replay``).
+check after every step; captured steps are checked at the next ``prepare_for_replay``). At tp_size > 1 (dense
+models, ``lowlat_amd_mono.tp``) K2 is ``kernels.k2_tp``'s: o_proj and down publish to every rank and two reduce
+stages of the same launch sum the ranks; the embedding is all-reduced and the logits gathered.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
 from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 from lowlat_amd_mono.kernels.k2_attn_out_mlp import k2_dense_kernel, k2_moe_kernel
+from lowlat_amd_mono.kernels.k2_tp import k2_dense_tp_kernel
 from lowlat_amd_mono.kernels.launch import MonoOptions, StageRunner, is_interpreted
 from lowlat_amd_mono.kernels.step import WTAB_COLS, step_dense_kernel, step_moe_kernel
-from lowlat_amd_mono.kernels.sync import CNT_STRIDE, CTL_SIZE, KIND_COUNT
+from lowlat_amd_mono.kernels.sync import CNT_STRIDE, CTL_SIZE, KIND_COUNT, TIMER_CUDA
+from lowlat_amd_mono.tp import MonoTP
 from lowlat_amd_mono.weights import bind_weights, layer_pointers
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -56,19 +60,20 @@ class MonoForward:
     """The plugin forward of lowlat-amd-mono (``PluginForward``): DECODE/VERIFY steps of 1 to 8 rows.
 
     Args:
-        model_config: the model's shapes; params: tensors named as in the general model (tp_size 1);
-        dtype, device: compute dtype and device; alloc_workspace: accounted allocator ``(name, shape, dtype)``;
-        max_context_len: the longest sequence (RoPE table size); options: launch options (resolved from the
-        environment when None).
+        model_config: the model's shapes; params: tensors named as in the general model (this rank's shards at
+        tp_size > 1); dtype, device: compute dtype and device; alloc_workspace: accounted allocator
+        ``(name, shape, dtype)``; max_context_len: the longest sequence (RoPE table size); options: launch options
+        (resolved from the environment when None); tp: this rank's ``MonoTP`` at tp_size > 1 (``tp.open_tp``).
     Raises:
-        ValueError: a missing parameter or one of the wrong shape, or a head_dim that is not a power of two >= 16.
+        ValueError: a missing parameter or one of the wrong shape, a head_dim that is not a power of two >= 16, or
+            at TP a MoE model, the option ``one_launch``, or tiles the peer buffers cannot hold.
     """
 
     def __init__(self, *, model_config: ModelConfig, params: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, alloc_workspace: AllocFn, max_context_len: int,
-                 options: MonoOptions | None = None) -> None:
-        self.cfg = model_config
-        self.dims = dm = P.Dims.from_config(model_config)
+                 options: MonoOptions | None = None, tp: MonoTP | None = None) -> None:
+        self.cfg, self.tp = model_config, tp
+        self.dims = dm = P.Dims.from_config(model_config, tp.bufs.world if tp is not None else 1)
         if dm.head_dim < 16 or dm.head_dim & (dm.head_dim - 1):
             raise ValueError(f"amd_mono needs head_dim a power of two >= 16, got {dm.head_dim}")
         if dtype not in _TL_DTYPES:
@@ -90,6 +95,14 @@ class MonoForward:
                                      max_tile_elems=self.options.gemv_tile_elems)
         self.runner = StageRunner(self.device, self.options, self.interpret, nprog)
         self.w = bind_weights(params, dm, dtype)
+        if tp is not None:
+            if dm.any_moe:
+                raise ValueError("amd_mono runs MoE models at tp_size 1 only (its MoE does not publish across ranks); "
+                                 "use --tp 1 or --plugin none")
+            if self.options.one_launch:
+                raise ValueError("amd_mono's one_launch has no TP form (its step kernel does not publish across "
+                                 "ranks): unset LOWLAT_MONO_ONE_LAUNCH / amd_mono_one_launch at tp_size > 1")
+            tp.check_tiles(self.plan)
         # One launch for all layers, unless staged or the model mixes dense and MoE layers (one kernel per kind).
         self.one_launch = self.options.one_launch and not self.options.staged and not (dm.any_moe and dm.any_dense)
         self._two_launch_reason = ""  # why attach_kv_pool turned one_launch off
@@ -177,10 +190,14 @@ class MonoForward:
                              f"{batch.forward_mode.name} with {batch.num_tokens} tokens")
         shape = self.plan.step_shape(batch.num_tokens, _tokens_per_req(batch))
         self.embed(batch.input_ids)
+        if self.tp is not None:
+            self.tp.all_reduce_embedding(self.x[:shape.rows], site=2 * self.dims.layers)
         self.run_layers(batch, shape)
         logits = torch.empty(shape.rows, self.vocab, dtype=torch.float32, device=self.device)
         grid, args, meta = self.head_launch(logits)
         head_kernel[grid](*args, **meta, **({"launch_pdl": True} if self.options.pdl else {}))
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
         if not self.options.staged:
             if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 self._ctl_host.copy_(self.ctl, non_blocking=True)
@@ -199,8 +216,10 @@ class MonoForward:
 
     def embed(self, input_ids: torch.Tensor) -> None:
         """The step's first launch: ``x[:T] = embed[input_ids]`` (int64 ``[T]``), a new step tag, and (with
-        ``stage_counters``) zeroed stage counters."""
-        embed_kernel[(input_ids.shape[0],)](input_ids, self.w["embed"], self.x, self.step, self.counters,
+        ``stage_counters``) zeroed stage counters. At TP only this rank's vocabulary rows; other ids give zeros."""
+        v0 = self.tp.vocab_start if self.tp is not None else 0
+        embed_kernel[(input_ids.shape[0],)](input_ids, self.w["embed"], self.x, self.step, self.counters, v0,
+                                            self.w["embed"].shape[0],
                                             H=self.dims.hidden, BH=min(1024, P.next_pow2(self.dims.hidden)),
                                             N_CNT=self.n_counters if self.options.stage_counters else 0)
 
@@ -314,6 +333,16 @@ class MonoForward:
             args = (*head, self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"], *sync, *scalars)
             meta |= dict(INTER=dm.inter, BN_GU=pl.gu.bn, BK_GU=pl.gu.bk, BN_D=pl.down.bn, BK_D=pl.down.bk)
             kernel, stages, name = k2_dense_kernel, P.K2_DENSE_STAGES, "k2_attn_out_mlp"
+            if self.tp is not None:  # the same buffers, then the peer buffers' (kernels.k2_tp)
+                ptensors, pscalars, pmeta = self.tp.peer_args()
+                b = self.tp.bufs
+                # Local waits downstream of a peer wait may also wait out the peer deadline (same clock on CUDA).
+                dl = self.runner.deadline + (b.deadline if self.runner.timer == TIMER_CUDA and pmeta["PTIMER"] else 0)
+                scalars = (*scalars[:5], dl, *scalars[6:])
+                args = (*head, self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"], *sync, *ptensors, *scalars,
+                        *pscalars)
+                meta |= pmeta
+                kernel, stages, name = k2_dense_tp_kernel, P.K2_DENSE_TP_STAGES, "k2_attn_out_mlp_tp"
         return name, kernel, {s: pl.items(s, shape, moe) for s in stages}, args, meta
 
     def step_launch(self, b: ForwardBatch, shape: P.StepShape) -> tuple[str, Any, dict[int, int], tuple[Any, ...],

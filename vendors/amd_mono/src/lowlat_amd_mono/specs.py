@@ -1,10 +1,10 @@
-"""The ModelSpecs lowlat-amd-mono registers: one per architecture, same requirements for all."""
+"""The ModelSpecs lowlat-amd-mono registers: one per architecture (dense ones also at tp_size 2, 4, 8)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 
-from lowlat.plugin import Coverage, ForwardMode, ModelSpec, PlatformRequirement, Requirements
+from lowlat.plugin import PLUGIN_API_VERSION, Coverage, ForwardMode, ModelSpec, PlatformRequirement, Requirements
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 HEAD_DIMS = (32, 64, 128, 256)  # powers of two the attention and QKV kernels tile
@@ -30,9 +30,17 @@ REQUIREMENTS = Requirements(
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 
 
+# Dense models run at TP 2-8 (o_proj / down publish across ranks, ``lowlat_amd_mono.tp``) where core has plugin API 4
+# (binding.peer_buffers); the MoE model at TP 1 only.
+DENSE_TP_SIZES = frozenset({1, 2, 4, 8}) if PLUGIN_API_VERSION >= 4 else frozenset({1})
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
 def model_specs() -> list[ModelSpec]:
     """One spec per architecture; ``build`` is imported only when an engine builds the plugin."""
     return [
-        ModelSpec(architecture=a, requirements=REQUIREMENTS, coverage=COVERAGE, build="lowlat_amd_mono.build:build")
+        ModelSpec(architecture=a, coverage=COVERAGE, build="lowlat_amd_mono.build:build",
+                  requirements=REQUIREMENTS if a in MOE_ARCHITECTURES else replace(REQUIREMENTS,
+                                                                                     tp_sizes=DENSE_TP_SIZES))
         for a in ARCHITECTURES
     ]

@@ -32,7 +32,7 @@ def bind_weights(params: dict[str, torch.Tensor], dm: P.Dims, dtype: torch.dtype
     lm_name = "lm_head.weight" if "lm_head.weight" in params else "model.embed_tokens.weight"
     lm = get(lm_name, (params[lm_name].shape[0], h) if lm_name in params else (dm.vocab, h))
     if lm.shape[0] < dm.vocab:
-        raise ValueError(f"{lm_name} has {lm.shape[0]} rows, fewer than vocab_size={dm.vocab} (amd_mono runs tp 1)")
+        raise ValueError(f"{lm_name} has {lm.shape[0]} rows, fewer than this rank's vocabulary rows ({dm.vocab})")
     layers = []
     for i in range(dm.layers):
         p = f"model.layers.{i}."

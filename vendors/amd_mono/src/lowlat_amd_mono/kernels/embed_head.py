@@ -24,11 +24,13 @@ except ImportError:  # pragma: no cover - older triton; only referenced under US
 _TAG_WRAP = tl.constexpr(TAG_WRAP)
 
 
-@triton.jit
-def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, cnt_ptr, H: tl.constexpr, BH: tl.constexpr,
+@triton.jit(do_not_specialize=["v0", "v_rows"])
+def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, cnt_ptr, v0, v_rows, H: tl.constexpr, BH: tl.constexpr,
                  N_CNT: tl.constexpr):
-    """``x[t, :] = emb[ids[t], :]`` for program ``t``; program 0 bumps ``step`` and, when ``N_CNT`` > 0 (stage
-    counters on), zeroes the ``N_CNT`` counters ``cnt[j * CNT]``, so this step's waits count only its items."""
+    """``x[t, :] = emb[ids[t] - v0, :]`` for program ``t`` where ``v0 <= ids[t] < v0 + v_rows`` (the rows ``emb``
+    holds: all of them at tp_size 1, this rank's vocabulary shard at TP), else zeros; program 0 bumps ``step`` and,
+    when ``N_CNT`` > 0 (stage counters on), zeroes the ``N_CNT`` counters ``cnt[j * CNT]``, so this step's waits
+    count only its items."""
     t = tl.program_id(0)
     if t == 0:
         s = tl.load(step_ptr) + 1
@@ -36,10 +38,11 @@ def embed_kernel(ids_ptr, emb_ptr, x_ptr, step_ptr, cnt_ptr, H: tl.constexpr, BH
         if N_CNT > 0:
             j = tl.arange(0, N_CNT)
             tl.store(cnt_ptr + j * CNT, tl.zeros([N_CNT], tl.int32))
-    tok = tl.load(ids_ptr + t).to(tl.int64)
+    tok = tl.load(ids_ptr + t).to(tl.int64) - v0
+    hi = tl.where((tok >= 0) & (tok < v_rows), H, 0)  # columns to read: none for an id of another rank
     for h in range(0, H, BH):
         cols = h + tl.arange(0, BH)
-        v = tl.load(emb_ptr + tok * H + cols, mask=cols < H, other=0.0)
+        v = tl.load(emb_ptr + tok * H + cols, mask=cols < hi, other=0.0)
         tl.store(x_ptr + t * H + cols, v, mask=cols < H)
 
 

@@ -113,6 +113,43 @@ def oproj_stage(alive, pid, nprog, tag, T, B, layer, deadline, debug_mask, x_ptr
 
 
 @triton.jit
+def gate_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, act_ptr, ln2_ptr, wgu_ptr,
+                  flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, INTER: tl.constexpr, N_WAIT: tl.constexpr,
+                  BN_GU: tl.constexpr, BK_GU: tl.constexpr, MAX_ITEMS: tl.constexpr, PF_BYTES: tl.constexpr,
+                  PERSISTENT: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, TIMER: tl.constexpr,
+                  PF_L2: tl.constexpr, PREC: tl.constexpr, XC: tl.constexpr, MAXW: tl.constexpr, COUNT: tl.constexpr,
+                  ROW1: tl.constexpr, AWAIT: tl.constexpr):
+    """S_MLP1: ``act = silu(h Wg^T) * (h Wu^T)``, ``h = rmsnorm(x_mid) * ln2``, after the first ``N_WAIT`` items of
+    stage ``AWAIT`` (the o_proj at tp_size 1; its reduce stage at TP, ``k2_tp``), which wrote ``x_mid``."""
+    BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
+    NT_GU: tl.constexpr = (INTER + BN_GU - 1) // BN_GU
+    rstd = rstd_init(BM, ROW1)
+    for i in range(pid, NT_GU, nprog):
+        wg0 = w_chunk(wgu_ptr, i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP, ROW1)
+        wu0 = w_chunk(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP, ROW1)
+        l2_prefetch(wgu_ptr, i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
+        l2_prefetch(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
+        if i == pid:
+            alive = wait_all_if(alive, flags_ptr + AWAIT * MAX_ITEMS, cnt_ptr + AWAIT * CNT, N_WAIT, tag,
+                                ctl_ptr, deadline, layer, 5, AWAIT, MAXW, TIMER, PERSISTENT, COUNT)
+            rstd = rows_rstd(xmid_ptr, H, T, H, eps, BM, BK_GU, XC, ROW1)
+        if alive != 0:
+            if stage_runs(debug_mask, 5):
+                acc_g, acc_u = gemv2_tile(wg0, wu0, xmid_ptr, H, T, wgu_ptr, H, i * BN_GU, INTER + i * BN_GU,
+                                          2 * INTER, H, rstd, ln2_ptr, True, BM, BN_GU, BK_GU, DT, INTERP, PREC, XC,
+                                          ROW1)
+                g = rnd(acc_g, DT, INTERP)
+                act = rnd(rnd(g * tl.sigmoid(g), DT, INTERP) * rnd(acc_u, DT, INTERP), DT, INTERP)
+                r = tl.arange(0, RM)
+                n = i * BN_GU + tl.arange(0, BN_GU)
+                tl.store(act_ptr + r[:, None] * INTER + n[None, :], act.to(DT),
+                         mask=(r[:, None] < T) & (n[None, :] < INTER))
+            publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, cnt_ptr + _S_MLP1 * CNT, tag, debug_mask, 5, COUNT)
+    return alive
+
+
+@triton.jit
 def dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, x_ptr, xmid_ptr, act_ptr,
                       ln2_ptr, wgu_ptr, wdn_ptr, flags_ptr, cnt_ptr, ctl_ptr, H: tl.constexpr, INTER: tl.constexpr,
                       N_OPROJ: tl.constexpr, BN_GU: tl.constexpr, BK_GU: tl.constexpr, BN_D: tl.constexpr,
@@ -127,28 +164,9 @@ def dense_mlp_stages(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps
     RM: tl.constexpr = 1 if ROW1 else BM
     NT_GU: tl.constexpr = (INTER + BN_GU - 1) // BN_GU
     if PERSISTENT or STAGE == 5:
-        rstd = rstd_init(BM, ROW1)
-        for i in range(pid, NT_GU, nprog):
-            wg0 = w_chunk(wgu_ptr, i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP, ROW1)
-            wu0 = w_chunk(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, 0, H, BN_GU, BK_GU, DT, INTERP, ROW1)
-            l2_prefetch(wgu_ptr, i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
-            l2_prefetch(wgu_ptr, INTER + i * BN_GU, 2 * INTER, H, BK_GU, H, PF_BYTES // 2, BN_GU, PF_L2)
-            if i == pid:
-                alive = wait_all_if(alive, flags_ptr + _S_OPROJ * MAX_ITEMS, cnt_ptr + _S_OPROJ * CNT, N_OPROJ, tag,
-                                    ctl_ptr, deadline, layer, 5, 4, MAXW, TIMER, PERSISTENT, COUNT)
-                rstd = rows_rstd(xmid_ptr, H, T, H, eps, BM, BK_GU, XC, ROW1)
-            if alive != 0:
-                if stage_runs(debug_mask, 5):
-                    acc_g, acc_u = gemv2_tile(wg0, wu0, xmid_ptr, H, T, wgu_ptr, H, i * BN_GU, INTER + i * BN_GU,
-                                              2 * INTER, H, rstd, ln2_ptr, True, BM, BN_GU, BK_GU, DT, INTERP, PREC, XC,
-                                              ROW1)
-                    g = rnd(acc_g, DT, INTERP)
-                    act = rnd(rnd(g * tl.sigmoid(g), DT, INTERP) * rnd(acc_u, DT, INTERP), DT, INTERP)
-                    r = tl.arange(0, RM)
-                    n = i * BN_GU + tl.arange(0, BN_GU)
-                    tl.store(act_ptr + r[:, None] * INTER + n[None, :], act.to(DT),
-                             mask=(r[:, None] < T) & (n[None, :] < INTER))
-                publish(flags_ptr + _S_MLP1 * MAX_ITEMS + i, cnt_ptr + _S_MLP1 * CNT, tag, debug_mask, 5, COUNT)
+        alive = gate_up_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, eps, xmid_ptr, act_ptr, ln2_ptr,
+                              wgu_ptr, flags_ptr, cnt_ptr, ctl_ptr, H, INTER, N_OPROJ, BN_GU, BK_GU, MAX_ITEMS,
+                              PF_BYTES, PERSISTENT, DT, INTERP, TIMER, PF_L2, PREC, XC, MAXW, COUNT, ROW1, _S_OPROJ)
     if PERSISTENT or STAGE == 6:
         for i in range(pid, (H + BN_D - 1) // BN_D, nprog):
             w0 = w_chunk(wdn_ptr, i * BN_D, H, INTER, 0, INTER, BN_D, BK_D, DT, INTERP, ROW1)

@@ -23,6 +23,9 @@ from lowlat_amd_mono.kernels.residency import Occupancy, check_grid, kernel_occu
 from lowlat_amd_mono.kernels.sync import TIMER_CUDA, TIMER_HIP, TIMER_SPIN
 
 ENV_PREFIX = "LOWLAT_MONO_"
+# Variables read by the test suite only, not launch options (so not in EngineConfig.extra): the rank that never
+# publishes at tp_size > 1 (``lowlat_amd_mono.tp.FAULT_ENV``, fault injection).
+TEST_VARIABLES = ("fault_no_publish",)
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -102,7 +105,8 @@ class MonoOptions:
         names = set(cls.__dataclass_fields__)
         unknown = sorted({k for k in (extra or {}) if k.startswith("amd_mono_") and k[9:] not in names}
                          | {k for k in os.environ
-                            if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in names})
+                            if k.startswith(ENV_PREFIX)
+                            and k[len(ENV_PREFIX):].lower() not in names | set(TEST_VARIABLES)})
         if unknown:
             hints = []
             for k in unknown:
