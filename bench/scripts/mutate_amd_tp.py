@@ -4,9 +4,9 @@ fault switch): break it in one place, run the tests that must notice, expect a f
     python3 bench/scripts/mutate_amd_tp.py      # from the repository root (or a worktree's)
 
 Groups: the kernels (``kernels/k2_tp.py``, the gate/up stage's awaited stage, the masked embedding) against
-vendors/amd_mono/tests/test_kernels_tp.py (simulated ranks in one process, stage per launch, and one persistent
+vendors/amd_mono/tests/test_mono_kernels_tp.py (simulated ranks in one process, stage per launch, and one persistent
 launch with a forged peer); the forward, the build, the specs and the fault switch against
-vendors/amd_mono/tests/test_tp.py (``lowlat run --tp 2`` on CPU, a spawned gloo worker); all under
+vendors/amd_mono/tests/test_mono_tp.py (``lowlat run --tp 2`` on CPU, a spawned gloo worker); all under
 TRITON_INTERPRET=1 with this checkout's sources first on the path. None is left out as equivalent.
 Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed.
 """
@@ -70,7 +70,8 @@ M_TP = [
     ("specs: MoE allowed at TP", SP, "requirements=REQUIREMENTS if a in MOE_ARCHITECTURES else",
      "requirements=REQUIREMENTS if False else"),
 ]
-GROUPS = [(M_KERNELS, "vendors/amd_mono/tests/test_kernels_tp.py"), (M_TP, "vendors/amd_mono/tests/test_tp.py")]
+GROUPS = [(M_KERNELS, "vendors/amd_mono/tests/test_mono_kernels_tp.py"),
+          (M_TP, "vendors/amd_mono/tests/test_mono_tp.py")]
 
 if __name__ == "__main__":
     src = ["core/src", "vendors/amd_mono/src", "contract_tests/src"]  # this checkout's, before the installed ones

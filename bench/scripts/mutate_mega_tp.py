@@ -3,9 +3,9 @@ one place, run the tests that must notice, expect a failure.
 
     python3 bench/scripts/mutate_mega_tp.py      # from the repository root (or a worktree's)
 
-Groups: the kernels (epilogue publishing, ``reduce_rows``) against vendors/nvidia_mega/tests/test_kernels_tp.py
+Groups: the kernels (epilogue publishing, ``reduce_rows``) against vendors/nvidia_mega/tests/test_mega_kernels_tp.py
 (simulated ranks in one process); the forward, the build, the fault switch and core's binding / host / dispatcher
-against vendors/nvidia_mega/tests/test_tp.py (``lowlat run --tp 2`` on CPU, a spawned gloo worker); all under
+against vendors/nvidia_mega/tests/test_mega_tp.py (``lowlat run --tp 2`` on CPU, a spawned gloo worker); all under
 TRITON_INTERPRET=1 with this checkout's sources first on the path. Left out as equivalent on the tiny presets:
 o_proj's tiles reduced at down's width (at TP 2 their o_proj and down plans have the same 32-column tiles); the MoE's
 down publishing under another tile index (hidden 64 is one 64-column tile).
@@ -69,7 +69,8 @@ M_TP = [
     ("core: ids asked of a plugin at TP", C / "runtime/dispatch.py",
      "self.coverage.sampling is not None and self.tp_size == 1", "self.coverage.sampling is not None"),
 ]
-GROUPS = [(M_KERNELS, "vendors/nvidia_mega/tests/test_kernels_tp.py"), (M_TP, "vendors/nvidia_mega/tests/test_tp.py")]
+GROUPS = [(M_KERNELS, "vendors/nvidia_mega/tests/test_mega_kernels_tp.py"),
+          (M_TP, "vendors/nvidia_mega/tests/test_mega_tp.py")]
 
 if __name__ == "__main__":
     src = ["core/src", "vendors/nvidia_mega/src", "contract_tests/src"]  # this checkout's, before the installed ones

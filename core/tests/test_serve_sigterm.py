@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx", reason="the serve tests need lowlat[serve] (httpx, fastapi, uvicorn)")
 
 START_S = 90.0
 
