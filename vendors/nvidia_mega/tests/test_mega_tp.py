@@ -19,7 +19,7 @@ if not pdl.interpreting():
 pytest.importorskip("lowlat.plugin.peer", reason="nvidia_mega at TP needs lowlat plugin API 4")
 
 from lowlat.cli import run as run_cli  # noqa: E402
-from lowlat_nvidia_mega.tp import FAULT_ENV  # noqa: E402
+from lowlat_nvidia_mega.tp import FAULT_ENV, TP_REDUCE_ENV  # noqa: E402
 
 
 def _run(capsys, model: str, plugin: str, *extra: str) -> tuple[int, list[list[int]], dict, str]:
@@ -43,6 +43,31 @@ def test_tp2_gives_the_general_paths_tokens_with_decode_on_the_plugin(capsys, mo
     assert rc == 0, err
     assert got == want
     assert stats["by_path"]["plugin"]["DECODE"]["steps"] == 5, stats["by_path"]  # 6 tokens: 1 prefill + 5 decode
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
+def test_the_nccl_variant_gives_the_same_tokens(capsys, monkeypatch, model: str) -> None:
+    """LOWLAT_MEGA_TP_REDUCE=nccl (the comparison row: partials stored, summed by torch.distributed, then the
+    residual add and the norm): the general path's tokens too, on the plugin, with two more torch.distributed sums
+    per layer and DECODE step on rank 0 (this process) than the default publishing."""
+    import torch.distributed as dist
+
+    rc, want, _, err = _run(capsys, model, "none")
+    assert rc == 0, err
+    calls = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    rc, got, _, err = _run(capsys, model, "nvidia_mega")
+    assert rc == 0 and got == want, err
+    publish_calls, calls[:] = len(calls), []
+    monkeypatch.setenv(TP_REDUCE_ENV, "nccl")
+    rc, got, stats, err = _run(capsys, model, "nvidia_mega")
+    assert rc == 0 and got == want, err
+    assert stats["by_path"]["plugin"]["DECODE"]["steps"] == 5, stats["by_path"]
+    assert len(calls) - publish_calls == 2 * 2 * 5, (len(calls), publish_calls)  # 2 layers, 5 DECODE steps
+    monkeypatch.setenv(TP_REDUCE_ENV, "nvls")
+    rc, _, _, err = _run(capsys, model, "nvidia_mega")
+    assert rc != 0 and f"{TP_REDUCE_ENV}='nvls': use one of publish, nccl" in err and "PluginBuildError" in err, err
 
 
 def test_a_rank_that_never_publishes_stops_the_run_naming_it(capsys, monkeypatch) -> None:

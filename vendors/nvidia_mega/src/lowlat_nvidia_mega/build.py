@@ -39,13 +39,13 @@ from lowlat_nvidia_mega.kernels.tuned_plans import (
     qkv_plan,
     tuned_switch,
 )
-from lowlat_nvidia_mega.tp import FAULT_ENV, open_tp
+from lowlat_nvidia_mega.tp import FAULT_ENV, TP_REDUCE_ENV, open_tp, tp_reduce_mode
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV)  # the user-facing switches (README "Switches")
+SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV, TP_REDUCE_ENV)  # user-facing (README "Switches")
 TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK", FAULT_ENV)  # read by the test suite only (FAULT_ENV: fault injection)
 
 
@@ -53,7 +53,7 @@ def check_switches() -> None:
     """Refuse, at build, what the switches read at each launch or step would refuse later, or would ignore: a
     ``LOWLAT_MEGA_*`` variable that names no switch (a misspelled switch would silently run, and measure, the
     default variant) and a value ``LOWLAT_MEGA_PREFETCH_ACT`` / ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` does
-    not parse.
+    not parse (``LOWLAT_MEGA_TP_REDUCE`` too).
 
     Raises:
         PluginBuildError: naming each unknown variable, the closest switch and the known ones, or the bad value.
@@ -64,7 +64,7 @@ def check_switches() -> None:
                  if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
                                f"Known: {', '.join(SWITCHES)}; unset the others")
-    for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch):
+    for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode):
         try:
             switch()
         except ValueError as e:

@@ -42,8 +42,7 @@ from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
-from lowlat_nvidia_mega.kernels.tp_reduce import reduce_rows
-from lowlat_nvidia_mega.tp import MegaTP
+from lowlat_nvidia_mega.tp import MegaTP, tp_reduce_mode
 
 MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
 MOE_TILE_N = MoEKernelConfig().down_block_n  # columns per tile the MoE's down publishes at TP (moe_forward's config)
@@ -231,8 +230,9 @@ class MegaForward:
 
     def _mlp(self, lw: LayerWeights, gu_in: torch.Tensor, gu_norm: torch.Tensor | None, x: torch.Tensor,
              use_pdl: bool, epilogue: str) -> None:
-        """gate_up (SwiGLU epilogue) into ``ws.act``, then down with ``epilogue`` ("residual": x += act @ Wd^T in
-        place; "publish": the partial goes to every rank, ``self.tp``)."""
+        """gate_up (SwiGLU epilogue) into ``ws.act``, then down into ``x`` with ``epilogue`` ("residual": x += act @
+        Wd^T in place; "publish": the partial goes to every rank, ``self.tp``; "none": the partial into ``x``, here
+        the TP partial buffer)."""
         ws, t = self.ws, x.shape[0]
         assert lw.gate_up is not None and lw.down is not None and ws.act is not None
         act = ws.act[:t]
@@ -250,21 +250,22 @@ class MegaForward:
         n_layers = len(self.layers)
         tp.embed(self.embed, batch.input_ids, x, site=2 * n_layers)
         h = ws.h[:t]
+        part = tp.part[:t] if tp_reduce_mode() == "nccl" and tp.part is not None else None  # else: publish
+        out, epi, peer = (x, "publish", tp.target) if part is None else (part, "none", None)
         for i, lw in enumerate(self.layers):
             self._attention(batch, i, lw, x if i == 0 else h, lw.input_norm if i == 0 else None, use_pdl)
-            gemm(ws.attn[:t], lw.o_proj, x, plan=plans["o_proj"], epilogue="publish", workspace=ws.gemm_ws,
-                 counters=ws.counters["o_proj"], use_pdl=use_pdl, peer=tp.target)
+            gemm(ws.attn[:t], lw.o_proj, out, plan=plans["o_proj"], epilogue=epi, workspace=ws.gemm_ws,
+                 counters=ws.counters["o_proj"], use_pdl=use_pdl, peer=peer)
             post = None if lw.is_moe else lw.post_norm  # the MoE's routing kernel normalizes x itself
-            reduce_rows(tp.target, x, tile_n=publish_tile_n(plans["o_proj"], t), site=2 * i, norm_weight=post,
-                        h=h if post is not None else None, eps=self.eps, use_pdl=use_pdl)
+            tp.finish(x, part, tile_n=publish_tile_n(plans["o_proj"], t), site=2 * i, norm_weight=post, h=h,
+                      eps=self.eps, use_pdl=use_pdl)
             if lw.is_moe:
-                self._moe(x, lw, use_pdl, publish=True)
+                self._moe(x, lw, use_pdl, publish=part is None, out=out)
             else:
-                self._mlp(lw, h, None, x, use_pdl, epilogue="publish")
+                self._mlp(lw, h, None, out, use_pdl, epilogue=epi)
             nxt = self.layers[i + 1].input_norm if i + 1 < n_layers else None
-            tile_n = MOE_TILE_N if lw.is_moe else publish_tile_n(plans["down"], t)
-            reduce_rows(tp.target, x, tile_n=tile_n, site=2 * i + 1, norm_weight=nxt,
-                        h=h if nxt is not None else None, eps=self.eps, use_pdl=use_pdl)
+            tp.finish(x, part, tile_n=MOE_TILE_N if lw.is_moe else publish_tile_n(plans["down"], t),
+                      site=2 * i + 1, norm_weight=nxt, h=h, eps=self.eps, use_pdl=use_pdl)
 
     def _prenorm_rows(self, t: int) -> torch.Tensor | None:
         """The [t, H] buffer of a prenorm step (each input norm in its own ``norm_rows`` launch, the GEMM after it
@@ -306,10 +307,13 @@ class MegaForward:
         return lm_head_sample(x, self.final_norm, self.lm_head, self.eps, temp, top_k, top_p, seeds, offsets, ids,
                               self.ws.head, pdl=use_pdl)  # type: ignore[arg-type]
 
-    def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool, publish: bool = False) -> None:
-        """x += MoE(post_norm(x)) in place, or (``publish``, at TP) this rank's partial MoE(...) published to every
-        rank for ``reduce_rows`` (tiles of ``MoEKernelConfig().down_block_n`` columns)."""
+    def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool, publish: bool = False,
+             out: torch.Tensor | None = None) -> None:
+        """x += MoE(post_norm(x)) in place; at TP (``out`` given) this rank's partial MoE(...) instead: published to
+        every rank for ``reduce_rows`` (``publish``: tiles of ``MoEKernelConfig().down_block_n`` columns), or
+        written to ``out`` ("nccl" mode)."""
         c = self.config
         peer = self.tp.target if publish and self.tp is not None else None
-        moe_forward(x, x if peer is None else None, lw.post_norm, self.eps, lw.router, lw.w13, lw.w2,
-                    c.num_experts_per_tok, c.norm_topk_prob, x, self.ws.moe, pdl=use_pdl, peer=peer)
+        moe_forward(x, x if out is None else None, lw.post_norm, self.eps, lw.router, lw.w13, lw.w2,
+                    c.num_experts_per_tok, c.norm_topk_prob, x if out is None else out, self.ws.moe, pdl=use_pdl,
+                    peer=peer)

@@ -25,12 +25,33 @@ from typing import Any
 
 import torch
 
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget
+from lowlat_nvidia_mega.kernels.tp_reduce import reduce_rows
 
 PEER_BLOCK = 16  # elements per flag tile: 8 x H elements then give H / 2 tiles, the one-row GEMV's narrowest grid
 # Fault injection (tests): the row-parallel GEMMs of this rank store their tiles but never release the flags, so every
 # rank's reduce gives up at its deadline and the engine raises PeerWaitTimeout naming this rank.
 FAULT_ENV = "LOWLAT_MEGA_FAULT_NO_PUBLISH"
+# How the row-parallel outputs are summed: "publish" (default: the epilogues publish, reduce_rows sums) or "nccl"
+# (the GEMMs store this rank's partial, torch.distributed sums it, then the residual add and the next norm run as
+# their own launches): the comparison the issue asks for. Read at each step; a CUDA graph keeps its variant.
+TP_REDUCE_ENV = "LOWLAT_MEGA_TP_REDUCE"
+TP_REDUCE_MODES = ("publish", "nccl")
+
+
+def tp_reduce_mode() -> str:
+    """``LOWLAT_MEGA_TP_REDUCE`` read now: "publish" (unset, empty or "default") or "nccl".
+
+    Raises:
+        ValueError: any other value, naming the variable and the modes.
+    """
+    v = os.environ.get(TP_REDUCE_ENV, "").strip().lower()
+    if v in ("", "default"):
+        return "publish"
+    if v not in TP_REDUCE_MODES:
+        raise ValueError(f"{TP_REDUCE_ENV}={v!r}: use one of {', '.join(TP_REDUCE_MODES)} (or unset it for publish)")
+    return v
 
 
 @dataclass
@@ -40,13 +61,31 @@ class MegaTP:
     Attributes:
         tp: ``lowlat.plugin.peer.TPInfo`` (rank, size, group). target: the PeerTarget of the row-parallel GEMMs
         (``binding.peer_buffers``: capacity 8 x hidden_size, the model dtype). vocab_size: V; vocab_start: this
-        rank's first vocabulary row.
+        rank's first vocabulary row. part: [8, H] this rank's partial of a row-parallel output ("nccl" mode).
     """
 
     tp: Any
     target: PeerTarget
     vocab_size: int
     vocab_start: int
+    part: torch.Tensor | None = None
+
+    def finish(self, x: torch.Tensor, part: torch.Tensor | None, *, tile_n: int, site: int,
+               norm_weight: torch.Tensor | None, h: torch.Tensor, eps: float, use_pdl: bool) -> None:
+        """End a row-parallel projection: ``x += sum over ranks`` of its partials, then ``h = RMSNorm(x)`` with a
+        norm weight. ``part`` None: the GEMM published its tiles (``reduce_rows``, tiles of ``tile_n`` columns,
+        error record ``site``); else ``part`` [T, H] holds this rank's partial, summed by ``torch.distributed``
+        ("nccl" mode), then added and normalized in their own launches (the same roundings)."""
+        if part is None:
+            reduce_rows(self.target, x, tile_n=tile_n, site=site, norm_weight=norm_weight,
+                        h=h if norm_weight is not None else None, eps=eps, use_pdl=use_pdl)
+            return
+        import torch.distributed as dist
+
+        dist.all_reduce(part, group=self.tp.group)
+        x.add_(part)
+        if norm_weight is not None:
+            norm_rows(x, norm_weight, eps, h, use_pdl=use_pdl)
 
     def embed(self, embed: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, site: int) -> None:
         """x [T, H] = the embedding rows of ``ids`` [T] (int64): this rank's rows, zero for ids it does not hold,
@@ -87,5 +126,6 @@ def open_tp(binding: Any, hidden: int, max_rows: int, dtype: torch.dtype) -> Meg
     bufs = binding.peer_buffers(max_rows * hidden, dtype, block=PEER_BLOCK)
     v = binding.model_config.vocab_size
     v_l = -(-v // binding.tp_size)
+    part = binding.alloc_workspace("nvidia_mega.tp_part", (max_rows, hidden), dtype)
     return MegaTP(tp=binding.tp, target=PeerTarget(bufs, publish=silent != str(binding.tp_rank)), vocab_size=v,
-                  vocab_start=binding.tp_rank * v_l)
+                  vocab_start=binding.tp_rank * v_l, part=part)
