@@ -88,7 +88,7 @@ def test_the_all_reduce_alone_both_ways(run):
             f = z[f"{way}_us"]
             assert 0 < f["p10"] <= f["median"] <= f["p90"] and f["n"] == 2 and f["calls_per_sample"] == 1
             assert len(z[f"{way}_rank_median_us"]) == 2 and z[f"{way}_rank_median_us"][0] == f["median"]
-    assert "| 1 x 64 | 128 |" in md and "| 4 KiB | 4096 |" in md
+    assert "| 1 x 64 | 128 |" in md and "| 4 KiB | 4096 |" in md and "| gloo median us |" in md
 
 
 def test_select_rows_keeps_the_order_and_makes_unknown_names_plugins():

@@ -119,10 +119,11 @@ def render_markdown(res: dict[str, Any]) -> str:
         if r["per_layer_note"]:
             notes.append(f"{r['path']} b={r['batch_size']}: {r['per_layer_note']}")
     ar = res.get("all_reduce")
+    lib = "NCCL" if res["meta"].get("gpus") else "gloo"  # torch.distributed.all_reduce's backend
     if ar:
         lines += ["", f"All-reduce alone ({ar['dtype']}, hidden {ar['hidden']}; us per call, rank 0; on CUDA a graph "
                   f"of {res['settings']['ar_calls']} calls per sample):", "",
-                  "| message | bytes | NCCL median us | NCCL p10-p90 | peer median us | peer p10-p90 | faster |",
+                  f"| message | bytes | {lib} median us | {lib} p10-p90 | peer median us | peer p10-p90 | faster |",
                   "|---|---:|---:|---:|---:|---:|---|"]
         for z in ar["sizes"]:
             cells = []
