@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
             "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
             "SPEC_ADAPTIVE", "MUTANTS",
-            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP", "ATTN_IN_LAYER")}, "steps": records}, indent=1))
+            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP", "ATTN_IN_LAYER", "TP", "TP_PATHS",
+            "BATCH_SIZES")}, "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
           f"{len(records)} steps ok")

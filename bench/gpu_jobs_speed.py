@@ -123,5 +123,43 @@ def general_speed(o: Options) -> list[Step]:
                  f"general_speed_{m}.txt", r"\|") for m in o.models]
 
 
+TP_LIMIT_S = {"llama-3.2-1b": 300, "qwen3-30b-a3b": 560}  # per model; others 400 (not timed yet: estimates)
+
+
+def tp_bench(o: Options) -> list[Step]:
+    """Issue 22, on a machine of 2 GPUs (``nvidia-h200-x2`` or ``nvidia-h100-x2``): per-layer DECODE latency at TP 2,
+    batch 1 and 8, context 1024, per row of bench/scripts/tp_bench.py (general over NCCL, general-peer,
+    nvidia_mega with epilogue publishing, nvidia_mega-nccl, amd_mono in-kernel; ``TP_PATHS`` overrides), rank 0's
+    medians side by side with the ratio to general, and the all-reduce alone (NCCL against the one-shot peer, T x
+    hidden and 4-64 KiB messages, µs per call in CUDA graphs). Run it with ``--models llama-3.2-1b`` and
+    ``--models qwen3-30b-a3b`` in separate device calls (limits 300 and 560 s, estimates: ten ModelRunner builds
+    per model). ``TP`` sets the ranks (2)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    paths = os.environ.get("TP_PATHS", "general,general-peer,nvidia_mega,nvidia_mega-nccl,amd_mono")
+    return [Step(f"tp-bench {m}", TP_LIMIT_S.get(m, 400),
+                 [PY, "bench/scripts/tp_bench.py", "--model", m, "--tp", os.environ.get("TP", "2"), "--device", "cuda",
+                  "--paths", paths, "--batch-sizes", os.environ.get("BATCH_SIZES", "1,8"), "--context", "1024",
+                  "--layer-depth", "4", "--stall-s", "300", "--timeout-s", str(TP_LIMIT_S.get(m, 400) - 20),
+                  "--out", f"{out}/tp_bench_{slug(m)}"], f"tp_bench_{slug(m)}.txt",
+                 r"^\||^- |error|rank \d")
+            for m in o.models]
+
+
+def tp_serve(o: Options) -> list[Step]:
+    """Issue 22's serving side, on a machine of 2 GPUs (``nvidia-h200-x2`` or ``nvidia-h100-x2``): ``lowlat bench
+    serve`` per-user decode speed at TP 2 (``--serve-arg=--tp=2`` reaches every ``lowlat serve`` it starts),
+    concurrency 1-8, the general path and each plugin (ratios to general); one device call per model (560 s).
+    ``INPUT_LEN`` / ``OUTPUT_LEN`` / ``REQUESTS`` / ``CONCURRENCY`` tune it, ``TP`` sets the ranks (2)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    tp = os.environ.get("TP", "2")
+    return [Step(f"tp-serve {m}", 560,
+                 [*LOWLAT, "bench", "serve", "--paths", ",".join(["general", *o.plugins]), "--model", m, "--device",
+                  "cuda", "--input-len", os.environ.get("INPUT_LEN", "8192"), "--output-len",
+                  os.environ.get("OUTPUT_LEN", "1024"), "--concurrency", os.environ.get("CONCURRENCY", "1,2,4,8"),
+                  "--requests", os.environ.get("REQUESTS", "8"), f"--serve-arg=--tp={tp}", "--out",
+                  f"{out}/tp_serve_{slug(m)}"], f"tp_serve_{slug(m)}.txt", r"\||ratio|skipped|error")
+            for m in o.models]
+
+
 SPEED_JOBS = {"general-tests": general_tests, "general-speed": general_speed, "e2e-tpot": e2e_tpot,
-              "gpt-fast": gpt_fast, "drift": drift, "phases": phases}
+              "gpt-fast": gpt_fast, "drift": drift, "phases": phases, "tp-bench": tp_bench, "tp-serve": tp_serve}
