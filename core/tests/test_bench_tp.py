@@ -99,14 +99,6 @@ def test_select_rows_keeps_the_order_and_makes_unknown_names_plugins():
         select_rows([])
 
 
-def test_a_row_whose_switch_the_plugin_never_reads_is_skipped():
-    from lowlat.bench.tp_rank import unread_env
-
-    assert unread_env("none", {"LOWLAT_TP_TIMEOUT": "1"}) is None  # core reads it
-    why = unread_env("nvidia_mega", {"LOWLAT_NO_SUCH_SWITCH": "1"})
-    assert "nvidia_mega does not read LOWLAT_NO_SUCH_SWITCH" in why
-
-
 DIED = r"^rank 1 exited \(exit code 3\) before finishing"
 HUNG = r"rank\(s\) 0, 1 sent nothing for 4 s: a hung rank .*rank 1 last said: nothing"
 
