@@ -38,7 +38,7 @@ for dt in ("bf16", "fp32"):
         build(_qk_norm_rope_kv_kernel, sig, {"NUM_Q": 32, "NUM_KV": 4, "HEAD_DIM": 128, "HALF_BLOCK": 64,
                                              "HAS_NORM": norm}, num_warps=1)
     build(_silu_mul_kernel, {"x_ptr": p, "out_ptr": p, "stride_x": "i32", "stride_o": "i32", "n_cols": "i32",
-                             "BLOCK": "constexpr"}, {"BLOCK": 1024})
+                             "BLOCK": "constexpr", "PRECISE_EXP": "constexpr"}, {"BLOCK": 1024, "PRECISE_EXP": True})
     build(_moe_gate_up_kernel, {"x_ptr": p, "ids_ptr": "*i64", "w13_ptr": p, "act_ptr": p, "stride_x": "i32",
                                 "stride_we": "i32", "stride_wn": "i32", "stride_a": "i32", "HIDDEN": "i32",
                                 "INTER": "i32", "TOP_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},

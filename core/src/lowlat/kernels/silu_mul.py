@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from lowlat.kernels._launch import check_cpu_launch, check_row_major
 
@@ -29,14 +30,18 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PRECISE_EXP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
     dtype = out_ptr.dtype.element_ty
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n_cols + offs, mask=mask, other=0.0)
-    s = (g / (1.0 + tl.exp(-g))).to(dtype)
+    if PRECISE_EXP:  # a GPU: tl.exp is the approximate ex2-based exp there (10 ulps from torch seen in float32)
+        e = libdevice.exp(-g)
+    else:  # the interpreter (no libdevice there): numpy's exp, already precise
+        e = tl.exp(-g)
+    s = (g / (1.0 + e)).to(dtype)
     y = (s.to(tl.float32) * u.to(tl.float32)).to(dtype)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
@@ -65,5 +70,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out
     _silu_mul_kernel[(t, triton.cdiv(inter, _BLOCK))](x, out, x.stride(0), out.stride(0), inter, BLOCK=_BLOCK,
+                                                     PRECISE_EXP=x.device.type != "cpu",
                                                      num_warps=4, enable_fp_fusion=False)
     return out
