@@ -22,11 +22,13 @@ def _run(cmd: list[str], cwd: Path | None = None) -> tuple[int, str]:
 
 
 def git_commit() -> dict[str, Any]:
-    """``git rev-parse HEAD`` of the working directory (else of the lowlat sources) and whether tracked files differ.
+    """``git rev-parse HEAD`` of the lowlat sources' repository (an editable install), else of the working directory
+    (an installed wheel run from a checkout), and whether tracked files differ. The sources come first: a benchmark
+    started from another repository's directory would otherwise be labelled with that repository's commit.
 
     Read-only: ``git diff-index`` compares without touching the index. Values are None outside a repository.
     """
-    for cwd in (Path.cwd(), Path(__file__).resolve().parent):
+    for cwd in (Path(__file__).resolve().parent, Path.cwd()):
         rc, sha = _run(["git", "rev-parse", "HEAD"], cwd)
         if rc == 0 and sha:
             rc_dirty, _ = _run(["git", "diff-index", "--quiet", "HEAD", "--"], cwd)

@@ -133,7 +133,7 @@ def render_markdown(res: dict[str, Any]) -> str:
                 if z.get(f"{way}_error"):
                     notes.append(f"all-reduce {way} {z['label']}: {z[f'{way}_error']}")
             both = z.get("nccl_us") and z.get("peer_us")
-            best = ("nccl" if z["nccl_us"]["median"] <= z["peer_us"]["median"] else "peer") if both else "-"
+            best = (lib if z["nccl_us"]["median"] <= z["peer_us"]["median"] else "peer") if both else "-"
             lines.append(f"| {z['label']} | {z['bytes']} | {' | '.join(cells)} | {best} |")
         if ar.get("peer_error"):
             notes.append(f"peer all-reduce: {ar['peer_error']}")

@@ -20,7 +20,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", type=dtype_name, default=None,
                    help="evaluate dtype requirements for this dtype (bf16 etc. accepted; default: auto, as lowlat "
-                        "run computes: float32 on a CPU, the model's dtype on a GPU, not checked without --model)")
+                        "run computes: float32 on a CPU, the model's dtype on a GPU, which needs --model there)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to evaluate (default 1)")
     p.add_argument("--page-size", type=int, default=16, help="KV page size to evaluate (default 16)")
     p.set_defaults(func=run)
@@ -68,7 +68,7 @@ def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None
             skipped = [r.requirement for r in trace.results if r.status == "skip"]
             specs.append({
                 "architecture": spec.architecture,
-                "coverage": spec.coverage.describe(),
+                "coverage": spec.coverage.describe() + _TP_IDS * (engine.tp_size > 1 and bool(spec.coverage.sampling)),
                 "requirements": _requirements(spec),
                 "guard": "fail" if not trace.passed else "not checked" if skipped else "pass",
                 "not_checked": skipped,
@@ -81,6 +81,9 @@ def collect(registry: PluginRegistry, platform: Any, engine: EngineConfig | None
         })
     return {"core_version": registry.core_version, "platform": platform.describe(), "platform_kind": platform.kind,
             "model": model.architecture if model is not None else None, "plugins": plugins}
+
+
+_TP_IDS = "; at this TP size the engine samples itself (plugins return ids at tp 1 only)"
 
 
 def _requirements(spec: Any) -> dict[str, Any]:

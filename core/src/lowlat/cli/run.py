@@ -234,8 +234,10 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
     dtype, ckpt = str(runner.dtype).removeprefix("torch."), engine.model_config.torch_dtype
     if engine.config.dtype == "auto" and ckpt and ckpt != dtype:  # e.g. a bf16 checkpoint on a CPU
         dtype += f" (the checkpoint's {ckpt}" + (f"; --dtype {ckpt} keeps it)" if ckpt in DTYPES else ")")
+    tp = engine.config.tp_size
+    reduce = f" (general path all-reduce: {engine.config.all_reduce})" if tp > 1 else ""
     console.print(Text(f"model {engine.config.model} ({engine.model_config.architecture}) on {runner.device}, "
-                       f"{dtype}, tp={engine.config.tp_size}, "
+                       f"{dtype}, tp={tp}{reduce}, "
                        f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
                        f"overlapped loop {'on' if getattr(engine, 'overlap', None) is not None else 'off'}"))
     path = runner.plugin_host.describe(engine.config.plugin)  # lowlat serve prints the same at startup
