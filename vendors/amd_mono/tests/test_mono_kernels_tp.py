@@ -18,37 +18,12 @@ import torch.nn.functional as F  # noqa: E402
 from lowlat.layers.norm import rms_norm  # noqa: E402
 from lowlat.runtime.peer_buffers import PeerWaitTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
+from tp_testutil import general_reduce as _general_reduce  # noqa: E402
 from tp_testutil import make_ranks, run_stages  # noqa: E402
+from tp_testutil import set_inputs as _inputs  # noqa: E402
 
 S_O = (P.S_OPROJ, P.S_RED_O)
 S_MLP = (P.S_MLP1, P.S_MLP2, P.S_RED_D)
-
-
-def _inputs(fwds, rows: int, dtype: torch.dtype, seed: int, integer: bool = False):
-    """The same residual x on every rank, each rank's own attention output; returns (x0, [ao_r])."""
-    g = torch.Generator().manual_seed(seed)
-    h, ko = fwds[0].dims.hidden, fwds[0].attn_out.shape[1]
-    if integer:
-        x0 = (torch.randint(-64, 65, (rows, h), generator=g) / 16).to(dtype)
-        aos = [torch.randint(-16, 17, (rows, ko), generator=g).to(dtype) for _ in fwds]
-    else:
-        x0 = torch.randn(rows, h, generator=g).to(dtype)
-        aos = [torch.randn(rows, ko, generator=g).to(dtype) for _ in fwds]
-    for fwd, ao in zip(fwds, aos):
-        fwd.x[:rows] = x0
-        fwd.attn_out[:rows] = ao
-        for t in (fwd.q, fwd.kv_pool.k_buffers[0], fwd.kv_pool.v_buffers[0]):  # for the tests that run attention
-            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
-    return x0, aos
-
-
-def _general_reduce(res: torch.Tensor, partials: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The general path: each partial rounded (F.linear's output), the fp32 rank-order sum rounded once, the
-    residual added and rounded."""
-    acc = partials[0].to(dtype).float()
-    for p in partials[1:]:
-        acc = acc + p.to(dtype).float()
-    return (res.float() + acc.to(dtype).float()).to(dtype)
 
 
 @pytest.mark.parametrize("world,rows,dtype", [(2, 3, torch.bfloat16), (4, 1, torch.bfloat16), (2, 8, torch.float32),
@@ -199,21 +174,25 @@ def test_a_rank_that_never_publishes_stops_every_rank_naming_it() -> None:
 
 
 def test_specs_build_and_options_at_tp(monkeypatch) -> None:
-    """Dense architectures at tp_size 1/2/4/8 (plugin API 4), Qwen3-MoE at 1; build refuses MoE at TP naming the fix;
-    one_launch has no TP form; the fault switch is a known LOWLAT_MONO_ variable, a misspelling of it is not."""
-    from types import SimpleNamespace
+    """Every architecture (Qwen3-MoE too) at tp_size 1/2/4/8 (plugin API 4); a rank's sizes split the experts'
+    intermediate dim, and one the TP size does not divide is refused; one_launch has no TP form; the fault switch is
+    a known LOWLAT_MONO_ variable, a misspelling of it is not."""
+    import dataclasses
 
     from lowlat.loader.presets import get_preset
-    from lowlat.plugin import PluginBuildError
-    from lowlat_amd_mono.build import build
     from lowlat_amd_mono.kernels.launch import MonoOptions
     from lowlat_amd_mono.specs import model_specs
     from lowlat_amd_mono.tp import FAULT_ENV
 
     tps = {s.architecture: s.requirements.tp_sizes for s in model_specs()}
-    assert tps == {"LlamaForCausalLM": {1, 2, 4, 8}, "Qwen3ForCausalLM": {1, 2, 4, 8}, "Qwen3MoeForCausalLM": {1}}
-    with pytest.raises(PluginBuildError, match=r"tp_size 1 only .*got tp_size=2; use --tp 1 or --plugin none"):
-        build(SimpleNamespace(tp_size=2, model_config=get_preset("tiny-qwen3-moe")))
+    assert tps == {"LlamaForCausalLM": {1, 2, 4, 8}, "Qwen3ForCausalLM": {1, 2, 4, 8},
+                   "Qwen3MoeForCausalLM": {1, 2, 4, 8}}
+    moe = get_preset("tiny-qwen3-moe")
+    dm = P.Dims.from_config(moe, 4)
+    assert (dm.moe_inter, dm.experts, dm.topk, dm.inter) == (moe.moe_intermediate_size // 4, moe.num_experts,
+                                                             moe.num_experts_per_tok, moe.intermediate_size // 4)
+    with pytest.raises(ValueError, match="moe_intermediate_size=30"):
+        P.Dims.from_config(dataclasses.replace(moe, moe_intermediate_size=30), 4)
     with pytest.raises(ValueError, match="one_launch has no TP form"):
         make_ranks(2, 1, torch.bfloat16, one_launch=True)
     monkeypatch.setenv(FAULT_ENV, "1")

@@ -1,8 +1,8 @@
 """amd_mono at tp_size 2 end to end on CPU (``lowlat run --tp 2``: rank 1 a spawned gloo worker, the kernels under
 the Triton interpreter stage by stage, the peer buffers in /dev/shm): the same greedy tokens as the general path at
-TP 2, its DECODE steps on the plugin; a rank that never publishes (LOWLAT_MONO_FAULT_NO_PUBLISH) stops the run
-within the step deadline with the rank, the peer and the call site named; the MoE model refused at TP before any
-weight loads. Run with TRITON_INTERPRET=1.
+TP 2, its DECODE steps on the plugin, for the dense presets and Qwen3-MoE; a rank that never publishes
+(LOWLAT_MONO_FAULT_NO_PUBLISH) stops the run within the step deadline with the rank, the peer and the call site named.
+Run with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _run(capsys, model: str, plugin: str, *extra: str) -> tuple[int, list[list[i
     return rc, [ln["token_ids"] for ln in lines if ln["type"] == "completion"], stats, cap.err
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
 def test_tp2_gives_the_general_paths_tokens_with_decode_on_the_plugin(capsys, model: str) -> None:
     rc, want, _, err = _run(capsys, model, "none")
     assert rc == 0, err
@@ -65,6 +65,10 @@ def test_a_fault_switch_naming_no_rank_is_refused(capsys, monkeypatch, value: st
     assert rc != 0 and f"{FAULT_ENV}=" in err and ("must name a rank in [0, 2)" in err or "must be a rank" in err), err
 
 
-def test_the_moe_model_is_refused_at_tp_before_loading(capsys) -> None:
-    rc, _, _, err = _run(capsys, "tiny-qwen3-moe", "amd_mono")
-    assert rc != 0 and "tp_size" in err and "UnsupportedConfiguration" in err, err
+def test_the_moe_model_runs_at_tp_on_the_plugin_and_a_silent_rank_is_named(capsys, monkeypatch) -> None:
+    """tiny-qwen3-moe at TP 2 is no longer refused (it builds and its DECODE steps take the plugin, above); with rank
+    1's publishes held back, its first reduce (layer 0's o_proj, site 0) gives up and the run names rank 1."""
+    monkeypatch.setenv(FAULT_ENV, "1")
+    rc, _, _, err = _run(capsys, "tiny-qwen3-moe", "amd_mono", "--step-timeout", "4")
+    assert rc != 0 and "UnsupportedConfiguration" not in err, err
+    assert "PeerWaitTimeout" in err and "rank 1's push" in err and "site 0" in err, err

@@ -20,11 +20,12 @@ from lowlat_amd_mono.tp import MonoTP
 MAX_CTX = 64
 
 
-def config(world: int) -> ModelConfig:
-    """tiny-llama, with 6 query / 3 KV heads and a 96-wide MLP where 3 ranks must divide them."""
-    cfg = get_preset("tiny-llama")
-    return dataclasses.replace(cfg, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96) \
-        if world == 3 else cfg
+def config(world: int, model: str = "tiny-llama") -> ModelConfig:
+    """``model`` (tiny-llama or tiny-qwen3-moe), with 6 query / 3 KV heads, a 96-wide MLP and 48-wide experts where
+    3 ranks must divide them."""
+    cfg = get_preset(model)
+    return dataclasses.replace(cfg, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96,
+                               moe_intermediate_size=48 if cfg.num_experts else 0) if world == 3 else cfg
 
 
 def rank_params(cfg: ModelConfig, world: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -36,8 +37,15 @@ def rank_params(cfg: ModelConfig, world: int, dtype: torch.dtype, seed: int) -> 
     for i in range(dm.layers):
         p = f"model.layers.{i}."
         shapes |= {p + "input_layernorm.weight": (h,), p + "self_attn.qkv_proj.weight": (dm.qkv_rows, h),
-                   p + "self_attn.o_proj.weight": (h, dm.heads * d), p + "post_attention_layernorm.weight": (h,),
-                   p + "mlp.gate_up_proj.weight": (2 * dm.inter, h), p + "mlp.down_proj.weight": (h, dm.inter)}
+                   p + "self_attn.o_proj.weight": (h, dm.heads * d), p + "post_attention_layernorm.weight": (h,)}
+        if dm.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if dm.moe_layers[i]:
+            e, im = dm.experts, dm.moe_inter
+            shapes |= {p + "mlp.gate.weight": (e, h), p + "mlp.experts.w13_weight": (e, 2 * im, h),
+                       p + "mlp.experts.w2_weight": (e, h, im)}
+        else:
+            shapes |= {p + "mlp.gate_up_proj.weight": (2 * dm.inter, h), p + "mlp.down_proj.weight": (h, dm.inter)}
     out = {}
     for k, shp in shapes.items():
         t = torch.rand(shp, generator=g) + 0.5 if len(shp) == 1 else torch.randn(shp, generator=g) / shp[-1] ** 0.5
@@ -52,10 +60,11 @@ def _batch(rows: int) -> ForwardBatch:
 
 
 def make_ranks(world: int, rows: int, dtype: torch.dtype, *, deadline: int | None = None,
-               silent: int | None = None, seed: int = 0, **opts) -> tuple[list[MonoForward], list[PeerBuffers]]:
-    """``world`` MonoForwards (stage-per-launch mode; ``opts``: more MonoOptions) over simulated peer buffers;
-    ``silent``: the rank that stores its tiles but never releases its flags (fault injection)."""
-    cfg = config(world)
+               silent: int | None = None, seed: int = 0, model: str = "tiny-llama",
+               **opts) -> tuple[list[MonoForward], list[PeerBuffers]]:
+    """``world`` MonoForwards of ``model`` (stage-per-launch mode; ``opts``: more MonoOptions) over simulated peer
+    buffers; ``silent``: the rank that stores its tiles but never releases its flags (fault injection)."""
+    cfg = config(world, model)
     bufs = PeerBuffers.simulated(world, P.MAX_ROWS * cfg.hidden_size, dtype, block=16, deadline=deadline)
     v_l = -(-cfg.vocab_size // world)
     fwds = []
@@ -66,23 +75,61 @@ def make_ranks(world: int, rows: int, dtype: torch.dtype, *, deadline: int | Non
         def alloc(name, shape, dt):
             return torch.zeros(shape, dtype=dt)
 
-        fwd = MonoForward(model_config=cfg, params=rank_params(cfg, world, dtype, seed * 100 + r), dtype=dtype,
-                          device=torch.device("cpu"), alloc_workspace=alloc, max_context_len=MAX_CTX,
-                          options=MonoOptions(**{"staged": True, **opts}), tp=tp)
-        dm = fwd.dims
-        fwd.attach_kv_pool(KVPool(num_layers=dm.layers, num_pages=8, page_size=4, num_kv_heads=dm.kv_heads,
-                                  head_dim=dm.head_dim, dtype=dtype, device=torch.device("cpu"), max_reqs=8,
-                                  max_context_len=MAX_CTX))
-        fwds.append(fwd)
+        fwds.append(make_forward(cfg, rank_params(cfg, world, dtype, seed * 100 + r), dtype, tp, **opts))
     return fwds, bufs
 
 
+def make_forward(cfg: ModelConfig, params: dict[str, torch.Tensor], dtype: torch.dtype, tp: MonoTP | None,
+                 **opts) -> MonoForward:
+    """A MonoForward over ``params`` on CPU (stage-per-launch mode unless ``opts`` say otherwise), its KV pool
+    attached; ``tp`` None: tp_size 1."""
+
+    def alloc(name, shape, dt):
+        return torch.zeros(shape, dtype=dt)
+
+    fwd = MonoForward(model_config=cfg, params=params, dtype=dtype, device=torch.device("cpu"), alloc_workspace=alloc,
+                      max_context_len=MAX_CTX, options=MonoOptions(**{"staged": True, **opts}), tp=tp)
+    dm = fwd.dims
+    fwd.attach_kv_pool(KVPool(num_layers=dm.layers, num_pages=8, page_size=4, num_kv_heads=dm.kv_heads,
+                              head_dim=dm.head_dim, dtype=dtype, device=torch.device("cpu"), max_reqs=8,
+                              max_context_len=MAX_CTX))
+    return fwd
+
+
 def run_stages(fwds: list[MonoForward], stages: tuple[int, ...], rows: int, layer: int = 0) -> None:
-    """Launch each of ``stages`` of layer ``layer``'s K2 on every rank, rank after rank, stage after stage."""
+    """Launch each of ``stages`` of layer ``layer``'s K2 on every rank, rank after rank, stage after stage (a
+    tp_size 1 forward runs its own K2)."""
     batch = _batch(rows)
     for s in stages:
         for fwd in fwds:
             shape = fwd.plan.step_shape(rows, 1)
             name, kernel, items, args, meta = fwd.k2_launch(layer, batch, shape)
-            assert name == "k2_attn_out_mlp_tp" and s in items
+            assert name.endswith("_tp") == (fwd.tp is not None) and s in items
             kernel[(items[s],)](*args, STAGE=s, **meta, num_warps=4, num_stages=1)
+
+
+def set_inputs(fwds, rows: int, dtype: torch.dtype, seed: int, integer: bool = False):
+    """The same residual x on every rank, each rank's own attention output; returns (x0, [ao_r])."""
+    g = torch.Generator().manual_seed(seed)
+    h, ko = fwds[0].dims.hidden, fwds[0].attn_out.shape[1]
+    if integer:
+        x0 = (torch.randint(-64, 65, (rows, h), generator=g) / 16).to(dtype)
+        aos = [torch.randint(-16, 17, (rows, ko), generator=g).to(dtype) for _ in fwds]
+    else:
+        x0 = torch.randn(rows, h, generator=g).to(dtype)
+        aos = [torch.randn(rows, ko, generator=g).to(dtype) for _ in fwds]
+    for fwd, ao in zip(fwds, aos):
+        fwd.x[:rows] = x0
+        fwd.attn_out[:rows] = ao
+        for t in (fwd.q, fwd.kv_pool.k_buffers[0], fwd.kv_pool.v_buffers[0]):  # for the tests that run attention
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+    return x0, aos
+
+
+def general_reduce(res: torch.Tensor, partials: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The general path: each partial rounded (F.linear's output), the fp32 rank-order sum rounded once, the
+    residual added and rounded."""
+    acc = partials[0].to(dtype).float()
+    for p in partials[1:]:
+        acc = acc + p.to(dtype).float()
+    return (res.float() + acc.to(dtype).float()).to(dtype)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lowlat.plugin import PluginBuildError
 
 from lowlat_amd_mono.forward import MonoForward
 from lowlat_amd_mono.kernels.launch import MonoOptions, is_interpreted
@@ -19,22 +18,17 @@ from lowlat_amd_mono.tp import open_tp
 def build(binding: Any) -> MonoForward:
     """Build the plugin forward from a ``PluginBinding``.
 
-    At tp_size > 1 (dense models, plugin API 4) the params are this rank's shards, and build opens the TP group's
-    peer buffers (``tp.open_tp``, a collective: every rank builds).
+    At tp_size > 1 (plugin API 4; dense and MoE models) the params are this rank's shards, and build opens the TP
+    group's peer buffers (``tp.open_tp``, a collective: every rank builds).
 
     Raises:
-        PluginBuildError: a MoE model at tp_size > 1 (naming the fix), or as ``tp.open_tp`` (a core without plugin
-            API 4, a bad ``LOWLAT_MONO_FAULT_NO_PUBLISH``, peer buffers that could not be opened).
+        PluginBuildError: as ``tp.open_tp`` (a core without plugin API 4, a bad ``LOWLAT_MONO_FAULT_NO_PUBLISH``,
+            peer buffers that could not be opened).
         ValueError: a CPU device without ``TRITON_INTERPRET=1``, parameters missing or of the wrong shape, an
             unsupported RoPE scaling, or ``one_launch`` at tp_size > 1.
     """
     mc = binding.model_config
-    tp = None
-    if binding.tp_size != 1:
-        if mc.is_moe:
-            raise PluginBuildError(f"amd_mono runs {mc.architecture} at tp_size 1 only (its MoE does not publish "
-                                   f"across ranks), got tp_size={binding.tp_size}; use --tp 1 or --plugin none")
-        tp = open_tp(binding, mc.hidden_size, binding.dtype)
+    tp = open_tp(binding, mc.hidden_size, binding.dtype) if binding.tp_size != 1 else None
     device = torch.device(binding.device)
     from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 

@@ -5,9 +5,10 @@ all of them (``kernels.step``, option ``one_launch``) or, per layer (the default
 (``k2_attn_out_mlp``); then ``head_kernel``. The residual stream lives in the workspace ``x [8, H]`` between
 launches. Everything a launch reads comes from device tensors, so a captured CUDA graph replays correctly
 with new inputs and a new tag. A missed deadline inside a launch is reported by ``check_errors`` (eager steps
-check after every step; captured steps are checked at the next ``prepare_for_replay``). At tp_size > 1 (dense
-models, ``lowlat_amd_mono.tp``) K2 is ``kernels.k2_tp``'s: o_proj and down publish to every rank and two reduce
-stages of the same launch sum the ranks; the embedding is all-reduced and the logits gathered.
+check after every step; captured steps are checked at the next ``prepare_for_replay``). At tp_size > 1
+(``lowlat_amd_mono.tp``) K2 is ``kernels.k2_tp``'s (dense layers) or ``kernels.k2_moe_tp``'s (MoE layers): o_proj and
+down (the expert down) publish to every rank and two reduce stages of the same launch sum the ranks; the embedding is
+all-reduced and the logits gathered.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.embed_head import embed_kernel, head_kernel
 from lowlat_amd_mono.kernels.k1_attn_in import k1_attn_in_kernel
 from lowlat_amd_mono.kernels.k2_attn_out_mlp import k2_dense_kernel, k2_moe_kernel
+from lowlat_amd_mono.kernels.k2_moe_tp import k2_moe_tp_kernel
 from lowlat_amd_mono.kernels.k2_tp import k2_dense_tp_kernel
 from lowlat_amd_mono.kernels.launch import MonoOptions, StageRunner, is_interpreted
 from lowlat_amd_mono.kernels.step import WTAB_COLS, step_dense_kernel, step_moe_kernel
@@ -66,7 +68,7 @@ class MonoForward:
         (resolved from the environment when None); tp: this rank's ``MonoTP`` at tp_size > 1 (``tp.open_tp``).
     Raises:
         ValueError: a missing parameter or one of the wrong shape, a head_dim that is not a power of two >= 16, or
-            at TP a MoE model, the option ``one_launch``, or tiles the peer buffers cannot hold.
+            at TP the option ``one_launch`` or tiles the peer buffers cannot hold.
     """
 
     def __init__(self, *, model_config: ModelConfig, params: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -96,9 +98,6 @@ class MonoForward:
         self.runner = StageRunner(self.device, self.options, self.interpret, nprog)
         self.w = bind_weights(params, dm, dtype)
         if tp is not None:
-            if dm.any_moe:
-                raise ValueError("amd_mono runs MoE models at tp_size 1 only (its MoE does not publish across ranks); "
-                                 "use --tp 1 or --plugin none")
             if self.options.one_launch:
                 raise ValueError("amd_mono's one_launch has no TP form (its step kernel does not publish across "
                                  "ranks): unset LOWLAT_MONO_ONE_LAUNCH / amd_mono_one_launch at tp_size > 1")
@@ -322,27 +321,28 @@ class MonoForward:
                     **self._meta(shape.rows))
         if moe:
             assert pl.router and pl.eup and pl.edown
-            args = (*head, self.router_logits, self.act_moe, self.slot_e, self.slot_w, *kv, w["o"], w["ln2"],
-                    w["router"], w["w13"], w["w2"], *sync, *scalars)
             meta |= dict(E=dm.experts, E_P2=P.next_pow2(dm.experts), TOPK=dm.topk, NORM_TOPK=dm.norm_topk,
                          IM=dm.moe_inter, BN_R=pl.router.bn, BK_R=pl.router.bk, BN_EU=pl.eup.bn, BK_EU=pl.eup.bk,
                          BN_ED=pl.edown.bn, BK_ED=pl.edown.bk)
+            mlp: tuple[Any, ...] = (self.router_logits, self.act_moe, self.slot_e, self.slot_w, *kv, w["o"],
+                                    w["ln2"], w["router"], w["w13"], w["w2"])
             kernel, stages, name = k2_moe_kernel, P.K2_MOE_STAGES, "k2_attn_out_moe"
         else:
             assert pl.gu and pl.down
-            args = (*head, self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"], *sync, *scalars)
+            mlp = (self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"])
             meta |= dict(INTER=dm.inter, BN_GU=pl.gu.bn, BK_GU=pl.gu.bk, BN_D=pl.down.bn, BK_D=pl.down.bk)
             kernel, stages, name = k2_dense_kernel, P.K2_DENSE_STAGES, "k2_attn_out_mlp"
-            if self.tp is not None:  # the same buffers, then the peer buffers' (kernels.k2_tp)
-                ptensors, pscalars, pmeta = self.tp.peer_args()
-                b = self.tp.bufs
-                # Local waits downstream of a peer wait may also wait out the peer deadline (same clock on CUDA).
-                dl = self.runner.deadline + (b.deadline if self.runner.timer == TIMER_CUDA and pmeta["PTIMER"] else 0)
-                scalars = (*scalars[:5], dl, *scalars[6:])
-                args = (*head, self.act, *kv, w["o"], w["ln2"], w["gate_up"], w["down"], *sync, *ptensors, *scalars,
-                        *pscalars)
-                meta |= pmeta
-                kernel, stages, name = k2_dense_tp_kernel, P.K2_DENSE_TP_STAGES, "k2_attn_out_mlp_tp"
+        args = (*head, *mlp, *sync, *scalars)
+        if self.tp is not None:  # the same buffers, then the peer buffers' (kernels.k2_tp, kernels.k2_moe_tp)
+            ptensors, pscalars, pmeta = self.tp.peer_args()
+            b = self.tp.bufs
+            # Local waits downstream of a peer wait may also wait out the peer deadline (same clock on CUDA).
+            dl = self.runner.deadline + (b.deadline if self.runner.timer == TIMER_CUDA and pmeta["PTIMER"] else 0)
+            scalars = (*scalars[:5], dl, *scalars[6:])
+            args = (*head, *mlp, *sync, *ptensors, *scalars, *pscalars)
+            meta |= pmeta
+            kernel, stages, name = ((k2_moe_tp_kernel, P.K2_MOE_TP_STAGES, "k2_attn_out_moe_tp") if moe else
+                                    (k2_dense_tp_kernel, P.K2_DENSE_TP_STAGES, "k2_attn_out_mlp_tp"))
         return name, kernel, {s: pl.items(s, shape, moe) for s in stages}, args, meta
 
     def step_launch(self, b: ForwardBatch, shape: P.StepShape) -> tuple[str, Any, dict[int, int], tuple[Any, ...],

@@ -1,8 +1,8 @@
-"""The ModelSpecs lowlat-amd-mono registers: one per architecture (dense ones also at tp_size 2, 4, 8)."""
+"""The ModelSpecs lowlat-amd-mono registers: one per architecture, each at tp_size 1, 2, 4, 8 (plugin API 4)."""
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from lowlat.plugin import PLUGIN_API_VERSION, Coverage, ForwardMode, ModelSpec, PlatformRequirement, Requirements
 
@@ -20,7 +20,9 @@ REQUIREMENTS = Requirements(
         PlatformRequirement("cpu", triton_interpreter=True),  # stage-per-launch mode for CPU tests
     ),
     dtypes=frozenset({"bfloat16"}),
-    tp_sizes=frozenset({1}),
+    # Every architecture at TP 2-8 (o_proj, down and the MoE's expert down publish across ranks,
+    # ``lowlat_amd_mono.tp``) where core has plugin API 4 (binding.peer_buffers); else tp_size 1 only.
+    tp_sizes=frozenset({1, 2, 4, 8}) if PLUGIN_API_VERSION >= 4 else frozenset({1}),
     libraries=(("triton", ">=3.6,<3.10"),),
     # no q/k/v/o or MLP bias in the fused kernels: refuse attention_bias=true and mlp_bias=true (the contract suite's
     # variants contract; logits were off by ~2.7 on tiny-llama with biases)
@@ -30,17 +32,9 @@ REQUIREMENTS = Requirements(
 COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), max_tokens=MAX_ROWS)
 
 
-# Dense models run at TP 2-8 (o_proj / down publish across ranks, ``lowlat_amd_mono.tp``) where core has plugin API 4
-# (binding.peer_buffers); the MoE model at TP 1 only.
-DENSE_TP_SIZES = frozenset({1, 2, 4, 8}) if PLUGIN_API_VERSION >= 4 else frozenset({1})
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-
-
 def model_specs() -> list[ModelSpec]:
     """One spec per architecture; ``build`` is imported only when an engine builds the plugin."""
     return [
-        ModelSpec(architecture=a, coverage=COVERAGE, build="lowlat_amd_mono.build:build",
-                  requirements=REQUIREMENTS if a in MOE_ARCHITECTURES else replace(REQUIREMENTS,
-                                                                                     tp_sizes=DENSE_TP_SIZES))
+        ModelSpec(architecture=a, coverage=COVERAGE, build="lowlat_amd_mono.build:build", requirements=REQUIREMENTS)
         for a in ARCHITECTURES
     ]

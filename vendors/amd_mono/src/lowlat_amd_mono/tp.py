@@ -1,17 +1,20 @@
-"""amd_mono at tp_size > 1 (dense models): one rank's peer buffers, the K2 launch whose stages publish and reduce
-across ranks (``kernels.k2_tp``), the vocabulary-parallel embedding and the gathered logits.
+"""amd_mono at tp_size > 1: one rank's peer buffers, the K2 launches whose stages publish and reduce across ranks
+(``kernels.k2_tp`` for dense layers, ``kernels.k2_moe_tp`` for sparse-MoE layers), the vocabulary-parallel embedding
+and the gathered logits.
 
 Shards are the general model's (``binding.params`` per rank): QKV column-parallel by heads (KV heads split, or one
-replicated per rank), o_proj and down row-parallel, gate_up column-parallel, embedding and LM head vocabulary-parallel
-(``ceil(V / tp)`` rows per rank, the last rank's padding zero). A step at TP::
+replicated per rank), o_proj and down row-parallel, gate_up column-parallel, every expert's intermediate dim split
+(w13 rows, w2 columns; the router replicated), embedding and LM head vocabulary-parallel (``ceil(V / tp)`` rows per
+rank, the last rank's padding zero). A step at TP::
 
     embed_kernel (this rank's rows, zero for other ids) -> peer_all_reduce (site 2 * layers)
-    per layer: K1 (unchanged, this rank's heads) -> K2 at TP (o_proj publish, reduce, gate/up, down publish, reduce)
+    per layer: K1 (unchanged, this rank's heads) -> K2 at TP (o_proj publish, reduce, gate/up or router and expert
+               gate/up, down or expert down publish, reduce)
     head_kernel over this rank's ceil(V / tp) rows -> all_gather_last_dim -> the first V columns
 
 Call sites in the error record (``PeerWaitTimeout``): ``2 * layer`` (layer's o_proj reduce, stage k2.o_proj_reduce),
-``2 * layer + 1`` (its down reduce, k2.down_reduce), ``2 * layers`` (the embedding). Sampled ids stay with the engine
-at TP (core's Dispatcher asks plugins for ids at tp_size 1 only).
+``2 * layer + 1`` (its down or MoE reduce, k2.down_reduce / k2.moe_reduce), ``2 * layers`` (the embedding). Sampled
+ids stay with the engine at TP (core's Dispatcher asks plugins for ids at tp_size 1 only).
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ class MonoTP:
         return -(-self.bufs.capacity // self.bufs.block)
 
     def check_tiles(self, plan: P.MonoPlan) -> None:
-        """Raise ValueError when o_proj's or down's column tiles outnumber the peer buffers' flag tiles."""
-        n = max(plan.o.n_tiles, plan.down.n_tiles if plan.down else 0)
+        """Raise ValueError when o_proj's, down's or the expert down's column tiles outnumber the peer buffers'
+        flag tiles."""
+        n = max([plan.o.n_tiles] + [t.n_tiles for t in (plan.down, plan.edown) if t is not None])
         if n > self.cap_tiles:
             raise ValueError(f"amd_mono at TP publishes {n} column tiles per call; the peer buffers hold "
                              f"{self.cap_tiles} flag tiles (capacity {self.bufs.capacity} / block {self.bufs.block})")
@@ -75,8 +79,9 @@ class MonoTP:
         return full if full.shape[1] == self.vocab_size else full[:, :self.vocab_size].contiguous()
 
     def peer_args(self) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, Any]]:
-        """``(tensors, scalars, meta)`` of ``k2_dense_tp_kernel``: the pointer tables, error record and device tag;
-        rank, capacity, flag tiles, deadline and the publish switch; WORLD, WPAD and the peer timer."""
+        """``(tensors, scalars, meta)`` of ``k2_dense_tp_kernel`` / ``k2_moe_tp_kernel``: the pointer tables, error
+        record and device tag; rank, capacity, flag tiles, deadline and the publish switch; WORLD, WPAD and the peer
+        timer."""
         b = self.bufs
         return ((b.data_ptrs, b.flag_ptrs, b.ctl, b.tag_state),
                 (b.rank, b.capacity, self.cap_tiles, b.deadline, int(self.publish)),

@@ -165,7 +165,6 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
     """
     BM: tl.constexpr = 16
     RM: tl.constexpr = 1 if ROW1 else BM
-    KC: tl.constexpr = (IM + BK - 1) // BK
     n_unique = tl.full([], 0, tl.int32)
     r = tl.arange(0, RM)
     for i in range(pid, (H + BN - 1) // BN, nprog):
@@ -178,26 +177,8 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
         if alive != 0:
             out = tl.zeros([RM, BN], tl.float32)
             if stage_runs(debug_mask, S_ME):
-                if ROW1:
-                    out1 = tl.zeros([BN], tl.float32)
-                    for j in range(0, n_unique * KC):
-                        u = j // KC
-                        k = (j % KC) * BK
-                        eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
-                        wu1 = tl.load(slot_w_ptr + u * 16, cache_modifier=XC)
-                        wt = load_w1(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
-                        out1 = fma1(out1, wt, rnd(load_x1(actm_ptr + u * (8 * IM), k, IM, BK, XC) * wu1, DT, INTERP))
-                    out = out1[None, :]
-                else:
-                    rb = tl.arange(0, BM)
-                    for j in range(0, n_unique * KC):
-                        u = j // KC
-                        k = (j % KC) * BK
-                        eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
-                        wu = tl.load(slot_w_ptr + u * 16 + rb, cache_modifier=XC)
-                        wt = load_w(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
-                        a = rnd(load_a(actm_ptr + u * (8 * IM), IM, T, k, IM, BM, BK, XC) * wu[:, None], DT, INTERP)
-                        out = tl.dot(as_operand(a, DT, INTERP), wt, out, input_precision=PREC)
+                out = expert_down_tile(i, n_unique, T, w2_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, H, IM, BN, BK, DT,
+                                       INTERP, PREC, XC, ROW1)
             n = i * BN + tl.arange(0, BN)
             m = (r[:, None] < T) & (n[None, :] < H)
             xm = tl.load(xmid_ptr + r[:, None] * H + n[None, :], mask=m, other=0.0, cache_modifier=XC)
@@ -206,3 +187,40 @@ def expert_down_stage(alive, pid, nprog, tag, T, layer, deadline, debug_mask, x_
             # the next layer's QKV waits on these in the one-launch step
             publish(flags_ptr + S_ME * MAX_ITEMS + i, cnt_ptr + S_ME * CNT, tag, debug_mask, S_ME, COUNT)
     return alive
+
+
+@triton.jit
+def expert_down_tile(i, n_unique, T, w2_ptr, actm_ptr, slot_e_ptr, slot_w_ptr, H: tl.constexpr, IM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr, PREC: tl.constexpr,
+                     XC: tl.constexpr, ROW1: tl.constexpr):
+    """Hidden tile ``i`` (``BN`` columns) of ``sum_u (w[t, e_u] * act[u, t]) @ W2[e_u][tile]^T`` over the
+    ``n_unique`` chosen-expert slots, float32 ``[RM, BN]`` (``RM`` 1 at ``ROW1``, else 16; rows ``>= T`` are zero),
+    not rounded: the caller rounds it once (``F.linear``'s rounding of the experts' weighted sum). Expert ids and
+    routing weights come from the slot table (``slot_e [8 * TOPK]`` int32, ``slot_w [8 * TOPK, 16]`` float32), the
+    activations from ``actm [8 * TOPK, 8, IM]``. One loop over (slot, K chunk) pairs, so the weight loads pipeline
+    across experts; each activation chunk is scaled by its rows' routing weights and rounded to ``DT`` first."""
+    BM: tl.constexpr = 16
+    RM: tl.constexpr = 1 if ROW1 else BM
+    KC: tl.constexpr = (IM + BK - 1) // BK
+    out = tl.zeros([RM, BN], tl.float32)
+    if ROW1:
+        out1 = tl.zeros([BN], tl.float32)
+        for j in range(0, n_unique * KC):
+            u = j // KC
+            k = (j % KC) * BK
+            eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
+            wu1 = tl.load(slot_w_ptr + u * 16, cache_modifier=XC)
+            wt = load_w1(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
+            out1 = fma1(out1, wt, rnd(load_x1(actm_ptr + u * (8 * IM), k, IM, BK, XC) * wu1, DT, INTERP))
+        out = out1[None, :]
+    else:
+        rb = tl.arange(0, BM)
+        for j in range(0, n_unique * KC):
+            u = j // KC
+            k = (j % KC) * BK
+            eu = tl.load(slot_e_ptr + u, cache_modifier=XC).to(tl.int64)
+            wu = tl.load(slot_w_ptr + u * 16 + rb, cache_modifier=XC)
+            wt = load_w(w2_ptr + eu * (H * IM), i * BN, H, IM, k, IM, BN, BK, DT, INTERP)
+            a = rnd(load_a(actm_ptr + u * (8 * IM), IM, T, k, IM, BM, BK, XC) * wu[:, None], DT, INTERP)
+            out = tl.dot(as_operand(a, DT, INTERP), wt, out, input_precision=PREC)
+    return out

@@ -18,7 +18,8 @@ BM = 16  # rows of every tl.dot (rows >= T are masked)
 
 # Stage ids: the index of a stage's flags in flags[layer, stage, item] and the error record's stage field.
 S_QKV, S_ROPE, S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2, S_MLP3 = range(8)
-# At tp_size > 1 (dense layers, ``kernels.k2_tp``): the reduce stages after the row-parallel o_proj and down.
+# At tp_size > 1 (``kernels.k2_tp``, ``kernels.k2_moe_tp``): the reduce stages after the row-parallel o_proj and
+# down (dense) or expert down (MoE).
 S_RED_O, S_RED_D = 8, 9
 NUM_STAGES = 10
 STAGE_NAMES_DENSE = {
@@ -27,11 +28,12 @@ STAGE_NAMES_DENSE = {
     S_RED_O: "k2.o_proj_reduce", S_RED_D: "k2.down_reduce",
 }
 STAGE_NAMES_MOE = {**STAGE_NAMES_DENSE, S_MLP1: "k2.router", S_MLP2: "k2.expert_gate_up",
-                   S_MLP3: "k2.expert_down_combine_residual"}
+                   S_MLP3: "k2.expert_down_combine_residual", S_RED_D: "k2.moe_reduce"}
 K1_STAGES = (S_QKV, S_ROPE)
 K2_DENSE_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2)
 K2_MOE_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_MLP1, S_MLP2, S_MLP3)
 K2_DENSE_TP_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_RED_O, S_MLP1, S_MLP2, S_RED_D)  # in launch order
+K2_MOE_TP_STAGES = (S_ATTN, S_COMB, S_OPROJ, S_RED_O, S_MLP1, S_MLP2, S_MLP3, S_RED_D)
 ITEM_OVERHEAD = 8192  # fixed cost of one work item, in weight elements (a wait, a publish, a prologue)
 # Float32 elements of a one-row FMA chunk (``bn * bk`` per weight) per warp before sm90 spills registers.
 ROW1_ELEMS_PER_WARP = 4096
@@ -118,8 +120,8 @@ def _pick_gate_up(inter: int, hidden: int, nprog: int, interpret: bool, kw: dict
 @dataclass(frozen=True)
 class Dims:
     """Model shapes the kernels are specialized on, of one TP rank (``from_config(cfg, tp)``): at tp_size > 1 its
-    query heads, KV heads, dense intermediate size and vocabulary rows (``ceil(V / tp)``, the embedding / LM head
-    shard); ``hidden`` stays the model's."""
+    query heads, KV heads, dense intermediate size, every expert's intermediate size (``moe_inter``) and vocabulary
+    rows (``ceil(V / tp)``, the embedding / LM head shard); ``hidden``, ``experts`` and ``topk`` stay the model's."""
 
     hidden: int
     heads: int
@@ -138,22 +140,27 @@ class Dims:
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, tp: int = 1) -> Dims:
-        """The sizes of one rank of ``tp`` (the general model's shards: query heads and the dense intermediate size
-        split, KV heads split or one replicated per rank, ``ceil(V / tp)`` vocabulary rows).
+        """The sizes of one rank of ``tp`` (the general model's shards: query heads, the dense intermediate size and
+        every expert's intermediate size split, KV heads split or one replicated per rank, ``ceil(V / tp)``
+        vocabulary rows; the router and the expert count replicated).
 
         Raises:
-            ValueError: ``tp`` does not divide the heads or the intermediate size, or the KV heads and ``tp`` do
-                not divide one another (the general model refuses these first)."""
+            ValueError: ``tp`` does not divide the heads, the intermediate size or (a MoE model) the
+                moe_intermediate_size, or the KV heads and ``tp`` do not divide one another (the general model
+                refuses these first)."""
         hkv = cfg.num_key_value_heads
-        if cfg.num_attention_heads % tp or cfg.intermediate_size % tp or (hkv % tp and tp % hkv):
+        moe_i = cfg.moe_intermediate_size if cfg.num_experts > 0 else 0
+        if (cfg.num_attention_heads % tp or cfg.intermediate_size % tp or moe_i % tp
+                or (hkv % tp and tp % hkv)):
             raise ValueError(f"tp_size={tp} does not divide num_attention_heads={cfg.num_attention_heads}, "
-                             f"intermediate_size={cfg.intermediate_size} and num_key_value_heads={hkv}")
+                             f"intermediate_size={cfg.intermediate_size}, moe_intermediate_size={moe_i} and "
+                             f"num_key_value_heads={hkv}")
         return cls(hidden=cfg.hidden_size, heads=cfg.num_attention_heads // tp,
                    kv_heads=hkv // tp if hkv % tp == 0 else 1,
                    head_dim=cfg.head_dim, inter=cfg.intermediate_size // tp, experts=cfg.num_experts,
-                   topk=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size, vocab=-(-cfg.vocab_size // tp),
-                   layers=cfg.num_hidden_layers, eps=cfg.rms_norm_eps, qk_norm=cfg.has_qk_norm,
-                   norm_topk=cfg.norm_topk_prob,
+                   topk=cfg.num_experts_per_tok, moe_inter=cfg.moe_intermediate_size // tp,
+                   vocab=-(-cfg.vocab_size // tp), layers=cfg.num_hidden_layers, eps=cfg.rms_norm_eps,
+                   qk_norm=cfg.has_qk_norm, norm_topk=cfg.norm_topk_prob,
                    moe_layers=tuple(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
 
     @property
@@ -264,7 +271,7 @@ class MonoPlan:
         if moe:
             assert self.router and self.eup and self.edown
             return {S_MLP1: self.router.n_tiles, S_MLP2: shape.rows * dm.topk * self.eup.n_tiles,
-                    S_MLP3: self.edown.n_tiles}[stage]
+                    S_MLP3: self.edown.n_tiles, S_RED_D: self.edown.n_tiles}[stage]
         assert self.gu and self.down
         return {S_MLP1: self.gu.n_tiles, S_MLP2: self.down.n_tiles, S_RED_D: self.down.n_tiles}[stage]
 
