@@ -32,7 +32,7 @@ EDITS = [  # (file under K, original text, mutated text)
     ("rope_kv.py", "c = tl.load(cos_ptr + pos * stride_cos + offs", "c = tl.load(cos_ptr + t * stride_cos + offs"),
     ("rope_kv.py", "(x1f * c).to(dtype).to(tl.float32) - (x2f * s).to(dtype).to(tl.float32)).to(dtype)",
      "(x1f * c) - (x2f * s)).to(dtype)"),  # one rounding instead of torch's three
-    ("silu_mul.py", "s = (g / (1.0 + tl.exp(-g))).to(dtype)", "s = (1.0 / (1.0 + tl.exp(-g))).to(dtype)"),
+    ("silu_mul.py", "s = (g / (1.0 + e)).to(dtype)", "s = (1.0 / (1.0 + e)).to(dtype)"),
     ("silu_mul.py", "row * stride_x + n_cols + offs", "row * stride_x + offs"),
     ("silu_mul.py", "offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK)"),
     ("moe_gemv.py", "x_row = x_ptr + (p // TOP_K) * stride_x", "x_row = x_ptr + (p % TOP_K) * stride_x"),
