@@ -21,7 +21,25 @@ import torch
 import torch.distributed as dist
 
 from lowlat.bench.measure import describe_error
-from lowlat.bench.timing import summarize, time_steps, warm_up
+from lowlat.bench.timing import summarize, synchronize, time_steps, warm_up
+
+
+def agree(err: str | None, sync: Any, world: int) -> str | None:
+    """None when no rank reports an error, else every rank's error ("rank r: ...") joined: the same on every rank."""
+    errs: list[Any] = [None] * world
+    dist.all_gather_object(errs, err, group=sync)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if not bad:
+        return None
+    if len({e for _, e in bad}) == 1 and len(bad) == world:
+        return bad[0][1]
+    return "; ".join(f"rank {r}: {e}" for r, e in bad)
+
+
+def barrier(device: torch.device, sync: Any) -> None:
+    """Finish this rank's queued device work, then wait for every rank (gloo, the group's timeout)."""
+    synchronize(device)
+    dist.barrier(group=sync)
 
 
 def sizes(cfg: Any, hidden: int, elem: int) -> list[tuple[str, int]]:
@@ -33,7 +51,6 @@ def sizes(cfg: Any, hidden: int, elem: int) -> list[tuple[str, int]]:
 
 def _timed(fn: Any, cfg: Any, device: torch.device, sync: Any) -> dict[str, Any]:
     """µs per call of ``fn`` (Stats dict in µs): a CUDA graph of ``cfg.ar_calls`` calls on CUDA, eager on CPU."""
-    from lowlat.bench.tp_rank import barrier
 
     calls = cfg.ar_calls if device.type == "cuda" else 1
     if device.type == "cuda":
@@ -74,7 +91,6 @@ def measure_all_reduce(cfg: Any, ctx: Any, sync: Any) -> dict[str, Any]:
     """Every size, both ways: ``{"dtype", "hidden", "sizes": [{"label", "elements", "bytes", "nccl_us",
     "peer_us"} ...], "peer_error"}``; a way that fails at a size has ``<way>_error`` instead of its figures
     (agreed over ranks: each size ends on every rank, so no rank waits on a failed peer)."""
-    from lowlat.bench.tp_rank import agree
     from lowlat.config import DTYPES
     from lowlat.kernels.peer_allreduce import peer_all_reduce
     from lowlat.loader import resolve_model

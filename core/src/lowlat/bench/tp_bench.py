@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-SCHEMA = "lowlat-tp-bench/1"
+from lowlat.bench.tp_report import GENERAL, assemble
+
 CPU_NOTE = ("CPU figures: eager steps on a CPU under the Triton interpreter, timed with perf_counter; they check the "
             "tool only and mean nothing about speed (GPU figures: CUDA-graph replays timed with CUDA events)")
-GENERAL = "general"
 
 
 @dataclass(frozen=True)
@@ -223,7 +223,6 @@ def run_tp_bench(cfg: TPBenchConfig, *, command: list[str] | None = None,
         ValueError: a bad configuration (``check_setup``); TPBenchError: the run failed (``run_ranks``).
     """
     from lowlat.bench.env import environment
-    from lowlat.bench.tp_report import assemble
     from lowlat.loader import resolve_model
 
     check_setup(cfg)

@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from lowlat.bench.lowlat_path import engine_config, fill_kv_random, free_rows, input_sets
 from lowlat.bench.measure import describe_error, free_device_memory
-from lowlat.bench.timing import summarize, synchronize, time_steps, warm_up
+from lowlat.bench.timing import summarize, time_steps, warm_up
+from lowlat.bench.tp_allreduce import agree, barrier, measure_all_reduce
 from lowlat.forward_batch import ForwardMode
 
 
@@ -65,27 +66,8 @@ def _run(rank: int, init: str, cfg: Any, results: Any) -> None:
         results.put((rank, "row", measure_row(cfg, row, ctx, sync, say)))
     if cfg.all_reduce:
         say("all-reduce")
-        from lowlat.bench.tp_allreduce import measure_all_reduce
 
         results.put((rank, "all_reduce", measure_all_reduce(cfg, ctx, sync)))
-
-
-def agree(err: str | None, sync: Any, world: int) -> str | None:
-    """None when no rank reports an error, else every rank's error ("rank r: ...") joined: the same on every rank."""
-    errs: list[Any] = [None] * world
-    dist.all_gather_object(errs, err, group=sync)
-    bad = [(r, e) for r, e in enumerate(errs) if e]
-    if not bad:
-        return None
-    if len({e for _, e in bad}) == 1 and len(bad) == world:
-        return bad[0][1]
-    return "; ".join(f"rank {r}: {e}" for r, e in bad)
-
-
-def barrier(device: torch.device, sync: Any) -> None:
-    """Finish this rank's queued device work, then wait for every rank (gloo, the group's timeout)."""
-    synchronize(device)
-    dist.barrier(group=sync)
 
 
 def measure_row(cfg: Any, row: Any, ctx: Any, sync: Any, say: Callable[[str], None]) -> dict[str, Any]:

@@ -15,6 +15,9 @@ from typing import Any
 from lowlat.bench.measure import Measurement
 from lowlat.bench.timing import Stats
 
+SCHEMA = "lowlat-tp-bench/1"  # the JSON's format
+GENERAL = "general"  # the row every other row's ratio is taken against
+
 
 def _stats(d: dict[str, Any]) -> Stats:
     return Stats(**d)
@@ -57,7 +60,6 @@ def assemble(cfg: Any, meta: dict[str, Any], reports: list[dict[str, Any]]) -> d
     """The results dict: schema, meta, settings, ``rows`` (one per path and batch size, in run order, each
     ``status`` "ok" with figures or "skipped" with ``reason``), ``all_reduce`` (rank 0's, with every rank's
     medians), ``skipped`` (path: reason)."""
-    from lowlat.bench.tp_bench import GENERAL, SCHEMA
 
     rows = [_table_row(cfg, r.label, b, reports) for r in cfg.rows for b in cfg.batch_sizes]
     ref = {r["batch_size"]: r for r in rows if r["path"] == GENERAL and r["status"] == "ok"}
