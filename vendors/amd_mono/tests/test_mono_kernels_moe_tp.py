@@ -22,6 +22,7 @@ from lowlat.runtime.peer_buffers import PeerWaitTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from tp_testutil import (  # noqa: E402
     config,
+    decode_batch,
     general_reduce,
     make_forward,
     make_ranks,
@@ -157,7 +158,6 @@ def test_the_persistent_moe_launch_matches_the_staged_one_and_waits_on_the_reduc
     to the staged run, the tag at the MoE's call. Then the o_proj reduce never publishes its amd_mono flags: the
     router's wait must time out naming the reduce stage (MonoStageTimeout), so routing reads the reduced rows."""
     from lowlat_amd_mono.forward import MonoStageTimeout
-    from tp_testutil import _batch
 
     world, rows = 2, 3
     staged, bufs_s = make_ranks(world, rows, torch.bfloat16, seed=9, model=MOE)
@@ -175,7 +175,7 @@ def test_the_persistent_moe_launch_matches_the_staged_one_and_waits_on_the_reduc
         if attempt == "never_publish":
             pers.set_debug(0, never_publish=(P.S_RED_O,))
         assert pers.runner.nprog == 1 and not pers.options.staged
-        name, *launch = pers.k2_launch(0, _batch(rows), pers.plan.step_shape(rows, 1))
+        name, *launch = pers.k2_launch(0, decode_batch(rows), pers.plan.step_shape(rows, 1))
         assert name == "k2_attn_out_moe_tp"
         pers.runner.run(name, *launch)
         bufs_p[0].check()

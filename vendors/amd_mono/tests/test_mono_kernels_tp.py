@@ -18,8 +18,8 @@ import torch.nn.functional as F  # noqa: E402
 from lowlat.layers.norm import rms_norm  # noqa: E402
 from lowlat.runtime.peer_buffers import PeerWaitTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
+from tp_testutil import decode_batch, make_ranks, run_stages  # noqa: E402
 from tp_testutil import general_reduce as _general_reduce  # noqa: E402
-from tp_testutil import make_ranks, run_stages  # noqa: E402
 from tp_testutil import set_inputs as _inputs  # noqa: E402
 
 S_O = (P.S_OPROJ, P.S_RED_O)
@@ -223,7 +223,7 @@ def test_the_persistent_launch_matches_the_staged_one_and_waits_on_the_reduce() 
         if attempt == "never_publish":
             pers.set_debug(0, never_publish=(P.S_RED_O,))
         assert pers.runner.nprog == 1 and not pers.options.staged
-        pers.runner.run(*pers.k2_launch(0, __import__("tp_testutil")._batch(rows), pers.plan.step_shape(rows, 1)))
+        pers.runner.run(*pers.k2_launch(0, decode_batch(rows), pers.plan.step_shape(rows, 1)))
         bufs_p[0].check()
         if attempt == "same":
             pers.check_errors()

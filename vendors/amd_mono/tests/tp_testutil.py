@@ -53,7 +53,7 @@ def rank_params(cfg: ModelConfig, world: int, dtype: torch.dtype, seed: int) -> 
     return out
 
 
-def _batch(rows: int) -> ForwardBatch:
+def decode_batch(rows: int) -> ForwardBatch:
     """A DECODE batch of ``rows`` requests (only its shape matters: the tests launch K2's stages from o_proj on)."""
     return ForwardBatch.build(ForwardMode.DECODE, torch.zeros(rows, dtype=torch.int64), [3] * rows, [1] * rows,
                               list(range(rows)), torch.arange(rows), torch.device("cpu"))
@@ -99,7 +99,7 @@ def make_forward(cfg: ModelConfig, params: dict[str, torch.Tensor], dtype: torch
 def run_stages(fwds: list[MonoForward], stages: tuple[int, ...], rows: int, layer: int = 0) -> None:
     """Launch each of ``stages`` of layer ``layer``'s K2 on every rank, rank after rank, stage after stage (a
     tp_size 1 forward runs its own K2)."""
-    batch = _batch(rows)
+    batch = decode_batch(rows)
     for s in stages:
         for fwd in fwds:
             shape = fwd.plan.step_shape(rows, 1)

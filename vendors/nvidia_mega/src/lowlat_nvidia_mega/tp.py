@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget
@@ -80,8 +81,6 @@ class MegaTP:
             reduce_rows(self.target, x, tile_n=tile_n, site=site, norm_weight=norm_weight,
                         h=h if norm_weight is not None else None, eps=eps, use_pdl=use_pdl)
             return
-        import torch.distributed as dist
-
         dist.all_reduce(part, group=self.tp.group)
         x.add_(part)
         if norm_weight is not None:
