@@ -69,7 +69,7 @@ class LayerChain:
         self.loc = self.rtt[:, ctx - r:].reshape(-1).to(torch.int64)
         self.cos, self.sin = rope_cos_sin(d, 1e4, max(ctx + 8, 64), None, dev)
         self.x, self.q, self.attn = self.rand(t, h), self.rand(t, hq * d), self.rand(t, hq * d)
-        self.qplan = qkv_plan(hq, hkv, d, h, dtype, dev)
+        self.qplan = qkv_plan(hq, hkv, d, h, dtype, dev, qk_norm=s["qk_norm"])
         self.qws = torch.zeros(max(1, qkv_workspace_numel(self.qplan, hq, hkv, d)), device=dev)
         self.plans = {"o_proj": gemm_plan(h, hq * d, dtype, dev)}
         tiles = {"qkv": hq + 2 * hkv, "o_proj": self.plans["o_proj"].n_tiles(h)}

@@ -156,7 +156,7 @@ class Case:
         s, t = self.s, self.t
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         _, _, pos, loc = self.decode_batch(t, 1)
-        plan = qkv_plan(hq, hkv, d, s["hidden"], self.dt, self.dev)
+        plan = qkv_plan(hq, hkv, d, s["hidden"], self.dt, self.dev, qk_norm=s["qk_norm"])
         ws = torch.zeros(max(1, qkv_workspace_numel(plan, hq, hkv, d)), device=self.dev)
         gplan = gemm_plan(self.nqkv, s["hidden"], self.dt, self.dev)
         out = torch.empty(t, self.nqkv, dtype=self.dt, device=self.dev)
@@ -265,7 +265,7 @@ class Case:
         s, t, h = self.s, self.t, self.s["hidden"]
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         rpi, seq, pos, loc = self.decode_batch(t, 1)
-        qplan = qkv_plan(hq, hkv, d, h, self.dt, self.dev)
+        qplan = qkv_plan(hq, hkv, d, h, self.dt, self.dev, qk_norm=s["qk_norm"])
         qws = torch.zeros(max(1, qkv_workspace_numel(qplan, hq, hkv, d)), device=self.dev)
         aplan = attn_plan(t, 1, hq, hkv, d, self.ctx, self.sms, self.dt, device=self.dev)
         n_o, n_l = partial_numel(t, hq, hkv, d, 1, aplan)

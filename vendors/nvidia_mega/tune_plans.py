@@ -127,7 +127,8 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     h, d = s["hidden"], s["head_dim"]
     if kernel == "qkv_rope":
         n, k, gated, rows_of = (s["heads"] + 2 * s["kv_heads"]) * d, h, False, lambda bn: d
-        default = dataclasses.replace(qkv_plan(s["heads"], s["kv_heads"], d, h, c.dt, c.dev), row1=None)
+        default = dataclasses.replace(qkv_plan(s["heads"], s["kv_heads"], d, h, c.dt, c.dev,
+                                                     qk_norm=s["qk_norm"]), row1=None)
         make = tuner.qkv_chain
         block_ns = [d]
     else:
@@ -210,6 +211,13 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
                     if d * bkk > 4096 * nw or bkk * sk > k:
                         continue
                     results.append(timed(GemvPlan(block_n=d, block_k=bkk, num_warps=nw, num_stages=1, split_k=sk)))
+        if not tuner.c.s["qk_norm"]:  # the row-pair form: 2-16 rows of a head per program, all of K, no ticket
+            for bn in ([4] if smoke else [4, 8, 16]):
+                for bkk in ([32] if smoke else [1024, 2048]):
+                    for nw in ([4] if smoke else [4, 8]):
+                        if bn >= d or bkk > triton.next_power_of_2(k) or bn * bkk > 4096 * nw:
+                            continue
+                        results.append(timed(GemvPlan(block_n=bn, block_k=bkk, num_warps=nw, num_stages=1)))
     for bn in ([] if kernel == "qkv_rope" else [4] if smoke else [2, 4, 8]):
         for bkk in ([64] if smoke else [1024, 2048]):
             for nw in ([4] if smoke else [4, 8]):

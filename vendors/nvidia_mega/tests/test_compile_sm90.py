@@ -35,7 +35,7 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     attention_block_m,
 )
 from lowlat_nvidia_mega.kernels.norm_rows import _norm_rows_kernel  # noqa: E402
-from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel  # noqa: E402
+from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel, check_row1_rows  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import (  # noqa: E402
     BLOCK_M,
     GemmPlan,
@@ -83,6 +83,7 @@ def plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):  # t
     """``tuned_plans`` as on a 132-SM GPU: an H200 (its measured table) or a GPU without table entries."""
     monkeypatch.setattr(tuned_plans, "num_sms", lambda dev: 132)
     monkeypatch.setattr(tuned_plans, "device_name", lambda dev: "NVIDIA H200" if request.param else "other GPU")
+    monkeypatch.setattr(tuned_plans, "device_chip", lambda dev: ((9, 0), 132) if request.param else ((8, 0), 108))
     return tuned_plans
 
 
@@ -109,11 +110,12 @@ def test_small_gemm_compiles_for_sm90(model: str, prefetch: bool, plans) -> None
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_qkv_rope_compiles_for_sm90(model: str, prefetch: bool, plans) -> None:  # type: ignore[no-untyped-def]
     hid, hq, hkv, d, _, qk_norm = MODELS[model]
-    plan = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA)
+    plan = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA, qk_norm=qk_norm)
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True), stages=plan.num_stages, warps=plan.num_warps))
+        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2), stages=plan.num_stages,
+        warps=plan.num_warps))
 
 
 # qkv_rope's one-row FMA loop at the candidates tune_plans.py --row1-only sweeps: (K chunk, split-K, warps)
@@ -128,9 +130,29 @@ def test_qkv_rope_one_row_loop_compiles_for_sm90(model: str, block_k: int, split
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True), stages=plan.num_stages, warps=plan.num_warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2), stages=plan.num_stages, warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
+
+
+# the row-pair form's candidates in tune_plans.py --row1-only: (rows per program, K chunk, warps)
+QKV_PAIRS = [(4, 2048, 4), (8, 2048, 8), (16, 1024, 4), (16, 2048, 8)]
+
+
+@pytest.mark.parametrize("block_n,block_k,warps", QKV_PAIRS)
+def test_qkv_rope_row_pair_form_compiles_for_sm90(block_n: int, block_k: int, warps: int) -> None:
+    """The row-pair form at llama-3.2-1b's shape: PDL, 16-byte weight loads, no MMA, and no ticket (no atomics):
+    a program reads all of K."""
+    hid, hq, hkv, d, _, qk_norm = MODELS["llama-3.2-1b"]
+    assert not qk_norm
+    plan = make_plan(hid, block_n=d, block_k=block_k, split_k=1, num_warps=warps, num_stages=1,
+                     weight_rows=block_n)
+    ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
+        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=False,
+        SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2), stages=1, warps=warps)
+    _assert_pdl(ptx)
+    assert "ld.global.v4" in ptx and "mma" not in ptx and "atom" not in ptx
 
 
 NORM_SIG = dict(x_ptr=BF, stride_xm="i32", nw_ptr=BF, h_ptr=BF, stride_hm="i32", T="i32", eps="fp32")
@@ -143,12 +165,12 @@ def test_prenorm_kernels_compile_for_sm90(model: str, plans) -> None:  # type: i
     PTX of Triton 3.9: 32 global loads instead of 65 at llama-3.2-1b, 2342 lines instead of 5992)."""
     hid, hq, hkv, d, _, qk_norm = MODELS[model]
     _assert_pdl(_compile(_norm_rows_kernel, NORM_SIG, dict(K=hid, RSTD_BLOCK=512, BLOCK_K=512, USE_PDL=True)))
-    plan = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA)
+    plan = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA, qk_norm=qk_norm)
     fused, pre = (_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm), stages=plan.num_stages, warps=plan.num_warps)
-        for norm in (True, False))
+        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2), stages=plan.num_stages,
+        warps=plan.num_warps) for norm in (True, False))
     _assert_pdl(pre)
     assert pre.count("mma") == fused.count("mma") > 0
     assert pre.count("ld.global") < fused.count("ld.global"), "without the prologue no row statistics are loaded"
@@ -160,14 +182,15 @@ def test_qkv_rope_tuned_row1_compiles_for_sm90(model: str, plans) -> None:  # ty
     """qkv_rope's one-row loop at the plan the H200 runs (``TUNED_ROW1``'s "qkv" entry through ``qkv_plan``), as
     ``qkv_rope`` launches it: the row1 plan's K chunk, split-K, warps and stages."""
     hid, hq, hkv, d, _, qk_norm = MODELS[model]
-    r1 = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA).row1
+    r1 = plans.qkv_plan(hq, hkv, d, hid, torch.bfloat16, CUDA, qk_norm=qk_norm).row1
     assert r1 == GemvPlan(*plans.TUNED_ROW1[("NVIDIA H200", "qkv", (hq + 2 * hkv) * d, hid, "bfloat16")])
+    pairs = check_row1_rows(r1, d, qk_norm)
     plan = make_plan(hid, block_n=d, block_k=r1.block_k, split_k=r1.split_k, num_warps=r1.num_warps,
-                     num_stages=r1.num_stages, weight_rows=d)
+                     num_stages=r1.num_stages, weight_rows=2 * pairs)
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True), stages=plan.num_stages, warps=plan.num_warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs), stages=plan.num_stages, warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
 

@@ -166,20 +166,25 @@ def test_step_matches_reference_and_writes_only_out_cache_loc(arch: str, dtype: 
     _check_step(arch, dtype, mode, prefix_lens, rows)
 
 
-@pytest.mark.parametrize("arch,dtype", [("LlamaForCausalLM", torch.float32), ("Qwen3ForCausalLM", torch.bfloat16)])
-def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arch,dtype,pairs", [("LlamaForCausalLM", torch.float32, False),
+                                              ("LlamaForCausalLM", torch.bfloat16, True),
+                                              ("Qwen3ForCausalLM", torch.bfloat16, False)])
+def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, pairs: bool,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch-1 DECODE step: the projections through the one-row GEMV (every plan has ``row1`` by default) and,
-    here also qkv_rope through its one-row loop (split over K in 2), against the reference forward."""
+    here also qkv_rope through its one-row loop (a head per program split over K in 2, or ``pairs``: the row-pair
+    form, 4 rows per program), against the reference forward; the build tells ``qkv_plan`` the model's q/k norm."""
     real = build_mod.qkv_plan
     seen = []
 
-    def with_row1(hq, hkv, d, hid, dt, dev):  # type: ignore[no-untyped-def]
-        seen.append(d)
-        return dataclasses.replace(real(hq, hkv, d, hid, dt, dev),
-                                   row1=GemvPlan(block_n=d, block_k=16, num_warps=4, num_stages=1, split_k=2))
+    def with_row1(hq, hkv, d, hid, dt, dev, *, qk_norm):  # type: ignore[no-untyped-def]
+        seen.append(qk_norm)
+        r1 = GemvPlan(block_n=4, block_k=32, num_warps=4, num_stages=1) if pairs else \
+            GemvPlan(block_n=d, block_k=16, num_warps=4, num_stages=1, split_k=2)
+        return dataclasses.replace(real(hq, hkv, d, hid, dt, dev, qk_norm=qk_norm), row1=r1)
     monkeypatch.setattr(build_mod, "qkv_plan", with_row1)
     _check_step(arch, dtype, ForwardMode.DECODE, [11], 1)
-    assert seen, "the build must take qkv_rope's plan from qkv_plan"
+    assert seen == [arch == "Qwen3ForCausalLM"], "the build must take qkv_rope's plan from qkv_plan, with q/k norm"
 
 
 @pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS[:2], ids=["llama-decode", "qwen3-verify"])

@@ -236,13 +236,42 @@ def test_qkv_rope_one_row_loop_matches_torch(dtype: torch.dtype, qk_norm: bool, 
     """``plan.row1`` at one row: the FMA K loop (1-D x) at row1's own split and chunk, against the torch reference;
     the kernel must run with ROW1 (at two rows the same plan runs the tl.dot loop: the rows=3 case)."""
     row1 = GemvPlan(block_n=D, block_k=r1_block_k, num_warps=4, num_stages=1, split_k=r1_split)
-    assert _check_qkv_rope(dtype, 1, qk_norm, 1, LLAMA3, row1) == {"ROW1": True, "SPLIT_K": r1_split}
-    assert _check_qkv_rope(dtype, 3, qk_norm, 2, None, row1) == {"ROW1": False, "SPLIT_K": 2}
+    assert _check_qkv_rope(dtype, 1, qk_norm, 1, LLAMA3, row1) == {"ROW1": True, "SPLIT_K": r1_split,
+                                                                  "PAIRS": D // 2, "grid": (HQ + 2 * HKV, r1_split)}
+    assert _check_qkv_rope(dtype, 3, qk_norm, 2, None, row1)["ROW1"] is False
+
+
+# the row-pair form (no q/k norm): (rows per program, K chunk); HID = 128, so chunk 128 is one chunk loaded before
+# the wait and 32 a loop of 3 more; 2 rows is one pair, 16 half a head
+QKV_PAIR_CASES = [(2, 32), (4, 128), (16, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_n,r1_block_k", QKV_PAIR_CASES)
+def test_qkv_rope_row_pair_form_matches_torch(dtype: torch.dtype, block_n: int, r1_block_k: int) -> None:
+    """``row1.block_n`` below the head dim at one row: each program owns rows j and j + D/2 of one head for
+    ``block_n / 2`` values of j (RoPE inside the program), all of K, no partials or ticket."""
+    row1 = GemvPlan(block_n=block_n, block_k=r1_block_k, num_warps=4, num_stages=1)
+    seen = _check_qkv_rope(dtype, 1, False, 1, LLAMA3, row1)
+    assert seen == {"ROW1": True, "SPLIT_K": 1, "PAIRS": block_n // 2, "grid": (HQ + 2 * HKV, D // block_n)}
+    assert _check_qkv_rope(dtype, 2, False, 2, None, row1)["PAIRS"] == D // 2  # two rows: the tl.dot loop
+
+
+@pytest.mark.parametrize("row1,qk_norm,match", [
+    (GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1), True, "q/k norm"),
+    (GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1, split_k=2), False, "split_k must be 1"),
+    (GemvPlan(block_n=2 * D, block_k=32, num_warps=4, num_stages=1), False, "block_n 64"),
+    (GemvPlan(block_n=1, block_k=32, num_warps=4, num_stages=1), False, "block_n 1"),
+])
+def test_qkv_rope_refuses_a_row_pair_plan_it_cannot_run(row1: GemvPlan, qk_norm: bool, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _check_qkv_rope(torch.float32, 1, qk_norm, 1, None, row1)
 
 
 def _check_qkv_rope(dtype: torch.dtype, rows: int, qk_norm: bool, split_k: int, rope_scaling: dict | None,
                     row1: GemvPlan | None) -> dict:
-    """Runs qkv_rope against the torch reference; returns the launch's ROW1 and SPLIT_K constexprs."""
+    """Runs qkv_rope against the torch reference; returns the launch's ROW1, SPLIT_K and PAIRS constexprs and
+    its grid."""
     x = _randn(rows, HID, dtype=dtype, seed=10)
     nw = (torch.rand(HID, generator=_gen(11)) + 0.5).to(dtype=dtype, device=DEV)
     w = _randn((HQ + 2 * HKV) * D, HID, dtype=dtype, seed=12, scale=0.2)
@@ -267,7 +296,7 @@ def _check_qkv_rope(dtype: torch.dtype, rows: int, qk_norm: bool, split_k: int, 
     class _Spy:
         def __getitem__(self, grid):  # type: ignore[no-untyped-def]
             def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
-                seen.update(ROW1=kwargs["ROW1"], SPLIT_K=kwargs["SPLIT_K"])
+                seen.update(ROW1=kwargs["ROW1"], SPLIT_K=kwargs["SPLIT_K"], PAIRS=kwargs["PAIRS"], grid=grid)
                 return real[grid](*args, **kwargs)
             return launch
 

@@ -36,11 +36,33 @@ def test_tuned_entry_wins_on_its_gpu_and_heuristic_elsewhere(monkeypatch: pytest
         plan_gemm(4096, 8192, torch.bfloat16, 132), row1=heuristic)
     assert tuned_plans.gemm_plan(4096, 8192, torch.bfloat16, cpu, gated=True).row1 == \
         tuned_plans.default_row1(8192, gated=True)
-    q = tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu)
+    q = tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False)
     assert q.block_n == 64 and q != plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
     assert q.row1 == GemvPlan(*tuned_plans.TUNED_ROW1[("NVIDIA H200", "qkv", 3072, 2048, "bfloat16")])
     # a qkv shape without a TUNED entry keeps the heuristic plan and its tl.dot loop at one row
-    assert tuned_plans.qkv_plan(16, 8, 64, 2048, torch.bfloat16, cpu).row1 is None
+    assert tuned_plans.qkv_plan(16, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False).row1 is None
+
+
+@pytest.mark.parametrize("entry,qk_norm,want", [
+    ((16, 2048, 8, 1), False, GemvPlan(16, 2048, 8, 1)),      # the row-pair form, a model without q/k norm
+    ((16, 2048, 8, 1), True, None),                           # ... never for q/k norm: that model keeps tl.dot
+    ((64, 256, 4, 3, 8), True, GemvPlan(64, 256, 4, 3, 8)),   # a head per program serves both
+    ((128, 256, 4, 3, 8), False, None),                       # block_n past the head dim: not this model's entry
+])
+def test_qkv_row1_entry_follows_the_models_qk_norm(monkeypatch: pytest.MonkeyPatch, entry: tuple, qk_norm: bool,
+                                                   want: GemvPlan | None) -> None:
+    """A "qkv" TUNED_ROW1 entry is keyed by (N, K) only, which a Llama and a Qwen3 of equal shapes share: the
+    row-pair form reaches only the model without q/k norm."""
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"), entry)
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=qk_norm).row1 == want
+
+
+def test_qkv_row1_entry_of_the_pair_form_with_split_k_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"), (16, 256, 4, 1, 2))
+    with pytest.raises(ValueError, match="split_k must be 1"):
+        tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=False)
 
 
 H200_CHIP = ((9, 0), 132)
@@ -102,7 +124,8 @@ def test_tuned_off_reads_no_table(monkeypatch: pytest.MonkeyPatch, value: str) -
     assert tuned_plans.plan_sources(cpu) == ()
     assert tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu) == dataclasses.replace(
         plan_gemm(2048, 8192, torch.bfloat16, 132), row1=tuned_plans.default_row1(8192, gated=False))
-    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu) == plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False) == \
+        plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
     assert tuned_plans.prenorm_rows("dense", 2048, torch.bfloat16, cpu) == 0
     for on in ("1", "", "default"):
         monkeypatch.setenv(tuned_plans.TUNED_ENV, on)

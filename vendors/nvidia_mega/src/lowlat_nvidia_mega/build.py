@@ -106,7 +106,8 @@ def build(binding: Any) -> MegaForward:
     final_norm = p.get("model.norm.weight", (hid,))
 
     sms = num_sms(dev)
-    plans = {"qkv": qkv_plan(hq, hkv, d, hid, dt, dev), "o_proj": gemm_plan(hid, hq * d, dt, dev)}
+    plans = {"qkv": qkv_plan(hq, hkv, d, hid, dt, dev, qk_norm=mc.has_qk_norm),
+             "o_proj": gemm_plan(hid, hq * d, dt, dev)}
     dense_inter = sh.inter
     has_dense = any(not lw.is_moe for lw in layers)
     if has_dense:

@@ -11,6 +11,11 @@ One program owns one head (D output columns), computed as two half-head accumula
 no cross-lane shuffles. Split-K over H (when heads alone give too few programs) uses the deterministic
 last-arriver reduction of ``small_gemm.py``; the epilogue (norm, RoPE, stores) runs in that last program.
 
+At one row without q/k norm (Llama) the one-row loop can take the row-pair form instead: a program owns rows ``j``
+and ``j + D/2`` of one head for a few ``j`` (``rotate_half`` pairs exactly those rows, so RoPE stays inside the
+program), reads all of H, and needs no split-K, partials or ticket: the one-row GEMV's shape (``gemv.py``) with
+RoPE and the KV write as its epilogue. A per-head q/k norm needs the whole head, so Qwen3 keeps a head per program.
+
 RoPE rounds like the general path (``lowlat.layers.rotary``): cos/sin cast to the model dtype, each product and the
 sum rounded to it (no-ops for fp32 models).
 PDL: the first ``PRE_K`` columns of both half-head weight tiles, and the epilogue's inputs that no kernel of the
@@ -33,6 +38,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
     MAX_ROWS,
     GemmPlan,
+    GemvPlan,
     default_block_k,
     dot_acc,
     dot_in_f32,
@@ -138,13 +144,17 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, ROW1: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, PAIRS: tl.constexpr,
 ):
     head = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    if PAIRS < HALF:  # row pairs (j, j + HALF) of one head per program (one row, no q/k norm, no split-K)
+        pid_k = 0
+        offs_h = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)
+    else:
+        pid_k = tl.program_id(1)
+        offs_h = tl.arange(0, HALF)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < T
-    offs_h = tl.arange(0, HALF)
     all_h = offs_h < HALF
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
@@ -210,6 +220,30 @@ def _qkv_rope_kernel(
             tl.atomic_xchg(cnt_ptr + head, 0)
 
 
+def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool) -> int:
+    """Rotary pairs per program of qkv_rope's one-row loop under ``row1``: ``head_dim / 2`` when ``row1.block_n``
+    is the head dim (one program per head and K split), else ``row1.block_n / 2`` (the row-pair form: each program
+    owns rows ``j`` and ``j + D/2`` of its head for ``block_n / 2`` values of ``j``, all of K, no ticket).
+
+    Raises:
+        ValueError: ``block_n`` neither the head dim nor an even number below it; the row-pair form with split-K,
+            or for a model with q/k norm (the per-head norm needs the whole head in one program).
+    """
+    bn = row1.block_n
+    if bn == head_dim:
+        return head_dim // 2
+    if not 2 <= bn < head_dim:
+        raise ValueError(f"qkv_rope's one-row plan has block_n {bn}: the head dim {head_dim} (a head per program) "
+                         f"or a power of two in [2, {head_dim}) (row pairs per program)")
+    if row1.split_k != 1:
+        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) reads all of K: split_k must be 1, "
+                         f"got {row1.split_k}")
+    if qk_norm:
+        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) cannot serve a model with q/k norm "
+                         "(the per-head RMSNorm needs the whole head in one program); use block_n = head dim")
+    return bn // 2
+
+
 def plan_qkv(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype, sms: int,
              *, split_k: int | None = None, block_k: int | None = None) -> GemmPlan:
     """Tiles for the fused QKV kernel: one program per head, split-K until ~1.75 x ``sms`` programs.
@@ -256,7 +290,8 @@ def qkv_rope(
         eps: RMSNorm epsilon (shared by input norm and q/k norm, as in HF).
         plan: from ``plan_qkv``; workspace / counters as for ``small_gemm`` when ``plan.split_k > 1``. With
             ``plan.row1`` a one-row step runs the K loop on the FMA units with x as a 1-D chunk (as ``gemv.py``),
-            at ``row1``'s K chunk, split-K, warps and stages (its split's workspace is checked the same way).
+            at ``row1``'s K chunk, split-K, warps and stages (its split's workspace is checked the same way); a
+            ``row1.block_n`` below the head dim takes the row-pair form (``check_row1_rows``).
         use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
         prefetch_act: load each activation chunk one K chunk ahead (bit-identical results); default
             ``small_gemm.prefetch_act_enabled()``.
@@ -304,10 +339,12 @@ def qkv_rope(
             raise ValueError(f"{name} must be an int32/int64 [{t}] tensor on {x.device}, got {tuple(idx.shape)} "
                              f"{idx.dtype}")
     row1 = plan.row1 is not None and t == 1
+    pairs = d // 2  # rotary pairs per program: a whole head unless the one-row plan asks for fewer
     if row1:  # the one-row FMA loop, with its own tiles and split (chosen by shape alone, like gemv.gemm)
         r1 = plan.row1
+        pairs = check_row1_rows(r1, d, q_norm is not None)
         plan = make_plan(hidden, block_n=d, block_k=r1.block_k, split_k=r1.split_k, num_warps=r1.num_warps,
-                         num_stages=r1.num_stages, weight_rows=d)
+                         num_stages=r1.num_stages, weight_rows=2 * pairs)
     if plan.split_k > 1:
         need = qkv_workspace_numel(plan, num_heads, num_kv_heads, d, rows=t)
         if workspace is None or workspace.dtype != torch.float32 or workspace.numel() < need:
@@ -320,7 +357,7 @@ def qkv_rope(
     nw = norm_weight if has_norm else w_qkv  # unread placeholders (no prologue / no q/k norm); never written
     qn = q_norm if q_norm is not None else nw
     kn = k_norm if k_norm is not None else nw
-    grid = (num_heads + 2 * num_kv_heads, plan.split_k)
+    grid = (num_heads + 2 * num_kv_heads, plan.split_k if pairs == d // 2 else d // 2 // pairs)
     _qkv_rope_kernel[grid](
         x, x.stride(0), w_qkv, w_qkv.stride(0), nw, qn, kn, cos, sin, cos.shape[0], positions,
         out_cache_loc, q2, q2.stride(0), k_buffer, v_buffer, k_buffer.stride(0),
@@ -330,7 +367,7 @@ def qkv_rope(
         HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=1 if row1 else BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
-        PREFETCH_ACT=bool(prefetch) and not row1 and has_norm, ROW1=row1, HAS_NORM=has_norm,
+        PREFETCH_ACT=bool(prefetch) and not row1 and has_norm, ROW1=row1, HAS_NORM=has_norm, PAIRS=pairs,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

@@ -25,7 +25,7 @@ import triton
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, default_attn_plan, split_cap
 from lowlat_nvidia_mega.kernels.pdl import env_switch
-from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
+from lowlat_nvidia_mega.kernels.qkv_rope import check_row1_rows, plan_qkv
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
 
 # The GPUs the tables below were measured on, with their ``device_chip``: a GPU of the same chip whose own name has no
@@ -57,7 +57,8 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 
 # The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K]); key as TUNED's.
 # "gemm" / "gated": the GEMV (kernels/gemv.py; a default_row1 plan where absent). "qkv": qkv_rope's one-row FMA
-# loop (BLOCK_N = head_dim; the tl.dot loop where absent).
+# loop (BLOCK_N = head_dim: a head per program; BLOCK_N < head_dim: the row-pair form, models without q/k norm
+# only; the tl.dot loop where absent).
 # tune_plans.py --row1-only on an H200, 2026-12-02 (bench/results/2026-12-02-h200-mega-gemv):
 # small_gemm's tuned plan -> the GEMV, µs per launch at 1 row.
 TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
@@ -204,9 +205,11 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
 
 
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
-             device: torch.device) -> GemmPlan:
+             device: torch.device, *, qk_norm: bool) -> GemmPlan:
     """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``; ``row1`` from a
-    ``TUNED_ROW1`` "qkv" entry (on a GPU with a ``TUNED`` entry for the shape), else None."""
+    ``TUNED_ROW1`` "qkv" entry (on a GPU with a ``TUNED`` entry for the shape) that this model can run, else None.
+    An entry of the row-pair form (``block_n`` < head_dim) serves only a model without q/k norm (``qk_norm``
+    False; ``qkv_rope.check_row1_rows``): the key (N, K) does not tell the two apart."""
     n = (num_heads + 2 * num_kv_heads) * head_dim
     hit = _tuned(TUNED, "qkv", n, hidden, dtype, device)
     if hit is None or hit[0] != head_dim:
@@ -215,7 +218,11 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
     plan = make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                      weight_rows=head_dim)
     row1 = _tuned(TUNED_ROW1, "qkv", n, hidden, dtype, device)
-    return plan if row1 is None or row1[0] != head_dim else dataclasses.replace(plan, row1=GemvPlan(*row1))
+    if row1 is None or row1[0] > head_dim or (row1[0] < head_dim and qk_norm):
+        return plan
+    r1 = GemvPlan(*row1)
+    check_row1_rows(r1, head_dim, qk_norm)
+    return dataclasses.replace(plan, row1=r1)
 
 
 def attn_plan(batch_size: int, rows_per_req: int, num_heads: int, num_kv_heads: int, head_dim: int,
