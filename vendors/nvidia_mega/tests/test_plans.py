@@ -39,15 +39,19 @@ def test_tuned_entry_wins_on_its_gpu_and_heuristic_elsewhere(monkeypatch: pytest
     q = tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False)
     assert q.block_n == 64 and q != plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
     assert q.row1 == GemvPlan(*tuned_plans.TUNED_ROW1[("NVIDIA H200", "qkv", 3072, 2048, "bfloat16")])
-    # a qkv shape without a TUNED entry keeps the heuristic plan and its tl.dot loop at one row
-    assert tuned_plans.qkv_plan(16, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False).row1 is None
+    # a qkv shape without entries: the heuristic plan, at one row the row-pair form without q/k norm, else tl.dot
+    for qk_norm in (False, True):
+        q = tuned_plans.qkv_plan(16, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=qk_norm)
+        assert dataclasses.replace(q, row1=None) == plan_qkv(16, 8, 64, 2048, torch.bfloat16, 132)
+        assert q.row1 == (None if qk_norm else GemvPlan(8, 1024, 4, 3))
 
 
 @pytest.mark.parametrize("entry,qk_norm,want", [
     ((16, 2048, 8, 1), False, GemvPlan(16, 2048, 8, 1)),      # the row-pair form, a model without q/k norm
     ((16, 2048, 8, 1), True, None),                           # ... never for q/k norm: that model keeps tl.dot
     ((64, 256, 4, 3, 8), True, GemvPlan(64, 256, 4, 3, 8)),   # a head per program serves both
-    ((128, 256, 4, 3, 8), False, None),                       # block_n past the head dim: not this model's entry
+    ((128, 256, 4, 3, 8), False, GemvPlan(8, 1024, 4, 3)),    # block_n past the head dim: the default instead
+    ((128, 256, 4, 3, 8), True, None),
 ])
 def test_qkv_row1_entry_follows_the_models_qk_norm(monkeypatch: pytest.MonkeyPatch, entry: tuple, qk_norm: bool,
                                                    want: GemvPlan | None) -> None:
@@ -82,8 +86,9 @@ def test_every_table_names_a_gpu_of_measured_on() -> None:
 
 
 def test_same_chip_reads_the_measured_table_other_chips_the_heuristic(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An H100 SXM (sm90, 132 SMs, no entries of its own) takes the H200's plans; an H100 PCIe (114 SMs) or an sm89
-    GPU keeps the heuristics; a GPU with its own entry reads its own first and the sibling's for the rest."""
+    """An H100 SXM (sm90, 132 SMs, one entry of its own) takes the H200's plans elsewhere; an H100 PCIe (114 SMs) or
+    an sm89 GPU keeps the heuristics; a GPU with its own entry reads its own first and the sibling's for the rest;
+    and the H200, which has entries for every shape the H100's entry covers, reads its own."""
     cpu = torch.device("cpu")
     key = ("gemm", 2048, 8192, "bfloat16")
     _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
@@ -111,8 +116,14 @@ def test_same_chip_reads_the_measured_table_other_chips_the_heuristic(monkeypatc
     monkeypatch.setitem(tuned_plans.TUNED, ("NVIDIA H100 80GB HBM3", *key), (32, 64, 4, 4, 2))
     own = tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu)
     assert (own.block_n, own.block_k, own.split_k, own.num_warps, own.num_stages) == (32, 64, 4, 4, 2)
-    assert own.row1 == h200.row1  # TUNED_ROW1 has no H100 entry: the H200's
+    assert own.row1 == h200.row1  # TUNED_ROW1 has no H100 entry for it: the H200's
     assert tuned_plans.gemm_plan(2048, 2048, torch.bfloat16, cpu) == h200_o
+    qkv_key = ("qkv", 3072, 2048, "bfloat16")
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False).row1 == \
+        GemvPlan(*tuned_plans.TUNED_ROW1[("NVIDIA H100 80GB HBM3", *qkv_key)])
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False).row1 == \
+        GemvPlan(*tuned_plans.TUNED_ROW1[("NVIDIA H200", *qkv_key)])
 
 
 @pytest.mark.parametrize("value", ["0", "off", "no"])
@@ -124,12 +135,14 @@ def test_tuned_off_reads_no_table(monkeypatch: pytest.MonkeyPatch, value: str) -
     assert tuned_plans.plan_sources(cpu) == ()
     assert tuned_plans.gemm_plan(2048, 8192, torch.bfloat16, cpu) == dataclasses.replace(
         plan_gemm(2048, 8192, torch.bfloat16, 132), row1=tuned_plans.default_row1(8192, gated=False))
-    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False) == \
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False) == dataclasses.replace(
+        plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132), row1=tuned_plans.default_qkv_row1(64, 2048, qk_norm=False))
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True) == \
         plan_qkv(32, 8, 64, 2048, torch.bfloat16, 132)
     assert tuned_plans.prenorm_rows("dense", 2048, torch.bfloat16, cpu) == 0
     for on in ("1", "", "default"):
         monkeypatch.setenv(tuned_plans.TUNED_ENV, on)
-        assert tuned_plans.plan_sources(cpu) == ("NVIDIA H200",)
+        assert tuned_plans.plan_sources(cpu) == ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
 
 
 def test_tuned_switch_refuses_a_typo(monkeypatch: pytest.MonkeyPatch) -> None:

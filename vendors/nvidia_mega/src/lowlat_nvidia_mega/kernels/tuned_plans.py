@@ -32,6 +32,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan,
 # entry for a shape reads theirs (``plan_sources``). Every device name in the tables must be here.
 MEASURED_ON: dict[str, tuple[tuple[int, int], int]] = {
     "NVIDIA H200": ((9, 0), 132),
+    "NVIDIA H100 80GB HBM3": ((9, 0), 132),
 }
 
 # tune_plans.py on an H200, 2026-11-30 (bench/results/2026-11-30-nvidia-mega-tuning/tune_1row.txt):
@@ -74,6 +75,11 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     ("NVIDIA H200", "qkv", 6144, 4096, "bfloat16"): (128, 128, 4, 3, 8),   # qwen3-8b qkv    21.51 -> 16.16
     ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 128, 8, 1, 8),   # qwen3-30b qkv   11.36 -> 8.66
     ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (8, 2048, 8, 1),      # qwen3-30b o      7.24 -> 5.97
+    # 2026-12-06, the row-pair form on an H100 SXM (bench/results/2026-12-06-h100-mega-qkv-pairs): the best head per
+    # program (the H200's entry above, 7.46; best 7.32) -> the best row-pair plan, µs per launch at 1 row; the
+    # llama-3.2-1b DECODE b=1 step 1.0434 / 1.0448 -> 1.0351 / 1.0363 ms in A/B/A/B (plan_ab.py). The H200 keeps
+    # its own entry until the same A/B runs there.
+    ("NVIDIA H100 80GB HBM3", "qkv", 3072, 2048, "bfloat16"): (8, 1024, 4, 3),  # llama qkv 7.46 -> 6.09
 }
 
 
@@ -118,6 +124,16 @@ def prenorm_rows(kind: str, hidden: int, dtype: torch.dtype, device: torch.devic
     """The most rows of a step that prenorm serves by default for this model on ``device`` (``TUNED_PRENORM``;
     ``kind`` "dense" or "moe"), else 0 (no step does). ``LOWLAT_MEGA_PRENORM`` overrides it per step."""
     return _lookup(TUNED_PRENORM, (kind, hidden, str(dtype).removeprefix("torch.")), device) or 0
+
+
+def default_qkv_row1(head_dim: int, hidden: int, *, qk_norm: bool) -> GemvPlan | None:
+    """qkv_rope's one-row plan for a shape without a ``TUNED_ROW1`` "qkv" entry: the row-pair form at 8 rows per
+    program and K chunks of at most 1024 for a model without q/k norm (the best of 26 one-row plans at llama-3.2-1b's
+    shape on an H100, 6.09 µs against 10.47 for its tl.dot loop); None (the tl.dot loop) with q/k norm, whose
+    head-per-program plans were only ever measured per shape."""
+    if qk_norm or head_dim <= 8:
+        return None
+    return GemvPlan(block_n=8, block_k=min(1024, triton.next_power_of_2(hidden)), num_warps=4, num_stages=3)
 
 
 def default_row1(k: int, *, gated: bool) -> GemvPlan:
@@ -207,21 +223,24 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
              device: torch.device, *, qk_norm: bool) -> GemmPlan:
     """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``; ``row1`` from a
-    ``TUNED_ROW1`` "qkv" entry (on a GPU with a ``TUNED`` entry for the shape) that this model can run, else None.
-    An entry of the row-pair form (``block_n`` < head_dim) serves only a model without q/k norm (``qk_norm``
-    False; ``qkv_rope.check_row1_rows``): the key (N, K) does not tell the two apart."""
+    ``TUNED_ROW1`` "qkv" entry that this model can run, else ``default_qkv_row1``. An entry of the row-pair form (``block_n`` <
+    head_dim) serves only a model without q/k norm (``qk_norm`` False; ``qkv_rope.check_row1_rows``): the key
+    (N, K) does not tell the two apart."""
     n = (num_heads + 2 * num_kv_heads) * head_dim
     hit = _tuned(TUNED, "qkv", n, hidden, dtype, device)
     if hit is None or hit[0] != head_dim:
-        return plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
-    _, bk, s, w, st = hit
-    plan = make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
-                     weight_rows=head_dim)
+        plan = plan_qkv(num_heads, num_kv_heads, head_dim, hidden, dtype, num_sms(device))
+    else:
+        _, bk, s, w, st = hit
+        plan = make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
+                         weight_rows=head_dim)
     row1 = _tuned(TUNED_ROW1, "qkv", n, hidden, dtype, device)
     if row1 is None or row1[0] > head_dim or (row1[0] < head_dim and qk_norm):
-        return plan
-    r1 = GemvPlan(*row1)
-    check_row1_rows(r1, head_dim, qk_norm)
+        r1 = default_qkv_row1(head_dim, hidden, qk_norm=qk_norm)
+    else:
+        r1 = GemvPlan(*row1)
+    if r1 is not None:
+        check_row1_rows(r1, head_dim, qk_norm)
     return dataclasses.replace(plan, row1=r1)
 
 
