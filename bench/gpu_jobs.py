@@ -170,6 +170,23 @@ def mega_plans(o: Options) -> list[Step]:
                  env={"LOWLAT_MEGA_TUNED": v}) for m in o.models for v in ("0", "")]
 
 
+def mega_ab(o: Options) -> list[Step]:
+    """nvidia_mega's step with one plan-table entry replaced (B: ``bench/scripts/plan_ab.py``, ``AB_TABLE`` /
+    ``AB_KEY`` / ``AB_VALUE``) against the tables as they are (A), A B A B per model in one call, each beside the
+    general path: DECODE at ``BATCHES`` (default 1). The default entry is the one pending on the H200: llama-3.2-1b's
+    qkv_rope in the row-pair form (bench/results/2026-12-06-h100-mega-qkv-pairs)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    ab = ["--table", os.environ.get("AB_TABLE", "TUNED_ROW1"),
+          "--key", os.environ.get("AB_KEY", "qkv,3072,2048,bfloat16"),
+          "--value", os.environ.get("AB_VALUE", "8,1024,4,3"), "--"]
+    args = ["--paths", "general,nvidia_mega", "--batch-sizes", os.environ.get("BATCHES", "1"), "--modes", "decode",
+            "--context", "1024", "--input-sets", "2", "--warmup", "5", "--iters", "50", "--no-plot"]
+    return [Step(f"{side}{i} {m}", 150,
+                 [*([PY, "bench/scripts/plan_ab.py", *ab] if side == "B" else LOWLAT), "bench", "--model", m, *args,
+                  "--out", f"{out}/ab_{side}{i}_{m}"], f"ab_{side}{i}_{slug(m)}.txt",
+                 r"plan_ab|L=\d+ DECODE") for m in o.models for i in (1, 2) for side in ("A", "B")]
+
+
 def amd_layers(o: Options) -> list[Step]:
     """amd_mono's per-layer times against the general path; ``AMD_VARIANTS`` adds option variants,
     ``AMD_SYNC_FLOOR=1`` times each with every stage's compute skipped too."""
@@ -283,7 +300,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-moe": mega_moe, "mega-tune": mega_tune, "mega-row1": mega_row1,
-    "mega-prenorm": mega_prenorm, "mega-attn": mega_attn, "mega-plans": mega_plans,
+    "mega-prenorm": mega_prenorm, "mega-attn": mega_attn, "mega-plans": mega_plans, "mega-ab": mega_ab,
     "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
     "oot-vendor": oot_vendor, **SPEED_JOBS,
