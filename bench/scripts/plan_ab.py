@@ -25,14 +25,16 @@ TABLES = ("TUNED", "TUNED_ROW1")
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise SystemExit("plan_ab.py: put the lowlat command after '--'")
-    cut = argv.index("--")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 usage="%(prog)s --table T --key K --value V -- LOWLAT_SUBCOMMAND [ARGS ...]")
     ap.add_argument("--table", choices=TABLES, required=True)
     ap.add_argument("--key", required=True, help="kind,N,K,dtype, e.g. qkv,3072,2048,bfloat16")
     ap.add_argument("--value", required=True, help="the plan's integers, comma-separated")
-    return ap.parse_args(argv[:cut]), argv[cut + 1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = ap.parse_args(argv[:cut])  # -h / --help print the usage and exit here
+    if cut == len(argv):
+        ap.error("put the lowlat command after '--', e.g. -- bench --model llama-3.2-1b ...")
+    return args, argv[cut + 1:]
 
 
 def main(argv: list[str] | None = None) -> int:
