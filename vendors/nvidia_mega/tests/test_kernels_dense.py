@@ -206,7 +206,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 
 def _qkv_reference(x, nw, w, qn, kn, positions, rotary, dtype):  # type: ignore[no-untyped-def]
     t = x.shape[0]
-    q, k, v = F.linear(rms_norm(x, nw, EPS), w).split([HQ * D, HKV * D, HKV * D], dim=-1)
+    q, k, v = F.linear(x if nw is None else rms_norm(x, nw, EPS), w).split([HQ * D, HKV * D, HKV * D], dim=-1)
     q, k, v = q.view(t, HQ, D), k.view(t, HKV, D), v.view(t, HKV, D)
     if qn is not None:
         q, k = rms_norm(q, qn, EPS), rms_norm(k, kn, EPS)
@@ -254,6 +254,8 @@ def test_qkv_rope_row_pair_form_matches_torch(dtype: torch.dtype, block_n: int, 
     row1 = GemvPlan(block_n=block_n, block_k=r1_block_k, num_warps=4, num_stages=1)
     seen = _check_qkv_rope(dtype, 1, False, 1, LLAMA3, row1)
     assert seen == {"ROW1": True, "SPLIT_K": 1, "PAIRS": block_n // 2, "grid": (HQ + 2 * HKV, D // block_n)}
+    # x already normalized (no prologue), as a TP rank's layers after the first run it
+    assert _check_qkv_rope(dtype, 1, False, 1, None, row1, with_norm=False)["PAIRS"] == block_n // 2
     assert _check_qkv_rope(dtype, 2, False, 2, None, row1)["PAIRS"] == D // 2  # two rows: the tl.dot loop
 
 
@@ -269,11 +271,11 @@ def test_qkv_rope_refuses_a_row_pair_plan_it_cannot_run(row1: GemvPlan, qk_norm:
 
 
 def _check_qkv_rope(dtype: torch.dtype, rows: int, qk_norm: bool, split_k: int, rope_scaling: dict | None,
-                    row1: GemvPlan | None) -> dict:
+                    row1: GemvPlan | None, with_norm: bool = True) -> dict:
     """Runs qkv_rope against the torch reference; returns the launch's ROW1, SPLIT_K and PAIRS constexprs and
     its grid."""
     x = _randn(rows, HID, dtype=dtype, seed=10)
-    nw = (torch.rand(HID, generator=_gen(11)) + 0.5).to(dtype=dtype, device=DEV)
+    nw = (torch.rand(HID, generator=_gen(11)) + 0.5).to(dtype=dtype, device=DEV) if with_norm else None
     w = _randn((HQ + 2 * HKV) * D, HID, dtype=dtype, seed=12, scale=0.2)
     qn = (torch.rand(D, generator=_gen(13)) + 0.5).to(dtype=dtype, device=DEV) if qk_norm else None
     kn = (torch.rand(D, generator=_gen(14)) + 0.5).to(dtype=dtype, device=DEV) if qk_norm else None
