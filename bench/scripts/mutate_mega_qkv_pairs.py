@@ -1,11 +1,13 @@
 """Mutation pass of qkv_rope's row-pair form (kernels/qkv_rope.py: the kernel's ``PAIRS`` branch, the launcher and
-``check_row1_rows``), of ``tuned_plans.qkv_plan`` / ``default_qkv_row1`` and of the build's ``qk_norm``: break one
-place, run the CPU tests, expect a failure.
+``check_row1_rows``), of late q/k (kernels/qk_late.py, the attention's ``LATE`` path, forward.py's choice), of
+``tuned_plans.qkv_plan`` / ``default_qkv_row1`` and of the build's ``qk_norm``: break one place, run the CPU tests,
+expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_qkv_pairs.py  # from root
 
-Runs test_kernels_dense.py's qkv tests (kernel and launcher), test_plans.py's plan tests (the tables) and
-test_forward.py's one-row steps (the build) per mutant. Prints CAUGHT (with the first failing test) or MISSED per
+Runs test_kernels_dense.py's qkv tests (kernel and launcher), test_kernels_qk_late.py (late q/k's mutants, and
+qkv_rope's among them, once more), test_plans.py's plan tests (the tables) and test_forward.py's one-row steps (the
+build, the forward) per mutant. Prints CAUGHT (with the first failing test) or MISSED per
 mutation; exits 1 if any was missed.
 """
 
@@ -16,6 +18,9 @@ import sys
 import mutation_runner  # same directory
 
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
+L = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qk_late.py")
+A = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/attention.py")
+F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
 T = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/tuned_plans.py")
 B = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py")
 M = [  # (name, file, original text, mutated text)
@@ -24,8 +29,8 @@ M = [  # (name, file, original text, mutated text)
     ("a row-pair program reads one K split only", Q, "        pid_k = 0\n", "        pid_k = tl.program_id(1)\n"),
     ("the grid of a head per program for row pairs", Q,
      "plan.split_k if pairs == d // 2 else d // 2 // pairs)", "plan.split_k)"),
-    ("the plan's rows ignored", Q, "pairs = check_row1_rows(r1, d, q_norm is not None)", "pairs = d // 2"),
-    ("row pairs with q/k norm allowed", Q, "    if qk_norm:\n        raise", "    if False:\n        raise"),
+    ("the plan's rows ignored", Q, "pairs = check_row1_rows(r1, d, q_norm is not None, qk_late)", "pairs = d // 2"),
+    ("row pairs with q/k norm allowed", Q, "    if qk_norm and not qk_late:\n", "    if False:\n"),
     ("row pairs with split-K allowed", Q, "    if row1.split_k != 1:\n", "    if False:\n"),
     ("one row per program allowed", Q, "if not 2 <= bn < head_dim:", "if not 1 <= bn < head_dim:"),
     ("a row-pair entry reaches a q/k-norm model", T, "(row1[0] < head_dim and qk_norm)", "False"),
@@ -35,13 +40,44 @@ M = [  # (name, file, original text, mutated text)
     ("the H100 no longer a measured GPU", T, '    "NVIDIA H100 80GB HBM3": ((9, 0), 132),\n', ""),
     ("the build says no q/k norm", B, "qk_norm=mc.has_qk_norm", "qk_norm=False"),
 ]
+LATE = [  # late q/k: qkv_rope stores q/k raw, the attention finishes them (kernels/qk_late.py)
+    ("qkv_rope finishes q/k in the row-pair form", Q, "if QK_LATE:  # stored raw", "if False:  # stored raw"),
+    ("qk_late for any plan", Q, "if qk_late and not (qk_norm and 2 <= bn < head_dim):", "if False:"),
+    ("qk_late at several rows", Q, "if qk_late and not row1:", "if False:"),
+    ("late q/k without the norm", L, "r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)",
+     "r = 1.0 + 0.0 * tl.sum(x, axis=1)"),
+    ("rotate_half without its sign", L, "sign = tl.where(offs_d < HALF, -1.0, 1.0)", "sign = offs_d * 0 + 1.0"),
+    ("rotate_half unswapped", L, "swap = (offs_d + HALF) % D", "swap = offs_d"),
+    ("the swapped column's norm weight", L, "ws = tl.load(nw_ptr + swap)", "ws = tl.load(nw_ptr + offs_d)"),
+    ("cos unrounded", L, "c = rnd(tl.load(cos_ptr + p[:, None] * HALF + half[None, :]), DT)",
+     "c = tl.load(cos_ptr + p[:, None] * HALF + half[None, :])"),
+    ("late at several rows", L, "return qk_norm and rows == 1 and", "return qk_norm and rows >= 1 and"),
+    ("the attention leaves q/k raw", A, "if LATE:  # q and k left raw", "if False:  # q and k left raw"),
+    ("the finished K row not written back", A, "tl.store(k_row[:, None] + offs_d[None, :], k_new)", "pass"),
+    ("the first block keeps the raw K row", A,
+     "        k = tl.where(((pos == prefix) & in_rng)[:, None], k_new, k)\n    else:", "    else:"),
+    ("later blocks keep the raw K row", A,
+     "            k = tl.where(((pos == prefix) & in_rng)[:, None], k_new, k)\n        m_i",
+     "            pass\n        m_i"),
+    ("late at several rows per request", A, "        if r != 1:\n", "        if False:\n"),
+    ("a late entry for any model", T, '"qkv_late", n, hidden, dtype, device) if qk_norm else None',
+     '"qkv_late", n, hidden, dtype, device) if True else None'),
+    ("the late entry never read", T, '_tuned(TUNED_ROW1, "qkv_late",', '_tuned(TUNED_ROW1, "qkv_late_",'),
+    ("the forward never late", F, "late = late_qk(t,", "late = False and late_qk(t,"),
+]
+M += LATE  # every anchor, for core/tests/test_mutation_anchors.py
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    failed = mutation_runner.run([m for m in M if m[1] == Q], "vendors/nvidia_mega/tests/test_kernels_dense.py", env,
-                                 pytest_args=("-k", "qkv"))
+    pairs = [m for m in M if m not in LATE]
+    failed = mutation_runner.run([m for m in pairs if m[1] == Q], "vendors/nvidia_mega/tests/test_kernels_dense.py",
+                                 env, pytest_args=("-k", "qkv"))
+    failed |= mutation_runner.run([m for m in LATE if m[1] in (Q, L, A)],
+                                  "vendors/nvidia_mega/tests/test_kernels_qk_late.py", env)
+    failed |= mutation_runner.run([m for m in LATE if m[1] == F], "vendors/nvidia_mega/tests/test_forward.py", env,
+                                  pytest_args=("-k", "one_row"))
     failed |= mutation_runner.run([m for m in M if m[1] == T], "vendors/nvidia_mega/tests/test_plans.py", env,
                                   pytest_args=("-k", "not smoke"))
-    failed |= mutation_runner.run([m for m in M if m[1] == B], "vendors/nvidia_mega/tests/test_forward.py", env,
+    failed |= mutation_runner.run([m for m in pairs if m[1] == B], "vendors/nvidia_mega/tests/test_forward.py", env,
                                   pytest_args=("-k", "one_row"))
     sys.exit(failed)

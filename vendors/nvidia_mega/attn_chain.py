@@ -24,6 +24,7 @@ from lowlat_nvidia_mega.kernels.attention import MAX_SPLITS, AttnPlan, paged_dec
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
+from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
@@ -70,6 +71,9 @@ class LayerChain:
         self.cos, self.sin = rope_cos_sin(d, 1e4, max(ctx + 8, 64), None, dev)
         self.x, self.q, self.attn = self.rand(t, h), self.rand(t, hq * d), self.rand(t, hq * d)
         self.qplan = qkv_plan(hq, hkv, d, h, dtype, dev, qk_norm=s["qk_norm"])
+        row1_bn = self.qplan.row1.block_n if self.qplan.row1 is not None else None
+        self.late = LateQK(self.qn, self.kn, self.cos, self.sin, self.pos, bk.EPS) \
+            if late_qk(t, row1_bn, d, s["qk_norm"]) else None  # as forward.py: q/k finished in the attention
         self.qws = torch.zeros(max(1, qkv_workspace_numel(self.qplan, hq, hkv, d)), device=dev)
         self.plans = {"o_proj": gemm_plan(h, hq * d, dtype, dev)}
         tiles = {"qkv": hq + 2 * hkv, "o_proj": self.plans["o_proj"].n_tiles(h)}
@@ -102,11 +106,11 @@ class LayerChain:
         qkv_rope(x, self.in_norm[i], self.wqkv[i], num_heads=s["heads"], num_kv_heads=s["kv_heads"], q_norm=self.qn,
                  k_norm=self.kn, cos=self.cos, sin=self.sin, positions=self.pos, out_cache_loc=self.loc,
                  q_out=self.q, k_buffer=self.kb[i], v_buffer=self.vb[i], eps=bk.EPS, plan=self.qplan,
-                 workspace=self.qws, counters=self.counters["qkv"], use_pdl=pdl)
+                 workspace=self.qws, counters=self.counters["qkv"], use_pdl=pdl, qk_late=self.late is not None)
         if plan is not None:
             paged_decode_attention(self.q, self.kb[i], self.vb[i], self.rtt, self.rpi, self.seq, self.attn,
                                    rows_per_req=self.r, sm_scale=s["head_dim"] ** -0.5, plan=plan,
-                                   o_partial=self.o_p, lse_partial=self.l_p, use_pdl=pdl)
+                                   o_partial=self.o_p, lse_partial=self.l_p, use_pdl=pdl, late=self.late)
         gemm(self.attn, self.wo[i], x, plan=self.plans["o_proj"], epilogue="residual", residual=x,
              counters=self.counters["o_proj"], use_pdl=pdl, **kw)
         if self.dense:

@@ -35,6 +35,7 @@ from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
+from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import make_plan, num_sms, small_gemm, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, qkv_plan
@@ -157,6 +158,7 @@ class Case:
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         _, _, pos, loc = self.decode_batch(t, 1)
         plan = qkv_plan(hq, hkv, d, s["hidden"], self.dt, self.dev, qk_norm=s["qk_norm"])
+        late = late_qk(t, plan.row1.block_n if plan.row1 is not None else None, d, s["qk_norm"])
         ws = torch.zeros(max(1, qkv_workspace_numel(plan, hq, hkv, d)), device=self.dev)
         gplan = gemm_plan(self.nqkv, s["hidden"], self.dt, self.dev)
         out = torch.empty(t, self.nqkv, dtype=self.dt, device=self.dev)
@@ -170,7 +172,7 @@ class Case:
                     qkv_rope(self.x, nw, w, num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
                              k_norm=self.kn, cos=self.cos, sin=self.sin, positions=pos, out_cache_loc=loc,
                              q_out=self.q, k_buffer=kb, v_buffer=vb, eps=EPS, plan=plan,
-                             workspace=ws, counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
+                             workspace=ws, counters=self.counters, use_pdl=pdl, prefetch_act=prefetch, qk_late=late)
                 else:  # what the general path runs: norm, GEMM, q/k norm, RoPE, KV write as separate kernels
                     small_gemm(rms_norm(self.x, nw, EPS), w, out, plan=gplan,
                                workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl)
@@ -266,6 +268,8 @@ class Case:
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         rpi, seq, pos, loc = self.decode_batch(t, 1)
         qplan = qkv_plan(hq, hkv, d, h, self.dt, self.dev, qk_norm=s["qk_norm"])
+        late = LateQK(self.qn, self.kn, self.cos, self.sin, pos, EPS) \
+            if late_qk(t, qplan.row1.block_n if qplan.row1 is not None else None, d, s["qk_norm"]) else None
         qws = torch.zeros(max(1, qkv_workspace_numel(qplan, hq, hkv, d)), device=self.dev)
         aplan = attn_plan(t, 1, hq, hkv, d, self.ctx, self.sms, self.dt, device=self.dev)
         n_o, n_l = partial_numel(t, hq, hkv, d, 1, aplan)
@@ -284,10 +288,10 @@ class Case:
                 qkv_rope(x, self.norm[i % 8], self.wqkv[i], num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
                          k_norm=self.kn, cos=self.cos, sin=self.sin, positions=pos, out_cache_loc=loc, q_out=self.q,
                          k_buffer=self.kb[i], v_buffer=self.vb[i], eps=EPS, plan=qplan, workspace=qws,
-                         counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
+                         counters=self.counters, use_pdl=pdl, prefetch_act=prefetch, qk_late=late is not None)
                 paged_decode_attention(self.q, self.kb[i], self.vb[i], self.rtt, rpi, seq, self.attn, rows_per_req=1,
                                        sm_scale=d ** -0.5, plan=aplan, o_partial=o_p, lse_partial=l_p,
-                                       use_pdl=pdl)
+                                       use_pdl=pdl, late=late)
                 gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
                 gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
                      eps=EPS, prefetch_act=prefetch, **kw)

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
+from lowlat_nvidia_mega.kernels.qk_late import late_qk  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, plan_sources_line, qkv_plan  # noqa: E402
@@ -110,12 +111,14 @@ class Tuner:
             return None
         _, _, pos, loc = c.decode_batch(c.t, 1)
 
+        late = late_qk(c.t, plan.row1.block_n if plan.row1 is not None else None, d, c.qn is not None)
+
         def chain() -> int:
             for i, w in enumerate(c.wqkv):
                 qkv_rope(c.x, c.norm[i % 8], w, num_heads=hq, num_kv_heads=hkv, q_norm=c.qn, k_norm=c.kn, cos=c.cos,
                          sin=c.sin, positions=pos, out_cache_loc=loc, q_out=c.q, k_buffer=c.kb[i % len(c.kb)],
                          v_buffer=c.vb[i % len(c.vb)], eps=bk.EPS, plan=plan, workspace=self.ws,
-                         counters=c.counters, use_pdl=self.pdl)
+                         counters=c.counters, use_pdl=self.pdl, qk_late=late)
             return len(c.wqkv)
         return chain
 
@@ -211,13 +214,14 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
                     if d * bkk > 4096 * nw or bkk * sk > k:
                         continue
                     results.append(timed(GemvPlan(block_n=d, block_k=bkk, num_warps=nw, num_stages=1, split_k=sk)))
-        if not tuner.c.s["qk_norm"]:  # the row-pair form: 2-16 rows of a head per program, all of K, no ticket
-            for bn in ([4] if smoke else [4, 8, 16]):
-                for bkk in ([32] if smoke else [1024, 2048]):
-                    for nw in ([4] if smoke else [4, 8]):
-                        if bn >= d or bkk > triton.next_power_of_2(k) or bn * bkk > 4096 * nw:
-                            continue
-                        results.append(timed(GemvPlan(block_n=bn, block_k=bkk, num_warps=nw, num_stages=1)))
+        # the row-pair form: 2-16 rows of a head per program, all of K, no ticket; with q/k norm it leaves q and k
+        # raw for the attention (late q/k), whose extra work this chain does not time: confirm with mega-ab
+        for bn in ([4] if smoke else [4, 8, 16]):
+            for bkk in ([32] if smoke else [1024, 2048]):
+                for nw in ([4] if smoke else [4, 8]):
+                    if bn >= d or bkk > triton.next_power_of_2(k) or bn * bkk > 4096 * nw:
+                        continue
+                    results.append(timed(GemvPlan(block_n=bn, block_k=bkk, num_warps=nw, num_stages=1)))
     for bn in ([] if kernel == "qkv_rope" else [4] if smoke else [2, 4, 8]):
         for bkk in ([64] if smoke else [1024, 2048]):
             for nw in ([4] if smoke else [4, 8]):

@@ -59,7 +59,8 @@ QKV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, 
                stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32",
                K="i32", K_PER_SPLIT="i32", eps="fp32")
 ATTN_SIG = dict(q_ptr=BF, stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", rtt_ptr="*i32", stride_rtt="i32",
-                rpi_ptr="*i64", seqlen_ptr="*i32", op_ptr="*fp32", lse_ptr="*fp32", scale_log2="fp32")
+                rpi_ptr="*i64", seqlen_ptr="*i32", op_ptr="*fp32", lse_ptr="*fp32", scale_log2="fp32", qn_ptr=BF,
+                kn_ptr=BF, cos_ptr="*fp32", sin_ptr="*fp32", pos_ptr="*i64", max_pos="i32", eps="fp32")
 MERGE_SIG = dict(op_ptr="*fp32", lse_ptr="*fp32", seqlen_ptr="*i32", out_ptr=BF, stride_ot="i32")
 CUDA = torch.device("cuda")  # only its name is asked for, through the patched ``device_name``
 MODELS = {"llama-3.2-1b": (2048, 32, 8, 64, 8192, False), "qwen3-30b-a3b": (2048, 32, 4, 128, 768, True)}
@@ -114,7 +115,7 @@ def test_qkv_rope_compiles_for_sm90(model: str, prefetch: bool, plans) -> None: 
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2), stages=plan.num_stages,
+        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
         warps=plan.num_warps))
 
 
@@ -130,7 +131,8 @@ def test_qkv_rope_one_row_loop_compiles_for_sm90(model: str, block_k: int, split
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2), stages=plan.num_stages, warps=plan.num_warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
+        warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
 
@@ -140,17 +142,17 @@ QKV_PAIRS = [(4, 2048, 4), (8, 2048, 8), (16, 1024, 4), (16, 2048, 8)]
 
 
 @pytest.mark.parametrize("block_n,block_k,warps", QKV_PAIRS)
-def test_qkv_rope_row_pair_form_compiles_for_sm90(block_n: int, block_k: int, warps: int) -> None:
-    """The row-pair form at llama-3.2-1b's shape: PDL, 16-byte weight loads, no MMA, and no ticket (no atomics):
-    a program reads all of K."""
-    hid, hq, hkv, d, _, qk_norm = MODELS["llama-3.2-1b"]
-    assert not qk_norm
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_qkv_rope_row_pair_form_compiles_for_sm90(model: str, block_n: int, block_k: int, warps: int) -> None:
+    """The row-pair form: PDL, 16-byte weight loads, no MMA, and no ticket (no atomics): a program reads all of K;
+    at qwen3-30b-a3b's shape (q/k norm) with late q/k (kernels/qk_late.py)."""
+    hid, hq, hkv, d, _, qk_norm = MODELS[model]
     plan = make_plan(hid, block_n=d, block_k=block_k, split_k=1, num_warps=warps, num_stages=1,
                      weight_rows=block_n)
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
-        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=False,
+        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2), stages=1, warps=warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm), stages=1, warps=warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx and "atom" not in ptx
 
@@ -169,7 +171,7 @@ def test_prenorm_kernels_compile_for_sm90(model: str, plans) -> None:  # type: i
     fused, pre = (_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
         warps=plan.num_warps) for norm in (True, False))
     _assert_pdl(pre)
     assert pre.count("mma") == fused.count("mma") > 0
@@ -190,19 +192,32 @@ def test_qkv_rope_tuned_row1_compiles_for_sm90(model: str, plans) -> None:  # ty
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs), stages=plan.num_stages, warps=plan.num_warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False), stages=plan.num_stages,
+        warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
 
 
-def _compile_attention(model: str, rows: int, plan: AttnPlan) -> None:
+def _compile_attention(model: str, rows: int, plan: AttnPlan, late: bool = False) -> str:
     _, hq, hkv, d, _, _ = MODELS[model]
     bm = attention_block_m(hq, hkv, rows)
     consts = dict(HKV=hkv, G=hq // hkv, R=rows, D=d, BLOCK_M=bm, BLOCK_KV=plan.block_kv, NUM_SPLITS=plan.num_splits,
                   USE_PDL=True)
-    _assert_pdl(_compile(_attn_split_kernel, ATTN_SIG, dict(consts, DOT_F32=False), warps=plan.split_warps,
-                         stages=plan.split_stages))
+    split = _compile(_attn_split_kernel, ATTN_SIG, dict(consts, DOT_F32=False, LATE=late), warps=plan.split_warps,
+                     stages=plan.split_stages)
+    _assert_pdl(split)
     _assert_pdl(_compile(_attn_merge_kernel, MERGE_SIG, dict(consts, HQ=hq), warps=plan.merge_warps))
+    return split
+
+
+@pytest.mark.parametrize("plans", [True], ids=["tuned"], indirect=True)
+def test_late_qk_attention_compiles_for_sm90(plans) -> None:  # type: ignore[no-untyped-def]
+    """qwen3-30b-a3b's batch-1 attention finishing raw q and the new K row (kernels/qk_late.py): PDL kept, and the
+    finished row stored (a store to the K pool, which the plain split kernel never makes)."""
+    _, hq, hkv, d, _, _ = MODELS["qwen3-30b-a3b"]
+    plan = plans.attn_plan(1, 1, hq, hkv, d, 2048, 132, torch.bfloat16, device=CUDA)
+    late, plain = (_compile_attention("qwen3-30b-a3b", 1, plan, late=flag) for flag in (True, False))
+    assert late.count("st.global") > plain.count("st.global")
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -168,12 +168,15 @@ def test_step_matches_reference_and_writes_only_out_cache_loc(arch: str, dtype: 
 
 @pytest.mark.parametrize("arch,dtype,pairs", [("LlamaForCausalLM", torch.float32, False),
                                               ("LlamaForCausalLM", torch.bfloat16, True),
-                                              ("Qwen3ForCausalLM", torch.bfloat16, False)])
+                                              ("Qwen3ForCausalLM", torch.bfloat16, False),
+                                              ("Qwen3ForCausalLM", torch.bfloat16, True),
+                                              ("Qwen3MoeForCausalLM", torch.float32, True)])
 def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, pairs: bool,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch-1 DECODE step: the projections through the one-row GEMV (every plan has ``row1`` by default) and,
     here also qkv_rope through its one-row loop (a head per program split over K in 2, or ``pairs``: the row-pair
-    form, 4 rows per program), against the reference forward; the build tells ``qkv_plan`` the model's q/k norm."""
+    form, 4 rows per program, which for Qwen3 leaves q/k raw for the attention to finish: ``qk_late``), against the
+    reference forward; the build tells ``qkv_plan`` the model's q/k norm."""
     real = build_mod.qkv_plan
     seen = []
 
@@ -184,7 +187,7 @@ def test_one_row_step_matches_reference(arch: str, dtype: torch.dtype, pairs: bo
         return dataclasses.replace(real(hq, hkv, d, hid, dt, dev, qk_norm=qk_norm), row1=r1)
     monkeypatch.setattr(build_mod, "qkv_plan", with_row1)
     _check_step(arch, dtype, ForwardMode.DECODE, [11], 1)
-    assert seen == [arch == "Qwen3ForCausalLM"], "the build must take qkv_rope's plan from qkv_plan, with q/k norm"
+    assert seen == [arch != "LlamaForCausalLM"], "the build must take qkv_rope's plan from qkv_plan, with q/k norm"
 
 
 @pytest.mark.parametrize("arch,dtype,mode,prefix_lens,rows", STEPS[:2], ids=["llama-decode", "qwen3-verify"])

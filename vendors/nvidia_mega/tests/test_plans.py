@@ -62,6 +62,21 @@ def test_qkv_row1_entry_follows_the_models_qk_norm(monkeypatch: pytest.MonkeyPat
     assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=qk_norm).row1 == want
 
 
+def test_qkv_late_entry_serves_only_a_qk_norm_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A "qkv_late" entry (the row-pair form with q/k norm finished in the attention) is read, before "qkv", by a
+    model with q/k norm only; a head-per-program value under that kind is refused by name."""
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    cpu = torch.device("cpu")
+    late_key = ("NVIDIA H200", "qkv_late", 3072, 2048, "bfloat16")
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, late_key, (8, 1024, 4, 3))
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True).row1 == GemvPlan(8, 1024, 4, 3)
+    assert tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=False).row1 == \
+        GemvPlan(*tuned_plans.TUNED_ROW1[("NVIDIA H200", "qkv", 3072, 2048, "bfloat16")])
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, late_key, (64, 256, 4, 3, 8))
+    with pytest.raises(ValueError, match="qk_late serves"):
+        tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True)
+
+
 def test_qkv_row1_entry_of_the_pair_form_with_split_k_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
     monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"), (16, 256, 4, 1, 2))

@@ -40,6 +40,7 @@ from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, moe_forward
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
+from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
 from lowlat_nvidia_mega.tp import MegaTP, tp_reduce_mode
@@ -214,19 +215,24 @@ class MegaForward:
 
     def _attention(self, batch: ForwardBatch, i: int, lw: LayerWeights, qkv_in: torch.Tensor,
                    qkv_norm: torch.Tensor | None, use_pdl: bool) -> None:
-        """qkv_rope (this layer's K/V written at ``out_cache_loc``) then paged attention into ``ws.attn``."""
+        """qkv_rope (this layer's K/V written at ``out_cache_loc``) then paged attention into ``ws.attn``; with late
+        q/k (a q/k-norm model's one-row step in the row-pair form, ``qk_late.late_qk``) the attention finishes q/k."""
         ws = self.ws
         t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
         assert self.k_buffers is not None and self.v_buffers is not None
+        plan = self.plans["qkv"]
+        late = late_qk(t, plan.row1.block_n if plan.row1 is not None else None, plan.block_n, lw.q_norm is not None)
         qkv_rope(qkv_in, qkv_norm, lw.qkv, num_heads=self.heads[0], num_kv_heads=self.heads[1], q_norm=lw.q_norm,
                  k_norm=lw.k_norm, cos=ws.cos, sin=ws.sin, positions=batch.positions,
                  out_cache_loc=batch.out_cache_loc, q_out=ws.q[:t], k_buffer=self.k_buffers[i],
-                 v_buffer=self.v_buffers[i], eps=self.eps, plan=self.plans["qkv"], workspace=ws.qkv_ws,
-                 counters=ws.counters["qkv"], use_pdl=use_pdl)
+                 v_buffer=self.v_buffers[i], eps=self.eps, plan=plan, workspace=ws.qkv_ws,
+                 counters=ws.counters["qkv"], use_pdl=use_pdl, qk_late=late)
         paged_decode_attention(ws.q[:t], self.k_buffers[i], self.v_buffers[i], self.req_to_token,
                                batch.req_pool_indices, batch.seq_lens, ws.attn[:t], rows_per_req=t // b,
                                sm_scale=self.sm_scale, plan=self.attn_plans[(b, t // b)], o_partial=ws.o_partial,
-                               lse_partial=ws.lse_partial, use_pdl=use_pdl)
+                               lse_partial=ws.lse_partial, use_pdl=use_pdl,
+                               late=LateQK(lw.q_norm, lw.k_norm, ws.cos, ws.sin, batch.positions, self.eps)
+                               if late else None)
 
     def _mlp(self, lw: LayerWeights, gu_in: torch.Tensor, gu_norm: torch.Tensor | None, x: torch.Tensor,
              use_pdl: bool, epilogue: str) -> None:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_args, norm_rope_rows
 from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, dot_acc, dot_in_f32, to_act
 
 LOG2E = 1.4426950408889634
@@ -51,9 +52,10 @@ def _attn_block(q, k, v, pos, kv_end, q_pos, m_i, l_i, acc, scale_log2, DOT_F32:
 @triton.jit
 def _attn_split_kernel(
     q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, rtt_ptr, stride_rtt, rpi_ptr, seqlen_ptr, op_ptr, lse_ptr,
-    scale_log2,
+    scale_log2, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, max_pos, eps,
     HKV: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
+    LATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,6 +79,9 @@ def _attn_split_kernel(
     slot = tl.load(rtt_row + pos, mask=in_rng, other=0).to(tl.int64)
     k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_col, mask=old[:, None], other=0.0)
     v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_col, mask=old[:, None], other=0.0)
+    if LATE:  # one row per request (R == 1): its RoPE position, and where its new K row lies
+        row_pos = tl.load(pos_ptr + b)
+        new_slot = tl.load(rtt_row + prefix).to(tl.int64)
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
     new = in_rng & (pos >= prefix)
@@ -87,7 +92,19 @@ def _attn_split_kernel(
     r = offs_m // G
     m_valid = offs_m < G * R
     q_rows = (b * R + r).to(tl.int64) * stride_qt + (kvh * G + offs_m % G) * D
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+    k_new = tl.zeros([1, D], dtype=k_ptr.dtype.element_ty)
+    if LATE:  # q and k left raw by qkv_rope (kernels/qk_late.py): finish q here, and the new K row in its owner
+        q = norm_rope_rows(q_ptr + q_rows, m_valid, row_pos + offs_m * 0, qn_ptr, cos_ptr, sin_ptr, max_pos, eps, D,
+                           q_ptr.dtype.element_ty)
+        if (start <= prefix) & (prefix < end):
+            one = tl.arange(0, 1)
+            k_row = k_ptr + new_slot * stride_ks + kvh * D + one
+            k_new = norm_rope_rows(k_row, one < 1, row_pos + one, kn_ptr, cos_ptr, sin_ptr, max_pos, eps, D,
+                                   k_ptr.dtype.element_ty)
+            tl.store(k_row[:, None] + offs_d[None, :], k_new)  # the cache keeps the finished row for later steps
+        k = tl.where(((pos == prefix) & in_rng)[:, None], k_new, k)
+    else:
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
     q_pos = prefix + r
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -100,6 +117,8 @@ def _attn_split_kernel(
         slot = tl.load(rtt_row + pos, mask=in_rng, other=0).to(tl.int64)
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_col, mask=in_rng[:, None], other=0.0)
         v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_col, mask=in_rng[:, None], other=0.0)
+        if LATE:
+            k = tl.where(((pos == prefix) & in_rng)[:, None], k_new, k)
         m_i, l_i, acc = _attn_block(q, k, v, pos, end, q_pos, m_i, l_i, acc, scale_log2, DOT_F32)
 
     has = l_i > 0
@@ -227,7 +246,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, *, rows_per_req: int,
     sm_scale: float, plan: AttnPlan, o_partial: torch.Tensor, lse_partial: torch.Tensor,
-    use_pdl: bool | None = None,
+    use_pdl: bool | None = None, late: LateQK | None = None,
 ) -> torch.Tensor:
     """Attention of T = B * R new query rows over each request's cached K/V (new rows included).
 
@@ -243,6 +262,9 @@ def paged_decode_attention(
         plan: the launch plan (``tuned_plans.attn_plan``: splits, KV block, warps, stages); any valid plan gives
             the same result up to rounding (the chunks of the online softmax differ).
         o_partial, lse_partial: fp32 workspaces of >= ``partial_numel(..., plan)`` elements.
+        late: q and the new K rows are raw (qkv_rope's row-pair form for a model with q/k norm,
+            ``qk_late.late_qk``): their q/k norm and RoPE are applied here, and each new K row is written back
+            finished (one row per request only).
     Returns:
         ``out``.
     Raises:
@@ -284,15 +306,20 @@ def paged_decode_attention(
     if o_partial.dtype != torch.float32 or o_partial.numel() < n_o or lse_partial.dtype != torch.float32 \
             or lse_partial.numel() < n_l:
         raise ValueError(f"o_partial / lse_partial must be fp32 with >= {n_o} / {n_l} elements")
+    if late is not None:
+        if r != 1:
+            raise ValueError(f"late q/k serves one row per request, got rows_per_req {r}")
+        late.check(t, d, q.dtype, q.device)
     use_pdl = pdl_enabled(q.device) if use_pdl is None else use_pdl
     g = hq // hkv
     block_m = attention_block_m(hq, hkv, r)
     splits, block_kv = plan.num_splits, plan.block_kv  # the merge kernel's `used` needs the split kernel's chunk
     _attn_split_kernel[(b * hkv, splits)](
         q2, q2.stride(0), k_buffer, v_buffer, k_buffer.stride(0), req_to_token, req_to_token.stride(0),
-        req_pool_indices, seq_lens, o_partial, lse_partial, sm_scale * LOG2E,
+        req_pool_indices, seq_lens, o_partial, lse_partial, sm_scale * LOG2E, **late_args(late, seq_lens),
         HKV=hkv, G=g, R=r, D=d, BLOCK_M=block_m, BLOCK_KV=block_kv, NUM_SPLITS=splits,
-        DOT_F32=dot_in_f32(q.dtype), USE_PDL=use_pdl, num_warps=plan.split_warps, num_stages=plan.split_stages,
+        DOT_F32=dot_in_f32(q.dtype), USE_PDL=use_pdl, LATE=late is not None, num_warps=plan.split_warps,
+        num_stages=plan.split_stages,
         **launch_kwargs(use_pdl),
     )
     _attn_merge_kernel[(t * hq,)](

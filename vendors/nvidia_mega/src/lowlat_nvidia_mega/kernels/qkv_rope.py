@@ -14,7 +14,8 @@ last-arriver reduction of ``small_gemm.py``; the epilogue (norm, RoPE, stores) r
 At one row without q/k norm (Llama) the one-row loop can take the row-pair form instead: a program owns rows ``j``
 and ``j + D/2`` of one head for a few ``j`` (``rotate_half`` pairs exactly those rows, so RoPE stays inside the
 program), reads all of H, and needs no split-K, partials or ticket: the one-row GEMV's shape (``gemv.py``) with
-RoPE and the KV write as its epilogue. A per-head q/k norm needs the whole head, so Qwen3 keeps a head per program.
+RoPE and the KV write as its epilogue. A per-head q/k norm needs the whole head, so for Qwen3 the form stores q
+and k raw (``qk_late``) and the attention kernel finishes them (``kernels/qk_late.py``).
 
 RoPE rounds like the general path (``lowlat.layers.rotary``): cos/sin cast to the model dtype, each product and the
 sum rounded to it (no-ops for fp32 models).
@@ -81,23 +82,27 @@ def _qkv_epilogue_inputs(
 def _qkv_epilogue(
     lo, hi, head, offs_m, m_mask, offs_h, loc, cos, sin, w_lo, w_hi,
     q_ptr, stride_qt, k_ptr, v_ptr, stride_ks, eps,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr, QK_LATE: tl.constexpr,
 ):
     dt = q_ptr.dtype.element_ty
     lo = rnd(lo, dt)  # the projection's output is rounded, as in the unfused path
     hi = rnd(hi, dt)
     mask = m_mask[:, None]
     if head < HQ + HKV:
-        if HAS_QK_NORM:
-            ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
-            r = 1.0 / tl.sqrt(ss / (2 * HALF) + eps)
-            lo = rnd(w_lo[None, :] * rnd(lo * r[:, None], dt), dt)
-            hi = rnd(w_hi[None, :] * rnd(hi * r[:, None], dt), dt)
-        # cos/sin cast to the activation dtype and every product rounded, as lowlat.layers.rotary does in torch.
-        cs = rnd(cos, dt)
-        sn = rnd(sin, dt)
-        out_lo = to_act(rnd(lo * cs, dt) + rnd(-hi * sn, dt), dt)
-        out_hi = to_act(rnd(hi * cs, dt) + rnd(lo * sn, dt), dt)
+        if QK_LATE:  # stored raw: the attention kernel finishes q and k (kernels/qk_late.py)
+            out_lo = to_act(lo, dt)
+            out_hi = to_act(hi, dt)
+        else:
+            if HAS_QK_NORM:
+                ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
+                r = 1.0 / tl.sqrt(ss / (2 * HALF) + eps)
+                lo = rnd(w_lo[None, :] * rnd(lo * r[:, None], dt), dt)
+                hi = rnd(w_hi[None, :] * rnd(hi * r[:, None], dt), dt)
+            # cos/sin cast to the activation dtype and every product rounded, as lowlat.layers.rotary does in torch.
+            cs = rnd(cos, dt)
+            sn = rnd(sin, dt)
+            out_lo = to_act(rnd(lo * cs, dt) + rnd(-hi * sn, dt), dt)
+            out_hi = to_act(rnd(hi * cs, dt) + rnd(lo * sn, dt), dt)
         if head < HQ:
             dst = q_ptr + offs_m[:, None] * stride_qt + head * (2 * HALF) + offs_h[None, :]
         else:
@@ -144,7 +149,7 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, ROW1: tl.constexpr,
-    HAS_NORM: tl.constexpr, PAIRS: tl.constexpr,
+    HAS_NORM: tl.constexpr, PAIRS: tl.constexpr, QK_LATE: tl.constexpr,
 ):
     head = tl.program_id(0)
     if PAIRS < HALF:  # row pairs (j, j + HALF) of one head per program (one row, no q/k norm, no split-K)
@@ -198,7 +203,7 @@ def _qkv_rope_kernel(
 
     if SPLIT_K == 1:
         _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, loc, cs, sn, nw_lo, nw_hi, q_ptr, stride_qt, k_ptr,
-                      v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
+                      v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM, QK_LATE)
     else:
         # Partials: ws[split, row, head * D + col] fp32; the last arriver sums them in split order.
         NCOL: tl.constexpr = (HQ + 2 * HKV) * 2 * HALF
@@ -216,20 +221,25 @@ def _qkv_rope_kernel(
                 lo += tl.load(ws_ptr + s * T * NCOL + tile, mask=pmask, other=0.0, cache_modifier=".cg")
                 hi += tl.load(ws_ptr + s * T * NCOL + tile + HALF, mask=pmask, other=0.0, cache_modifier=".cg")
             _qkv_epilogue(lo, hi, head, offs_m, m_mask, offs_h, loc, cs, sn, nw_lo, nw_hi, q_ptr, stride_qt, k_ptr,
-                          v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM)
+                          v_ptr, stride_ks, eps, HQ, HKV, HALF, HAS_QK_NORM, QK_LATE)
             tl.atomic_xchg(cnt_ptr + head, 0)
 
 
-def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool) -> int:
+def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool, qk_late: bool = False) -> int:
     """Rotary pairs per program of qkv_rope's one-row loop under ``row1``: ``head_dim / 2`` when ``row1.block_n``
     is the head dim (one program per head and K split), else ``row1.block_n / 2`` (the row-pair form: each program
     owns rows ``j`` and ``j + D/2`` of its head for ``block_n / 2`` values of ``j``, all of K, no ticket).
 
     Raises:
         ValueError: ``block_n`` neither the head dim nor an even number below it; the row-pair form with split-K,
-            or for a model with q/k norm (the per-head norm needs the whole head in one program).
+            or for a model with q/k norm unless ``qk_late`` (the per-head norm needs the whole head in one
+            program, so the attention kernel must finish q and k: ``qk_late.late_qk``); ``qk_late`` without q/k
+            norm or without the row-pair form.
     """
     bn = row1.block_n
+    if qk_late and not (qk_norm and 2 <= bn < head_dim):
+        raise ValueError(f"qk_late serves a model with q/k norm in the row-pair form (block_n below the head dim "
+                         f"{head_dim}); got q/k norm {qk_norm}, block_n {bn}")
     if bn == head_dim:
         return head_dim // 2
     if not 2 <= bn < head_dim:
@@ -238,9 +248,10 @@ def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool) -> int:
     if row1.split_k != 1:
         raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) reads all of K: split_k must be 1, "
                          f"got {row1.split_k}")
-    if qk_norm:
-        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) cannot serve a model with q/k norm "
-                         "(the per-head RMSNorm needs the whole head in one program); use block_n = head dim")
+    if qk_norm and not qk_late:
+        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) serves a model with q/k norm only "
+                         "with qk_late=True (the per-head RMSNorm needs the whole head, so the attention kernel "
+                         "finishes q and k); else use block_n = head dim")
     return bn // 2
 
 
@@ -273,6 +284,7 @@ def qkv_rope(
     positions: torch.Tensor, out_cache_loc: torch.Tensor, q_out: torch.Tensor, k_buffer: torch.Tensor,
     v_buffer: torch.Tensor, eps: float, plan: GemmPlan, workspace: torch.Tensor | None = None,
     counters: torch.Tensor | None = None, use_pdl: bool | None = None, prefetch_act: bool | None = None,
+    qk_late: bool = False,
 ) -> torch.Tensor:
     """Launch the fused norm + QKV + q/k-norm + RoPE + KV-write kernel.
 
@@ -295,6 +307,8 @@ def qkv_rope(
         use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
         prefetch_act: load each activation chunk one K chunk ahead (bit-identical results); default
             ``small_gemm.prefetch_act_enabled()``.
+        qk_late: store q and k raw, without q/k norm and RoPE, for ``paged_decode_attention(..., late=...)`` to
+            finish (``qk_late.late_qk`` says when: q/k norm, the row-pair form, one row).
     Returns:
         ``q_out``.
     Raises:
@@ -339,10 +353,13 @@ def qkv_rope(
             raise ValueError(f"{name} must be an int32/int64 [{t}] tensor on {x.device}, got {tuple(idx.shape)} "
                              f"{idx.dtype}")
     row1 = plan.row1 is not None and t == 1
+    if qk_late and not row1:
+        raise ValueError(f"qk_late serves the one-row loop's row-pair form; this step has {t} rows and plan.row1 "
+                         f"{plan.row1}")
     pairs = d // 2  # rotary pairs per program: a whole head unless the one-row plan asks for fewer
     if row1:  # the one-row FMA loop, with its own tiles and split (chosen by shape alone, like gemv.gemm)
         r1 = plan.row1
-        pairs = check_row1_rows(r1, d, q_norm is not None)
+        pairs = check_row1_rows(r1, d, q_norm is not None, qk_late)
         plan = make_plan(hidden, block_n=d, block_k=r1.block_k, split_k=r1.split_k, num_warps=r1.num_warps,
                          num_stages=r1.num_stages, weight_rows=2 * pairs)
     if plan.split_k > 1:
@@ -368,6 +385,7 @@ def qkv_rope(
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
         BLOCK_M=1 if row1 else BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
         PREFETCH_ACT=bool(prefetch) and not row1 and has_norm, ROW1=row1, HAS_NORM=has_norm, PAIRS=pairs,
+        QK_LATE=qk_late,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

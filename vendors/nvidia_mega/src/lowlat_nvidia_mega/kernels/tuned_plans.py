@@ -59,7 +59,8 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 # The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K]); key as TUNED's.
 # "gemm" / "gated": the GEMV (kernels/gemv.py; a default_row1 plan where absent). "qkv": qkv_rope's one-row FMA
 # loop (BLOCK_N = head_dim: a head per program; BLOCK_N < head_dim: the row-pair form, models without q/k norm
-# only; the tl.dot loop where absent).
+# only; the tl.dot loop where absent). "qkv_late": models with q/k norm, the row-pair form with late q/k
+# (kernels/qk_late.py), read before "qkv".
 # tune_plans.py --row1-only on an H200, 2026-12-02 (bench/results/2026-12-02-h200-mega-gemv):
 # small_gemm's tuned plan -> the GEMV, µs per launch at 1 row.
 TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
@@ -223,9 +224,14 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
              device: torch.device, *, qk_norm: bool) -> GemmPlan:
     """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``; ``row1`` from a
-    ``TUNED_ROW1`` "qkv" entry that this model can run, else ``default_qkv_row1``. An entry of the row-pair form (``block_n`` <
-    head_dim) serves only a model without q/k norm (``qk_norm`` False; ``qkv_rope.check_row1_rows``): the key
-    (N, K) does not tell the two apart."""
+    ``TUNED_ROW1`` "qkv" entry that this model can run, else ``default_qkv_row1``. A "qkv" entry of the row-pair
+    form (``block_n`` < head_dim) serves only a model without q/k norm (``qk_norm`` False;
+    ``qkv_rope.check_row1_rows``): the key (N, K) does not tell the two apart. A model with q/k norm reads a
+    "qkv_late" entry first: the row-pair form with q/k norm and RoPE finished in the attention
+    (``qk_late.late_qk``), measured as such.
+
+    Raises:
+        ValueError: a table entry this model cannot run in the form its kind names."""
     n = (num_heads + 2 * num_kv_heads) * head_dim
     hit = _tuned(TUNED, "qkv", n, hidden, dtype, device)
     if hit is None or hit[0] != head_dim:
@@ -234,6 +240,11 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
         _, bk, s, w, st = hit
         plan = make_plan(hidden, block_n=head_dim, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                          weight_rows=head_dim)
+    late = _tuned(TUNED_ROW1, "qkv_late", n, hidden, dtype, device) if qk_norm else None
+    if late is not None:  # the row-pair form with late q/k, measured as such for a model with q/k norm
+        r1 = GemvPlan(*late)
+        check_row1_rows(r1, head_dim, qk_norm, qk_late=True)
+        return dataclasses.replace(plan, row1=r1)
     row1 = _tuned(TUNED_ROW1, "qkv", n, hidden, dtype, device)
     if row1 is None or row1[0] > head_dim or (row1[0] < head_dim and qk_norm):
         r1 = default_qkv_row1(head_dim, hidden, qk_norm=qk_norm)
