@@ -93,15 +93,16 @@ def _attn_split_kernel(
     m_valid = offs_m < G * R
     q_rows = (b * R + r).to(tl.int64) * stride_qt + (kvh * G + offs_m % G) * D
     k_new = tl.zeros([1, D], dtype=k_ptr.dtype.element_ty)
+    one = tl.arange(0, 1)
+    k_row = k_ptr + kvh * D + one  # the new position's K row (LATE: at its slot)
+    owner = (start <= prefix) & (prefix < end)  # this program's chunk holds the new position
     if LATE:  # q and k left raw by qkv_rope (kernels/qk_late.py): finish q here, and the new K row in its owner
         q = norm_rope_rows(q_ptr + q_rows, m_valid, row_pos + offs_m * 0, qn_ptr, cos_ptr, sin_ptr, max_pos, eps, D,
                            q_ptr.dtype.element_ty)
-        if (start <= prefix) & (prefix < end):
-            one = tl.arange(0, 1)
-            k_row = k_ptr + new_slot * stride_ks + kvh * D + one
+        k_row += new_slot * stride_ks
+        if owner:
             k_new = norm_rope_rows(k_row, one < 1, row_pos + one, kn_ptr, cos_ptr, sin_ptr, max_pos, eps, D,
                                    k_ptr.dtype.element_ty)
-            tl.store(k_row[:, None] + offs_d[None, :], k_new)  # the cache keeps the finished row for later steps
         k = tl.where(((pos == prefix) & in_rng)[:, None], k_new, k)
     else:
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_valid[:, None], other=0.0)
@@ -121,6 +122,9 @@ def _attn_split_kernel(
             k = tl.where(((pos == prefix) & in_rng)[:, None], k_new, k)
         m_i, l_i, acc = _attn_block(q, k, v, pos, end, q_pos, m_i, l_i, acc, scale_log2, DOT_F32)
 
+    if LATE:  # the pool keeps the finished row for later steps; stored last, so every block above used k_new itself
+        if owner:
+            tl.store(k_row[:, None] + offs_d[None, :], k_new)
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
