@@ -21,6 +21,7 @@ Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py
 L = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qk_late.py")
 A = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/attention.py")
 F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
+P = pathlib.Path("bench/scripts/plan_ab.py")
 T = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/tuned_plans.py")
 B = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py")
 M = [  # (name, file, original text, mutated text)
@@ -30,11 +31,11 @@ M = [  # (name, file, original text, mutated text)
     ("the grid of a head per program for row pairs", Q,
      "plan.split_k if pairs == d // 2 else d // 2 // pairs)", "plan.split_k)"),
     ("the plan's rows ignored", Q, "pairs = check_row1_rows(r1, d, q_norm is not None, qk_late)", "pairs = d // 2"),
-    ("row pairs with q/k norm allowed", Q, "    if qk_norm and not qk_late:\n", "    if False:\n"),
-    ("row pairs with split-K allowed", Q, "    if row1.split_k != 1:\n", "    if False:\n"),
-    ("one row per program allowed", Q, "if not 2 <= bn < head_dim:", "if not 1 <= bn < head_dim:"),
-    ("a row-pair entry reaches a q/k-norm model", T, "(row1[0] < head_dim and qk_norm)", "False"),
-    ("an entry wider than the head used", T, "if row1 is None or row1[0] > head_dim or", "if row1 is None or"),
+    ("row pairs with q/k norm allowed", L, "    if qk_norm and not qk_late:\n", "    if False:\n"),
+    ("row pairs with split-K allowed", L, "    if row1.split_k != 1:\n", "    if False:\n"),
+    ("one row per program allowed", L, "if not 2 <= bn < head_dim:", "if not 1 <= bn < head_dim:"),
+    ("a row-pair entry reaches a q/k-norm model", T, "(r1.block_n < head_dim and qk_norm)", "False"),
+    ("an entry wider than the head used", T, "if r1 is None or r1.block_n > head_dim or", "if r1 is None or"),
     ("the default ignores q/k norm", T, "    if qk_norm or head_dim <= 8:\n", "    if head_dim <= 8:\n"),
     ("no default", T, "    if qk_norm or head_dim <= 8:\n", "    if True:\n"),
     ("the H100 no longer a measured GPU", T, '    "NVIDIA H100 80GB HBM3": ((9, 0), 132),\n', ""),
@@ -42,7 +43,7 @@ M = [  # (name, file, original text, mutated text)
 ]
 LATE = [  # late q/k: qkv_rope stores q/k raw, the attention finishes them (kernels/qk_late.py)
     ("qkv_rope finishes q/k in the row-pair form", Q, "if QK_LATE:  # stored raw", "if False:  # stored raw"),
-    ("qk_late for any plan", Q, "if qk_late and not (qk_norm and 2 <= bn < head_dim):", "if False:"),
+    ("qk_late for any plan", L, "if qk_late and not (qk_norm and 2 <= bn < head_dim):", "if False:"),
     ("qk_late at several rows", Q, "if qk_late and not row1:", "if False:"),
     ("late q/k without the norm", L, "r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)",
      "r = 1.0 + 0.0 * tl.sum(x, axis=1)"),
@@ -64,14 +65,29 @@ LATE = [  # late q/k: qkv_rope stores q/k raw, the attention finishes them (kern
      '"qkv_late", n, hidden, dtype, device) if True else None'),
     ("the late entry never read", T, '_tuned(TUNED_ROW1, "qkv_late",', '_tuned(TUNED_ROW1, "qkv_late_",'),
     ("the forward never late", F, "late = late_qk(t,", "late = False and late_qk(t,"),
+    # the validators a broken-input attack found gaps in (helper-8)
+    ("late norm weights may be strided", L, "w.device != device or not w.is_contiguous():", "w.device != device:"),
+    ("an empty late RoPE table", L, "if tab.dim() != 2 or tab.shape[0] < 1 or", "if tab.dim() != 2 or"),
+    ("late positions may be strided", L, "or p.device != device or not p.is_contiguous():", "or p.device != device:"),
+    ("a negative late eps", L, "not math.isfinite(self.eps) or self.eps < 0", "not math.isfinite(self.eps)"),
+    ("a late field of any type", L, "if not isinstance(getattr(self, name), torch.Tensor):", "if False:"),
+    ("qkv_rope's sin of any dtype", Q, "or tab.dtype != torch.float32 or not tab.is_contiguous() or",
+     "or not tab.is_contiguous() or"),
+    ("qkv_rope's positions may be strided", Q,
+     "or idx.device != x.device \\\n                or not idx.is_contiguous():", "or idx.device != x.device:"),
+    ("a malformed table entry passed on", T,
+     "if not isinstance(value, tuple) or not all(isinstance(v, int) for v in value):", "if False:"),
+    ("plan_ab with the tables off", P, "if not tuned_plans.tuned_switch():", "if False:"),
+    ("plan_ab at TP", P, 'or tp != "1":', ":"),
+    ("plan_ab with any kind", P, "if kind not in KINDS[table] or key[1] < 1", "if key[1] < 1"),
 ]
 M += LATE  # every anchor, for core/tests/test_mutation_anchors.py
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     pairs = [m for m in M if m not in LATE]
-    failed = mutation_runner.run([m for m in pairs if m[1] == Q], "vendors/nvidia_mega/tests/test_kernels_dense.py",
-                                 env, pytest_args=("-k", "qkv"))
+    dense = "vendors/nvidia_mega/tests/test_kernels_dense.py"
+    failed = mutation_runner.run([m for m in pairs if m[1] in (Q, L)], dense, env, pytest_args=("-k", "qkv"))
     failed |= mutation_runner.run([m for m in LATE if m[1] in (Q, L, A)],
                                   "vendors/nvidia_mega/tests/test_kernels_qk_late.py", env)
     failed |= mutation_runner.run([m for m in LATE if m[1] == F], "vendors/nvidia_mega/tests/test_forward.py", env,
@@ -80,4 +96,5 @@ if __name__ == "__main__":
                                   pytest_args=("-k", "not smoke"))
     failed |= mutation_runner.run([m for m in pairs if m[1] == B], "vendors/nvidia_mega/tests/test_forward.py", env,
                                   pytest_args=("-k", "one_row"))
+    failed |= mutation_runner.run([m for m in M if m[1] == P], "vendors/nvidia_mega/tests/test_plan_ab.py", env)
     sys.exit(failed)

@@ -11,7 +11,10 @@ An entry goes into ``kernels/tuned_plans.py`` only after a side-by-side run show
 Prints the replaced entries first. Exit status: the CLI's.
 
 Raises:
-    SystemExit: an unknown table, or a key / value that is not comma-separated integers where the table has them.
+    SystemExit: an unknown table; a key that no lookup could read (a kind the table does not have, a non-positive N
+        or K, a dtype torch does not name); a value that is not a plan of that table; ``LOWLAT_MEGA_TUNED=0`` (no
+        table is read, so B would be A); a command whose work runs in other processes (``serve``, ``bench serve``,
+        ``--tp`` above 1), which would never see the replaced entry.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import sys
 import torch
 
 TABLES = ("TUNED", "TUNED_ROW1")
+KINDS = {"TUNED": ("qkv", "gemm", "gated"), "TUNED_ROW1": ("qkv", "qkv_late", "gemm", "gated")}
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -37,17 +41,42 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, argv[cut + 1:]
 
 
+def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plans) -> tuple[tuple, tuple]:  # type: ignore[no-untyped-def]
+    """(key without the GPU name, value) of a replacement the production lookups will read; SystemExit otherwise."""
+    from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
+
+    try:
+        kind, n, k, dtype = key_arg.split(",")
+        key = (kind, int(n), int(k), dtype)
+        value = tuple(int(v) for v in value_arg.split(","))
+    except ValueError as e:
+        raise SystemExit(f"plan_ab.py: --key is kind,N,K,dtype and --value integers: {e}") from None
+    if kind not in KINDS[table] or key[1] < 1 or key[2] < 1 or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise SystemExit(f"plan_ab.py: --key {key_arg!r} is never read: kind one of {', '.join(KINDS[table])}, "
+                         "N and K positive, dtype a torch dtype name such as bfloat16")
+    try:
+        if table == "TUNED_ROW1":
+            GemvPlan(*value)
+        elif len(value) != 5 or min(value) < 1:
+            raise ValueError("TUNED takes five positive ints (BLOCK_N, BLOCK_K, split-K, warps, stages)")
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"plan_ab.py: --value {value_arg!r} is not a {table} plan: {e}") from None
+    if not tuned_plans.tuned_switch():
+        raise SystemExit("plan_ab.py: LOWLAT_MEGA_TUNED turns the tables off, so B would run as A; unset it")
+    tp = next((rest[i + 1] if a == "--tp" else a[5:] for i, a in enumerate(rest)
+               if a.startswith("--tp=") or (a == "--tp" and i + 1 < len(rest))), "1")
+    if rest[:1] == ["serve"] or rest[:2] == ["bench", "serve"] or tp != "1":
+        raise SystemExit("plan_ab.py: this command runs its work in other processes, which never see the replaced "
+                         "entry; A/B it with `lowlat bench` or `lowlat run` at --tp 1")
+    return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = _parse(sys.argv[1:] if argv is None else argv)
     from lowlat.cli import main as cli_main
     from lowlat_nvidia_mega.kernels import tuned_plans
 
-    try:
-        kind, n, k, dtype = args.key.split(",")
-        key = (kind, int(n), int(k), dtype)
-        value = tuple(int(v) for v in args.value.split(","))
-    except ValueError as e:
-        raise SystemExit(f"plan_ab.py: --key is kind,N,K,dtype and --value integers: {e}") from None
+    key, value = _check(args.table, args.key, args.value, rest, tuned_plans)
     table = getattr(tuned_plans, args.table)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = set(tuned_plans.plan_sources(dev)) or {tuned_plans.device_name(dev)}

@@ -35,7 +35,8 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     attention_block_m,
 )
 from lowlat_nvidia_mega.kernels.norm_rows import _norm_rows_kernel  # noqa: E402
-from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel, check_row1_rows  # noqa: E402
+from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows  # noqa: E402
+from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import (  # noqa: E402
     BLOCK_M,
     GemmPlan,

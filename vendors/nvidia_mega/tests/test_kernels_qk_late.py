@@ -17,8 +17,8 @@ from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention, partial_numel
-from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
-from lowlat_nvidia_mega.kernels.qkv_rope import check_row1_rows, plan_qkv, qkv_rope, rope_cos_sin
+from lowlat_nvidia_mega.kernels.qk_late import LateQK, check_row1_rows, late_qk
+from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
@@ -46,7 +46,8 @@ def _late_case(batch: int, dtype: torch.dtype, seed: int, splits: int):  # type:
     g = _gen(seed)
     kb = torch.randn(SLOTS, HKV, D, generator=g).to(dtype=dtype, device=DEV)
     vb = torch.randn(SLOTS, HKV, D, generator=g).to(dtype=dtype, device=DEV)
-    rtt = torch.stack([torch.randperm(SLOTS - 1, generator=g)[:MAX_LEN] + 1 for _ in range(batch + 1)]).to(torch.int32)
+    # every request's slots distinct from every other's (slot 0 unused), as the engine's KV pool keeps them
+    rtt = (torch.randperm(SLOTS - 1, generator=g)[:(batch + 1) * MAX_LEN] + 1).view(batch + 1, MAX_LEN).to(torch.int32)
     rpi = torch.randperm(batch + 1, generator=g)[:batch]
     seq = torch.randint(MAX_LEN // 2, MAX_LEN, (batch,), generator=g).to(torch.int32)  # RoPE far from position 0
     if batch > 1:
@@ -149,9 +150,61 @@ def test_refusals() -> None:
         paged_decode_attention(torch.cat([q, q]), kb, vb, rtt, rpi, seq + 1, torch.empty(2, HQ * D, device=DEV),
                                rows_per_req=2, sm_scale=1.0, plan=plan, late=LateQK(qn, kn, cos, sin, positions, EPS),
                                **ws)
+    qn2 = torch.stack([qn, 0 * qn], 1).reshape(-1)[::2]  # the right values, every other element: strided
     for bad, match in ((LateQK(qn[:-1], kn, cos, sin, positions, EPS), "q_norm"),
+                       (LateQK(qn2, kn, cos, sin, positions, EPS), "q_norm"),
+                       (LateQK(qn, qn2, cos, sin, positions, EPS), "k_norm"),
+                       (LateQK(None, kn, cos, sin, positions, EPS), "q_norm must be a torch.Tensor"),
                        (LateQK(qn, kn, cos[:, :-1], sin, positions, EPS), "cos"),
-                       (LateQK(qn, kn, cos, sin, positions.float(), EPS), "positions")):
+                       (LateQK(qn, kn, cos[:0], sin[:0], positions, EPS), "max_pos >= 1"),
+                       (LateQK(qn, kn, cos, sin, positions.float(), EPS), "positions"),
+                       (LateQK(qn, kn, cos, sin, positions, -1.0), "eps"),
+                       (LateQK(qn, kn, cos, sin, positions, None), "eps")):
         with pytest.raises(ValueError, match=match):
             paged_decode_attention(q, kb, vb, rtt, rpi, seq, torch.empty(1, HQ * D, device=DEV), rows_per_req=1,
                                    sm_scale=1.0, plan=plan, late=bad, **ws)
+
+
+def test_late_positions_must_be_dense() -> None:
+    cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, None, DEV)
+    w = torch.ones(D, device=DEV)
+    strided = torch.tensor([5, 0, 9, 0], device=DEV)[::2]
+    with pytest.raises(ValueError, match="positions must be a contiguous"):
+        LateQK(w, w, cos, sin, strided, EPS).check(2, D, torch.float32, DEV)
+    LateQK(w, w, cos, sin, strided.contiguous(), EPS).check(2, D, torch.float32, DEV)
+
+
+def test_check_row1_rows_needs_a_power_of_two_head() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        check_row1_rows(GemvPlan(block_n=16, block_k=16, num_warps=4, num_stages=1), 24, False)
+
+
+def _qkv_args(dtype: torch.dtype = torch.float32) -> dict:
+    cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, None, DEV)
+    return dict(x=torch.zeros(2, HID, dtype=dtype, device=DEV), norm_weight=None,
+                w_qkv=torch.zeros((HQ + 2 * HKV) * D, HID, dtype=dtype, device=DEV), num_heads=HQ, num_kv_heads=HKV,
+                q_norm=torch.ones(D, dtype=dtype, device=DEV), k_norm=torch.ones(D, dtype=dtype, device=DEV),
+                cos=cos, sin=sin, positions=torch.zeros(2, dtype=torch.int64, device=DEV),
+                out_cache_loc=torch.tensor([1, 2], device=DEV), q_out=torch.zeros(2, HQ * D, dtype=dtype, device=DEV),
+                k_buffer=torch.zeros(4, HKV, D, dtype=dtype, device=DEV),
+                v_buffer=torch.zeros(4, HKV, D, dtype=dtype, device=DEV), eps=EPS,
+                plan=plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=1, block_k=16))
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("sin", lambda a: a["sin"].half(), "cos and sin"),
+    ("sin", lambda a: a["sin"].int(), "cos and sin"),
+    ("cos", lambda a: a["cos"][:0], "max_pos >= 1"),
+    ("sin", lambda a: a["sin"][:0], "max_pos >= 1"),
+    ("positions", lambda a: torch.tensor([0, 9, 0, 9], device=DEV)[::2], "positions"),
+    ("out_cache_loc", lambda a: torch.tensor([1, 0, 2, 0], device=DEV)[::2], "out_cache_loc"),
+    ("q_norm", lambda a: torch.stack([a["q_norm"], a["q_norm"]], 1).reshape(-1)[::2], "q_norm"),
+    ("k_norm", lambda a: a["k_norm"].double(), "k_norm"),
+])
+def test_qkv_rope_refuses_tables_and_indices_it_would_misread(field: str, bad, match: str) -> None:  # type: ignore[no-untyped-def]
+    """Every tensor qkv_rope indexes densely must be contiguous and of the dtype it reads (a strided position or
+    norm weight, an fp16 sin table, an empty table were accepted and misread)."""
+    args = _qkv_args()
+    args[field] = bad(args)
+    with pytest.raises(ValueError, match=match):
+        qkv_rope(**args)

@@ -77,6 +77,37 @@ def test_qkv_late_entry_serves_only_a_qk_norm_model(monkeypatch: pytest.MonkeyPa
         tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True)
 
 
+@pytest.mark.parametrize("kind,value", [("qkv", (8, 1024, 4)), ("qkv", (6, 1024, 4, 3)), ("qkv", ()),
+                                        ("qkv", ("8", 1024, 4, 3)), ("qkv_late", (8.0, 1024, 4, 3)),
+                                        ("gemm", (8, 2048, 8))])
+def test_a_malformed_row1_entry_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, kind: str, value: tuple) -> None:
+    """A TUNED_ROW1 value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K]) of powers of two fails naming the
+    entry, for either model (a q/k-norm model used to skip some of them silently)."""
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    n, k = (2048, 2048) if kind == "gemm" else (3072, 2048)
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", kind, n, k, "bfloat16"), value)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=f"TUNED_ROW1 entry \\('{kind}'"):
+        if kind == "gemm":
+            tuned_plans.gemm_plan(n, k, torch.bfloat16, cpu)
+        else:
+            tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True)
+
+
+def test_every_shipped_entry_is_a_valid_plan() -> None:
+    """The tables as shipped: each TUNED value a five-int plan, each TUNED_ROW1 value a GemvPlan (a "qkv" one the
+    head dim or a row-pair form), each TUNED_ATTN value an AttnPlan."""
+    for (_, kind, n, k, _), v in tuned_plans.TUNED.items():
+        assert len(v) == 5 and all(isinstance(x, int) and x > 0 for x in v), (kind, n, k, v)
+    for (_, kind, n, k, _), v in tuned_plans.TUNED_ROW1.items():
+        plan = tuned_plans._row1_entry(kind, n, k, v)
+        assert kind in ("qkv", "qkv_late", "gemm", "gated")
+        if kind.startswith("qkv"):
+            assert plan.block_n <= 128 and (plan.block_n in (64, 128) or plan.split_k == 1)
+    for v in tuned_plans.TUNED_ATTN.values():
+        tuned_plans.AttnPlan(*v)
+
+
 def test_qkv_row1_entry_of_the_pair_form_with_split_k_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
     monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"), (16, 256, 4, 1, 2))

@@ -81,7 +81,7 @@ def _attn_split_kernel(
     v = tl.load(v_ptr + slot[:, None] * stride_ks + kv_col, mask=old[:, None], other=0.0)
     if LATE:  # one row per request (R == 1): its RoPE position, and where its new K row lies
         row_pos = tl.load(pos_ptr + b)
-        new_slot = tl.load(rtt_row + prefix).to(tl.int64)
+        new_slot = tl.load(rtt_row + prefix, mask=prefix >= 0, other=0).to(tl.int64)  # an empty request reads none
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
     new = in_rng & (pos >= prefix)

@@ -1,7 +1,8 @@
-"""Qwen3's q/k RMSNorm and RoPE finished by the attention kernel ("late q/k"), so qkv_rope can take the row-pair form.
+"""qkv_rope's one-row plans (``check_row1_rows``: a head per program, or the row-pair form), and Qwen3's q/k RMSNorm
+and RoPE finished by the attention kernel ("late q/k"), so that qkv_rope can take the row-pair form with q/k norm.
 
 The per-head q/k norm needs a whole head's sum of squares, which a program of qkv_rope's row-pair form (rows ``j``
-and ``j + D/2`` of a head, ``qkv_rope.check_row1_rows``) does not hold. With late q/k, qkv_rope stores q and k as the
+and ``j + D/2`` of a head, ``check_row1_rows``) does not hold. With late q/k, qkv_rope stores q and k as the
 projection left them (rounded to the model dtype; v is final anyway), and the attention's split kernel applies
 
     q, k = rmsnorm_head(q) * q_norm, rmsnorm_head(k) * k_norm      (over D, HF order)
@@ -17,6 +18,7 @@ request (DECODE): ``late_qk`` says when a step runs it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
+from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
 
 
 @dataclass(frozen=True)
@@ -45,22 +48,61 @@ class LateQK:
     eps: float
 
     def check(self, t: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Raises ValueError on a shape, dtype or device that ``paged_decode_attention`` cannot use."""
+        """Raises ValueError on a field ``paged_decode_attention`` cannot use: a shape, dtype, device or layout
+        (every tensor contiguous: the kernel indexes them densely), an empty RoPE table, or an eps that is not a
+        finite number >= 0."""
+        for name in ("q_norm", "k_norm", "cos", "sin", "positions"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise ValueError(f"late {name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
         for name, w in (("q_norm", self.q_norm), ("k_norm", self.k_norm)):
-            if w.shape != (head_dim,) or w.dtype != dtype or w.device != device:
-                raise ValueError(f"late {name} must be [{head_dim}] {dtype} on {device}, got {tuple(w.shape)} "
-                                 f"{w.dtype} on {w.device}")
+            if w.shape != (head_dim,) or w.dtype != dtype or w.device != device or not w.is_contiguous():
+                raise ValueError(f"late {name} must be a contiguous [{head_dim}] {dtype} tensor on {device}, got "
+                                 f"{tuple(w.shape)} {w.dtype} on {w.device} with strides {w.stride()}")
         for name, tab in (("cos", self.cos), ("sin", self.sin)):
-            if tab.dim() != 2 or tab.shape[1] != head_dim // 2 or tab.dtype != torch.float32 \
+            if tab.dim() != 2 or tab.shape[0] < 1 or tab.shape[1] != head_dim // 2 or tab.dtype != torch.float32 \
                     or not tab.is_contiguous() or tab.device != device:
-                raise ValueError(f"late {name} must be contiguous fp32 [max_pos, {head_dim // 2}] on {device}, got "
-                                 f"{tuple(tab.shape)} {tab.dtype}")
+                raise ValueError(f"late {name} must be a contiguous fp32 [max_pos >= 1, {head_dim // 2}] tensor on "
+                                 f"{device}, got {tuple(tab.shape)} {tab.dtype} on {tab.device}")
         if self.cos.shape != self.sin.shape:
             raise ValueError("late cos and sin must have the same shape")
-        if self.positions.shape != (t,) or self.positions.dtype not in (torch.int32, torch.int64) \
-                or self.positions.device != device:
-            raise ValueError(f"late positions must be an int32/int64 [{t}] tensor on {device}, got "
-                             f"{tuple(self.positions.shape)} {self.positions.dtype}")
+        p = self.positions
+        if p.shape != (t,) or p.dtype not in (torch.int32, torch.int64) or p.device != device or not p.is_contiguous():
+            raise ValueError(f"late positions must be a contiguous int32/int64 [{t}] tensor on {device}, got "
+                             f"{tuple(p.shape)} {p.dtype} on {p.device} with strides {p.stride()}")
+        if not isinstance(self.eps, (int, float)) or not math.isfinite(self.eps) or self.eps < 0:
+            raise ValueError(f"late eps must be a finite number >= 0, got {self.eps!r}")
+
+
+def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool, qk_late: bool = False) -> int:
+    """Rotary pairs per program of qkv_rope's one-row loop under ``row1``: ``head_dim / 2`` when ``row1.block_n``
+    is the head dim (one program per head and K split), else ``row1.block_n / 2`` (the row-pair form: each program
+    owns rows ``j`` and ``j + D/2`` of its head for ``block_n / 2`` values of ``j``, all of K, no ticket).
+
+    Raises:
+        ValueError: a head_dim that is not a power of two; ``block_n`` neither the head dim nor an even number
+            below it; the row-pair form with split-K, or for a model with q/k norm unless ``qk_late`` (the
+            per-head norm needs the whole head in one program, so the attention kernel must finish q and k:
+            ``late_qk``); ``qk_late`` without q/k norm or without the row-pair form.
+    """
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"qkv_rope's head_dim must be a power of two, got {head_dim}")
+    bn = row1.block_n
+    if qk_late and not (qk_norm and 2 <= bn < head_dim):
+        raise ValueError(f"qk_late serves a model with q/k norm in the row-pair form (block_n below the head dim "
+                         f"{head_dim}); got q/k norm {qk_norm}, block_n {bn}")
+    if bn == head_dim:
+        return head_dim // 2
+    if not 2 <= bn < head_dim:
+        raise ValueError(f"qkv_rope's one-row plan has block_n {bn}: the head dim {head_dim} (a head per program) "
+                         f"or a power of two in [2, {head_dim}) (row pairs per program)")
+    if row1.split_k != 1:
+        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) reads all of K: split_k must be 1, "
+                         f"got {row1.split_k}")
+    if qk_norm and not qk_late:
+        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) serves a model with q/k norm only "
+                         "with qk_late=True (the per-head RMSNorm needs the whole head, so the attention kernel "
+                         "finishes q and k); else use block_n = head dim")
+    return bn // 2
 
 
 def late_qk(rows: int, row1_block_n: int | None, head_dim: int, qk_norm: bool) -> bool:

@@ -35,11 +35,11 @@ from lowlat.plugin import rope_tables
 
 from lowlat_nvidia_mega.kernels.gemv import one_row_rstd, one_row_x
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows
 from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
     MAX_ROWS,
     GemmPlan,
-    GemvPlan,
     default_block_k,
     dot_acc,
     dot_in_f32,
@@ -225,36 +225,6 @@ def _qkv_rope_kernel(
             tl.atomic_xchg(cnt_ptr + head, 0)
 
 
-def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool, qk_late: bool = False) -> int:
-    """Rotary pairs per program of qkv_rope's one-row loop under ``row1``: ``head_dim / 2`` when ``row1.block_n``
-    is the head dim (one program per head and K split), else ``row1.block_n / 2`` (the row-pair form: each program
-    owns rows ``j`` and ``j + D/2`` of its head for ``block_n / 2`` values of ``j``, all of K, no ticket).
-
-    Raises:
-        ValueError: ``block_n`` neither the head dim nor an even number below it; the row-pair form with split-K,
-            or for a model with q/k norm unless ``qk_late`` (the per-head norm needs the whole head in one
-            program, so the attention kernel must finish q and k: ``qk_late.late_qk``); ``qk_late`` without q/k
-            norm or without the row-pair form.
-    """
-    bn = row1.block_n
-    if qk_late and not (qk_norm and 2 <= bn < head_dim):
-        raise ValueError(f"qk_late serves a model with q/k norm in the row-pair form (block_n below the head dim "
-                         f"{head_dim}); got q/k norm {qk_norm}, block_n {bn}")
-    if bn == head_dim:
-        return head_dim // 2
-    if not 2 <= bn < head_dim:
-        raise ValueError(f"qkv_rope's one-row plan has block_n {bn}: the head dim {head_dim} (a head per program) "
-                         f"or a power of two in [2, {head_dim}) (row pairs per program)")
-    if row1.split_k != 1:
-        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) reads all of K: split_k must be 1, "
-                         f"got {row1.split_k}")
-    if qk_norm and not qk_late:
-        raise ValueError(f"the row-pair form (block_n {bn} < head dim {head_dim}) serves a model with q/k norm only "
-                         "with qk_late=True (the per-head RMSNorm needs the whole head, so the attention kernel "
-                         "finishes q and k); else use block_n = head dim")
-    return bn // 2
-
-
 def plan_qkv(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype, sms: int,
              *, split_k: int | None = None, block_k: int | None = None) -> GemmPlan:
     """Tiles for the fused QKV kernel: one program per head, split-K until ~1.75 x ``sms`` programs.
@@ -343,15 +313,20 @@ def qkv_rope(
         raise ValueError(f"norm_weight must be [{hidden}], got {tuple(norm_weight.shape)}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q_norm and k_norm (Qwen3) or neither (Llama)")
-    if q_norm is not None and (q_norm.shape != (d,) or k_norm.shape != (d,)):
-        raise ValueError(f"q_norm and k_norm must be [{d}]")
-    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != d // 2 or cos.dtype != torch.float32 \
-            or not cos.is_contiguous() or not sin.is_contiguous():
-        raise ValueError(f"cos and sin must be contiguous fp32 [max_pos, {d // 2}], got {tuple(cos.shape)} {cos.dtype}")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and (w.shape != (d,) or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous [{d}] {x.dtype} tensor on {x.device}, got {tuple(w.shape)} "
+                             f"{w.dtype} on {w.device} with strides {w.stride()}")
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.shape != cos.shape or tab.dim() != 2 or tab.shape[0] < 1 or tab.shape[1] != d // 2 \
+                or tab.dtype != torch.float32 or not tab.is_contiguous() or tab.device != x.device:
+            raise ValueError(f"cos and sin must be contiguous fp32 [max_pos >= 1, {d // 2}] tensors of one shape on "
+                             f"{x.device}; {name} is {tuple(tab.shape)} {tab.dtype} on {tab.device}")
     for name, idx in (("positions", positions), ("out_cache_loc", out_cache_loc)):
-        if idx.shape != (t,) or idx.dtype not in (torch.int32, torch.int64) or idx.device != x.device:
-            raise ValueError(f"{name} must be an int32/int64 [{t}] tensor on {x.device}, got {tuple(idx.shape)} "
-                             f"{idx.dtype}")
+        if idx.shape != (t,) or idx.dtype not in (torch.int32, torch.int64) or idx.device != x.device \
+                or not idx.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32/int64 [{t}] tensor on {x.device}, got "
+                             f"{tuple(idx.shape)} {idx.dtype} with strides {idx.stride()}")
     row1 = plan.row1 is not None and t == 1
     if qk_late and not row1:
         raise ValueError(f"qk_late serves the one-row loop's row-pair form; this step has {t} rows and plan.row1 "

@@ -25,7 +25,8 @@ import triton
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, default_attn_plan, split_cap
 from lowlat_nvidia_mega.kernels.pdl import env_switch
-from lowlat_nvidia_mega.kernels.qkv_rope import check_row1_rows, plan_qkv
+from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows
+from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
 
 # The GPUs the tables below were measured on, with their ``device_chip``: a GPU of the same chip whose own name has no
@@ -206,6 +207,21 @@ def _tuned(table: dict[tuple[str, str, int, int, str], tuple[int, ...]], kind: s
     return _lookup(table, (kind, n, k, str(dtype).removeprefix("torch.")), device)
 
 
+def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
+    """A ``TUNED_ROW1`` value as a ``GemvPlan``.
+
+    Raises:
+        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K]) of valid ints, naming the entry.
+    """
+    try:
+        if not isinstance(value, tuple) or not all(isinstance(v, int) for v in value):
+            raise TypeError("not a tuple of ints")
+        return GemvPlan(*value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r} is not (BLOCK_N, BLOCK_K, warps, "
+                         f"stages[, split-K]) of powers of two: {e}") from None
+
+
 def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
     """The plan for ``[<=8, k] @ [n (2n when gated), k]^T`` on ``device``: tuned entry, else ``plan_gemm``; with
     the one-row GEMV's plan as ``row1`` (``TUNED_ROW1``, else ``default_row1``)."""
@@ -218,7 +234,8 @@ def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated
         plan = make_plan(k, block_n=bn, block_k=bk, split_k=s, num_warps=w, num_stages=st,
                          weight_rows=(2 if gated else 1) * bn)
     row1 = _tuned(TUNED_ROW1, kind, n, k, dtype, device)
-    return dataclasses.replace(plan, row1=GemvPlan(*row1) if row1 else default_row1(k, gated=gated))
+    return dataclasses.replace(plan, row1=_row1_entry(kind, n, k, row1) if row1 is not None else
+                               default_row1(k, gated=gated))
 
 
 def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtype: torch.dtype,
@@ -226,7 +243,7 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
     """The fused QKV kernel's plan on ``device``: tuned entry (for this head_dim), else ``plan_qkv``; ``row1`` from a
     ``TUNED_ROW1`` "qkv" entry that this model can run, else ``default_qkv_row1``. A "qkv" entry of the row-pair
     form (``block_n`` < head_dim) serves only a model without q/k norm (``qk_norm`` False;
-    ``qkv_rope.check_row1_rows``): the key (N, K) does not tell the two apart. A model with q/k norm reads a
+    ``qk_late.check_row1_rows``): the key (N, K) does not tell the two apart. A model with q/k norm reads a
     "qkv_late" entry first: the row-pair form with q/k norm and RoPE finished in the attention
     (``qk_late.late_qk``), measured as such.
 
@@ -242,14 +259,13 @@ def qkv_plan(num_heads: int, num_kv_heads: int, head_dim: int, hidden: int, dtyp
                          weight_rows=head_dim)
     late = _tuned(TUNED_ROW1, "qkv_late", n, hidden, dtype, device) if qk_norm else None
     if late is not None:  # the row-pair form with late q/k, measured as such for a model with q/k norm
-        r1 = GemvPlan(*late)
+        r1 = _row1_entry("qkv_late", n, hidden, late)
         check_row1_rows(r1, head_dim, qk_norm, qk_late=True)
         return dataclasses.replace(plan, row1=r1)
     row1 = _tuned(TUNED_ROW1, "qkv", n, hidden, dtype, device)
-    if row1 is None or row1[0] > head_dim or (row1[0] < head_dim and qk_norm):
+    r1 = _row1_entry("qkv", n, hidden, row1) if row1 is not None else None
+    if r1 is None or r1.block_n > head_dim or (r1.block_n < head_dim and qk_norm):
         r1 = default_qkv_row1(head_dim, hidden, qk_norm=qk_norm)
-    else:
-        r1 = GemvPlan(*row1)
     if r1 is not None:
         check_row1_rows(r1, head_dim, qk_norm)
     return dataclasses.replace(plan, row1=r1)

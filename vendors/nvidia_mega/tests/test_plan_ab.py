@@ -1,0 +1,71 @@
+"""bench/scripts/plan_ab.py (the B side of a plan-table A/B): it refuses a replacement no lookup would read, or a
+command whose work never sees it, and otherwise sets the entry for this GPU's names before the lowlat command runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from lowlat_nvidia_mega.kernels import tuned_plans
+
+SCRIPTS = Path(__file__).resolve().parents[3] / "bench" / "scripts"
+if not (SCRIPTS / "plan_ab.py").is_file():
+    pytest.skip("bench/scripts/plan_ab.py is not in this checkout", allow_module_level=True)
+sys.path.insert(0, str(SCRIPTS))
+import plan_ab  # noqa: E402
+
+GOOD = ["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "8,1024,4,3", "--"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bf16", "--value", "8,1024,4,3", "--", "plugins"], "never read"),
+    (["--table", "TUNED_ROW1", "--key", "qvk,3072,2048,bfloat16", "--value", "8,1024,4,3", "--", "plugins"],
+     "never read"),
+    (["--table", "TUNED", "--key", "qkv_late,3072,2048,bfloat16", "--value", "64,256,4,4,3", "--", "plugins"],
+     "never read"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,-3072,2048,bfloat16", "--value", "8,1024,4,3", "--", "plugins"],
+     "never read"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "8,2048", "--", "plugins"],
+     "not a TUNED_ROW1 plan"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "6,1024,4,3", "--", "plugins"],
+     "not a TUNED_ROW1 plan"),
+    (["--table", "TUNED", "--key", "qkv,3072,2048,bfloat16", "--value", "8", "--", "plugins"], "not a TUNED plan"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072", "--value", "8,1024,4,3", "--", "plugins"], "kind,N,K,dtype"),
+    ([*GOOD, "bench", "serve"], "other processes"),
+    ([*GOOD, "serve"], "other processes"),
+    ([*GOOD, "run", "--tp", "2"], "other processes"),
+    ([*GOOD, "run", "--tp=4"], "other processes"),
+])
+def test_refuses_a_replacement_that_would_not_count(argv: list[str], match: str) -> None:
+    with pytest.raises(SystemExit, match=match):
+        plan_ab.main(argv)
+
+
+def test_refuses_with_the_tables_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(tuned_plans.TUNED_ENV, "0")
+    with pytest.raises(SystemExit, match="B would run as A"):
+        plan_ab.main([*GOOD, "plugins"])
+
+
+def test_help_and_a_missing_command() -> None:
+    with pytest.raises(SystemExit) as e:
+        plan_ab.main(["--help"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit):
+        plan_ab.main(GOOD[:-1])
+
+
+def test_sets_the_entry_for_this_gpus_names_before_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def fake_cli(rest: list[str]) -> int:
+        seen["rest"] = rest
+        seen["entry"] = tuned_plans.TUNED_ROW1.get(("cpu", "qkv", 3072, 2048, "bfloat16"))
+        return 3
+
+    import lowlat.cli
+    monkeypatch.setattr(lowlat.cli, "main", fake_cli)
+    monkeypatch.setattr(tuned_plans, "TUNED_ROW1", dict(tuned_plans.TUNED_ROW1))  # restored after the test
+    assert plan_ab.main([*GOOD, "bench", "--model", "llama-3.2-1b"]) == 3
+    assert seen == {"rest": ["bench", "--model", "llama-3.2-1b"], "entry": (8, 1024, 4, 3)}
