@@ -249,3 +249,18 @@ def test_tune_attention_smoke_runs_the_sweep(tmp_path: Path, mode: list[str]) ->
 def test_gemv_plan_refuses_tiles_triton_cannot_build(fields: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="GemvPlan"):
         GemvPlan(*fields)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ((6, 1024, 4, 1), "block_n must be a power of two"),
+    ((8, 1000, 4, 1), "block_k must be a power of two"),
+    ((8, 1024, 64, 1), "num_warps must be a power of two >= 1 and <= 32"),
+    ((8, 1024, 4, 0), "num_stages >= 1"),
+    ((8, 1024, 4, 1, 0), "split_k >= 1"),
+    ((8, 1024, 4, 2.5), "num_stages must be an int"),
+    ((8.0, 1024, 4, 1), "block_n must be an int"),
+    ((8, 1024, True, 1), "num_warps must be an int"),
+])
+def test_gemv_plan_refuses_a_launch_it_cannot_make(fields: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        GemvPlan(*fields)

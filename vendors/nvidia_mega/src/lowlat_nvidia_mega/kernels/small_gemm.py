@@ -241,7 +241,13 @@ def _small_gemm_kernel(
 @dataclass(frozen=True)
 class GemvPlan:
     """Launch configuration of a one-row kernel for one shape: the GEMV (``gemv.py``: rows per program, K chunk,
-    never split) or qkv_rope's one-row loop (``block_n`` unused: a program owns one head; ``split_k`` splits K)."""
+    never split) or qkv_rope's one-row loop (``block_n`` the head dim: a program owns one head, ``split_k`` splits
+    K; below it: the row-pair form, ``qk_late.check_row1_rows``).
+
+    Raises:
+        ValueError: a field that is not an int; ``block_n`` / ``block_k`` not a power of two; ``num_warps`` not a
+            power of two in 1..32 (a CTA holds at most 1024 threads); ``num_stages`` or ``split_k`` below 1.
+    """
 
     block_n: int
     block_k: int
@@ -250,10 +256,15 @@ class GemvPlan:
     split_k: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps", "num_stages", "split_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"GemvPlan.{name} must be an int, got {v!r}")
         for name in ("block_n", "block_k", "num_warps"):
             v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"GemvPlan.{name} must be a power of two >= 1, got {v}")
+            if v < 1 or v & (v - 1) or (name == "num_warps" and v > 32):
+                raise ValueError(f"GemvPlan.{name} must be a power of two >= 1{' and <= 32' * (name == 'num_warps')}"
+                                 f", got {v}")
         if self.num_stages < 1 or self.split_k < 1:
             raise ValueError(f"GemvPlan needs num_stages >= 1 and split_k >= 1, got {self.num_stages}, "
                              f"{self.split_k}")
