@@ -17,6 +17,11 @@ K/V are gathered through ``req_to_token`` (one slot per position, so any page si
 PDL overlap: the page-table entries and the first K/V block of the chunk are loaded *before* ``gdc_wait``,
 masked to positions ``< L - R`` (written by earlier steps, never by this step's QKV kernel); positions of
 this step's new tokens are loaded after it, together with q.
+
+Late q/k (``late=LateQK(...)``, ``kernels/qk_late.py``): q and the new K row arrive raw; every split program
+finishes q as it loads it, and the program whose chunk holds the new position finishes that K row, uses it in
+place of the raw one in every block, and stores it to the pool after its last block (no other program of the
+step reads that slot; the merge kernel never reads K).
 """
 
 from __future__ import annotations
