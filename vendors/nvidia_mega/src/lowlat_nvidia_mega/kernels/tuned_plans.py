@@ -214,9 +214,7 @@ def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
         ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K]) of valid ints, naming the entry.
     """
     try:
-        if not isinstance(value, tuple) or not all(isinstance(v, int) for v in value):
-            raise TypeError("not a tuple of ints")
-        return GemvPlan(*value)
+        return GemvPlan(*value)  # which checks every field
     except (TypeError, ValueError) as e:
         raise ValueError(f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r} is not (BLOCK_N, BLOCK_K, warps, "
                          f"stages[, split-K]) of powers of two: {e}") from None
