@@ -21,14 +21,13 @@ from lowlat.layers.norm import rms_norm  # noqa: E402
 from lowlat.runtime.peer_buffers import PeerWaitTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
 from tp_testutil import (  # noqa: E402
+    check_persistent_k2,  # noqa: E402
     config,
-    decode_batch,
     general_reduce,
     make_forward,
     make_ranks,
     rank_params,
-    run_stages,
-    set_inputs,  # noqa: E402
+    run_stages,  # noqa: E402
 )
 
 MOE = "tiny-qwen3-moe"
@@ -157,36 +156,8 @@ def test_the_persistent_moe_launch_matches_the_staged_one_and_waits_on_the_reduc
     staged run of both ranks (rank 1's slots and flags copied, rank 0's own flags cleared): x_mid and x bit-identical
     to the staged run, the tag at the MoE's call. Then the o_proj reduce never publishes its amd_mono flags: the
     router's wait must time out naming the reduce stage (MonoStageTimeout), so routing reads the reduced rows."""
-    from lowlat_amd_mono.forward import MonoStageTimeout
-
-    world, rows = 2, 3
-    staged, bufs_s = make_ranks(world, rows, torch.bfloat16, seed=9, model=MOE)
-    set_inputs(staged, rows, torch.bfloat16, seed=9)
-    run_stages(staged, P.K2_MOE_TP_STAGES, rows)
-    assert not torch.isnan(staged[0].x[:rows]).any()
-    for attempt in ("same", "never_publish"):
-        (pers, *rest), bufs_p = make_ranks(world, rows, torch.bfloat16, seed=9, model=MOE, staged=False,
-                                           deadline_ms=1.0)
-        set_inputs([pers, *rest], rows, torch.bfloat16, seed=9)
-        bufs_p[0].data.copy_(bufs_s[0].data)
-        bufs_p[0].flags.copy_(bufs_s[0].flags)
-        bufs_p[0].flags[:, :, 0] = 0  # rank 0 must publish its own tiles again
-        pers.step.fill_(5)
-        if attempt == "never_publish":
-            pers.set_debug(0, never_publish=(P.S_RED_O,))
-        assert pers.runner.nprog == 1 and not pers.options.staged
-        name, *launch = pers.k2_launch(0, decode_batch(rows), pers.plan.step_shape(rows, 1))
-        assert name == "k2_attn_out_moe_tp"
-        pers.runner.run(name, *launch)
-        bufs_p[0].check()
-        if attempt == "same":
-            pers.check_errors()
-            assert torch.equal(pers.x_mid[:rows], staged[0].x_mid[:rows])
-            assert torch.equal(pers.x[:rows], staged[0].x[:rows])
-            assert bufs_p[0].last_tag == 2
-        else:
-            with pytest.raises(MonoStageTimeout, match="k2.router waited .* for k2.o_proj_reduce"):
-                pers.check_errors()
+    check_persistent_k2(P.K2_MOE_TP_STAGES, "k2.router waited .* for k2.o_proj_reduce", model=MOE,
+                        launch="k2_attn_out_moe_tp")
 
 
 def test_the_expert_downs_tiles_must_fit_the_peer_buffers_flag_tiles() -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from lowlat.layers.norm import rms_norm  # noqa: E402
 from lowlat.runtime.peer_buffers import PeerWaitTimeout  # noqa: E402
 from lowlat_amd_mono.kernels import plan as P  # noqa: E402
-from tp_testutil import decode_batch, make_ranks, run_stages  # noqa: E402
+from tp_testutil import check_persistent_k2, make_ranks, run_stages  # noqa: E402
 from tp_testutil import general_reduce as _general_reduce  # noqa: E402
 from tp_testutil import set_inputs as _inputs  # noqa: E402
 
@@ -207,32 +207,7 @@ def test_the_persistent_launch_matches_the_staged_one_and_waits_on_the_reduce() 
     run of both ranks (rank 1's slots and flags copied, rank 0's own flags cleared): x_mid and x bit-identical to the
     staged run. Then the o_proj reduce never publishes its amd_mono flags: the gate/up stage's wait must time out
     naming the reduce stage it waits for (MonoStageTimeout), so the MLP reads the reduced rows, not o_proj's."""
-    from lowlat_amd_mono.forward import MonoStageTimeout
-
-    world, rows = 2, 3
-    staged, bufs_s = make_ranks(world, rows, torch.bfloat16, seed=9)
-    _inputs(staged, rows, torch.bfloat16, seed=9)
-    run_stages(staged, (P.S_ATTN, P.S_COMB) + S_O + S_MLP, rows)
-    for attempt in ("same", "never_publish"):
-        (pers, *_), bufs_p = make_ranks(world, rows, torch.bfloat16, seed=9, staged=False, deadline_ms=1.0)
-        _inputs([pers, *_], rows, torch.bfloat16, seed=9)
-        bufs_p[0].data.copy_(bufs_s[0].data)
-        bufs_p[0].flags.copy_(bufs_s[0].flags)
-        bufs_p[0].flags[:, :, 0] = 0  # rank 0 must publish its own tiles again
-        pers.step.fill_(5)  # the local step tag (the embedding launch bumps it in a whole step)
-        if attempt == "never_publish":
-            pers.set_debug(0, never_publish=(P.S_RED_O,))
-        assert pers.runner.nprog == 1 and not pers.options.staged
-        pers.runner.run(*pers.k2_launch(0, decode_batch(rows), pers.plan.step_shape(rows, 1)))
-        bufs_p[0].check()
-        if attempt == "same":
-            pers.check_errors()
-            assert torch.equal(pers.x_mid[:rows], staged[0].x_mid[:rows])
-            assert torch.equal(pers.x[:rows], staged[0].x[:rows])
-            assert bufs_p[0].last_tag == 2
-        else:
-            with pytest.raises(MonoStageTimeout, match="k2.gate_up_silu waited .* for k2.o_proj_reduce"):
-                pers.check_errors()
+    check_persistent_k2((P.S_ATTN, P.S_COMB) + S_O + S_MLP, "k2.gate_up_silu waited .* for k2.o_proj_reduce")
 
 
 def test_gathered_logits_drop_the_vocabulary_padding() -> None:

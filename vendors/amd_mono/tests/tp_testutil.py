@@ -71,10 +71,6 @@ def make_ranks(world: int, rows: int, dtype: torch.dtype, *, deadline: int | Non
     for r in range(world):
         tp = MonoTP(tp=None, bufs=bufs[r], publish=r != silent, vocab_size=cfg.vocab_size, vocab_start=r * v_l,
                     vocab_rows=v_l)
-
-        def alloc(name, shape, dt):
-            return torch.zeros(shape, dtype=dt)
-
         fwds.append(make_forward(cfg, rank_params(cfg, world, dtype, seed * 100 + r), dtype, tp, **opts))
     return fwds, bufs
 
@@ -133,3 +129,43 @@ def general_reduce(res: torch.Tensor, partials: list[torch.Tensor], dtype: torch
     for p in partials[1:]:
         acc = acc + p.to(dtype).float()
     return (res.float() + acc.to(dtype).float()).to(dtype)
+
+
+def check_persistent_k2(stages: tuple[int, ...], waiting: str, *, model: str = "tiny-llama", launch: str | None = None,
+                        rows: int = 3) -> None:
+    """Rank 0's K2 (of ``model``) as one persistent launch over one program (interpreter), its peer's tiles forged
+    from a staged run of both ranks over ``stages`` (rank 1's slots and flags copied, rank 0's own flags cleared):
+    x_mid and x bit-identical to the staged run, the tag at the layer's second protocol call. Then the o_proj
+    reduce never publishes its amd_mono flags: ``pers.check_errors()`` must raise MonoStageTimeout matching
+    ``waiting`` (the stage that waits on the reduce). ``launch``: the K2 launch's expected name, if given."""
+    import pytest
+    from lowlat_amd_mono.forward import MonoStageTimeout
+
+    world = 2
+    staged, bufs_s = make_ranks(world, rows, torch.bfloat16, seed=9, model=model)
+    set_inputs(staged, rows, torch.bfloat16, seed=9)
+    run_stages(staged, stages, rows)
+    assert not torch.isnan(staged[0].x[:rows]).any()
+    for attempt in ("same", "never_publish"):
+        (pers, *rest), bufs_p = make_ranks(world, rows, torch.bfloat16, seed=9, model=model, staged=False,
+                                           deadline_ms=1.0)
+        set_inputs([pers, *rest], rows, torch.bfloat16, seed=9)
+        bufs_p[0].data.copy_(bufs_s[0].data)
+        bufs_p[0].flags.copy_(bufs_s[0].flags)
+        bufs_p[0].flags[:, :, 0] = 0  # rank 0 must publish its own tiles again
+        pers.step.fill_(5)  # the local step tag (the embedding launch bumps it in a whole step)
+        if attempt == "never_publish":
+            pers.set_debug(0, never_publish=(P.S_RED_O,))
+        assert pers.runner.nprog == 1 and not pers.options.staged
+        name, *args = pers.k2_launch(0, decode_batch(rows), pers.plan.step_shape(rows, 1))
+        assert launch is None or name == launch
+        pers.runner.run(name, *args)
+        bufs_p[0].check()
+        if attempt == "same":
+            pers.check_errors()
+            assert torch.equal(pers.x_mid[:rows], staged[0].x_mid[:rows])
+            assert torch.equal(pers.x[:rows], staged[0].x[:rows])
+            assert bufs_p[0].last_tag == 2
+        else:
+            with pytest.raises(MonoStageTimeout, match=waiting):
+                pers.check_errors()
