@@ -71,9 +71,8 @@ class LayerChain:
         self.cos, self.sin = rope_cos_sin(d, 1e4, max(ctx + 8, 64), None, dev)
         self.x, self.q, self.attn = self.rand(t, h), self.rand(t, hq * d), self.rand(t, hq * d)
         self.qplan = qkv_plan(hq, hkv, d, h, dtype, dev, qk_norm=s["qk_norm"])
-        row1_bn = self.qplan.row1.block_n if self.qplan.row1 is not None else None
         self.late = LateQK(self.qn, self.kn, self.cos, self.sin, self.pos, bk.EPS) \
-            if late_qk(t, row1_bn, d, s["qk_norm"]) else None  # as forward.py: q/k finished in the attention
+            if late_qk(t, self.qplan, s["qk_norm"]) else None  # as forward.py: q/k finished in the attention
         self.qws = torch.zeros(max(1, qkv_workspace_numel(self.qplan, hq, hkv, d)), device=dev)
         self.plans = {"o_proj": gemm_plan(h, hq * d, dtype, dev)}
         tiles = {"qkv": hq + 2 * hkv, "o_proj": self.plans["o_proj"].n_tiles(h)}

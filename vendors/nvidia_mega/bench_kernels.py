@@ -158,7 +158,7 @@ class Case:
         hq, hkv, d = s["heads"], s["kv_heads"], s["head_dim"]
         _, _, pos, loc = self.decode_batch(t, 1)
         plan = qkv_plan(hq, hkv, d, s["hidden"], self.dt, self.dev, qk_norm=s["qk_norm"])
-        late = late_qk(t, plan.row1.block_n if plan.row1 is not None else None, d, s["qk_norm"])
+        late = late_qk(t, plan, s["qk_norm"])
         ws = torch.zeros(max(1, qkv_workspace_numel(plan, hq, hkv, d)), device=self.dev)
         gplan = gemm_plan(self.nqkv, s["hidden"], self.dt, self.dev)
         out = torch.empty(t, self.nqkv, dtype=self.dt, device=self.dev)
@@ -269,7 +269,7 @@ class Case:
         rpi, seq, pos, loc = self.decode_batch(t, 1)
         qplan = qkv_plan(hq, hkv, d, h, self.dt, self.dev, qk_norm=s["qk_norm"])
         late = LateQK(self.qn, self.kn, self.cos, self.sin, pos, EPS) \
-            if late_qk(t, qplan.row1.block_n if qplan.row1 is not None else None, d, s["qk_norm"]) else None
+            if late_qk(t, qplan, s["qk_norm"]) else None
         qws = torch.zeros(max(1, qkv_workspace_numel(qplan, hq, hkv, d)), device=self.dev)
         aplan = attn_plan(t, 1, hq, hkv, d, self.ctx, self.sms, self.dt, device=self.dev)
         n_o, n_l = partial_numel(t, hq, hkv, d, 1, aplan)

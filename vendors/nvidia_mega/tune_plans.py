@@ -111,7 +111,7 @@ class Tuner:
             return None
         _, _, pos, loc = c.decode_batch(c.t, 1)
 
-        late = late_qk(c.t, plan.row1.block_n if plan.row1 is not None else None, d, c.qn is not None)
+        late = late_qk(c.t, plan, c.qn is not None)
 
         def chain() -> int:
             for i, w in enumerate(c.wqkv):

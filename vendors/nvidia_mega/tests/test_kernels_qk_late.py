@@ -9,6 +9,8 @@ Runs on CPU under ``TRITON_INTERPRET=1`` (tiny shapes) and, unchanged, on a CUDA
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,7 +102,7 @@ def test_qkv_rope_late_stores_the_raw_projection(dtype: torch.dtype) -> None:
     qn = kn = torch.ones(D, dtype=dtype, device=DEV)
     cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, None, DEV)
     plan = plan_qkv(HQ, HKV, D, HID, dtype, 4, split_k=1, block_k=16)
-    plan = type(plan)(**{**plan.__dict__, "row1": GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1)})
+    plan = dataclasses.replace(plan, row1=GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1))
     kb = torch.zeros(8, HKV, D, dtype=dtype, device=DEV)
     vb = torch.zeros(8, HKV, D, dtype=dtype, device=DEV)
     q = torch.zeros(1, HQ * D, dtype=dtype, device=DEV)
@@ -116,10 +118,13 @@ def test_qkv_rope_late_stores_the_raw_projection(dtype: torch.dtype) -> None:
 
 
 def test_late_qk_says_when() -> None:
-    assert late_qk(1, 8, 32, True)
-    assert not late_qk(2, 8, 32, True), "one row only"
-    assert not late_qk(1, 32, 32, True), "a head per program finishes q/k itself"
-    assert not late_qk(1, None, 32, True) and not late_qk(1, 8, 32, False)
+    head = plan_qkv(HQ, HKV, D, HID, torch.float32, 4)
+    pairs = dataclasses.replace(head, row1=GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1))
+    per_head = dataclasses.replace(head, row1=GemvPlan(block_n=D, block_k=32, num_warps=4, num_stages=1, split_k=2))
+    assert late_qk(1, pairs, True)
+    assert not late_qk(2, pairs, True), "one row only"
+    assert not late_qk(1, per_head, True), "a head per program finishes q/k itself"
+    assert not late_qk(1, head, True) and not late_qk(1, pairs, False)
 
 
 def test_refusals() -> None:
@@ -133,7 +138,7 @@ def test_refusals() -> None:
         check_row1_rows(GemvPlan(block_n=D, block_k=32, num_warps=4, num_stages=1), D, True, qk_late=True)
     two = torch.zeros(2, HID, device=DEV)
     plan_q = plan_qkv(HQ, HKV, D, HID, torch.float32, 4, split_k=1, block_k=16)
-    plan_q = type(plan_q)(**{**plan_q.__dict__, "row1": pairs})
+    plan_q = dataclasses.replace(plan_q, row1=pairs)
     cos, sin = rope_cos_sin(D, 10000.0, MAX_POS, None, DEV)
     with pytest.raises(ValueError, match="qk_late serves the one-row loop"):
         qkv_rope(two, None, torch.zeros((HQ + 2 * HKV) * D, HID, device=DEV), num_heads=HQ, num_kv_heads=HKV,

@@ -221,7 +221,7 @@ class MegaForward:
         t, b = int(batch.input_ids.shape[0]), int(batch.seq_lens.shape[0])
         assert self.k_buffers is not None and self.v_buffers is not None
         plan = self.plans["qkv"]
-        late = late_qk(t, plan.row1.block_n if plan.row1 is not None else None, plan.block_n, lw.q_norm is not None)
+        late = late_qk(t, plan, lw.q_norm is not None)
         qkv_rope(qkv_in, qkv_norm, lw.qkv, num_heads=self.heads[0], num_kv_heads=self.heads[1], q_norm=lw.q_norm,
                  k_norm=lw.k_norm, cos=ws.cos, sin=ws.sin, positions=batch.positions,
                  out_cache_loc=batch.out_cache_loc, q_out=ws.q[:t], k_buffer=self.k_buffers[i],

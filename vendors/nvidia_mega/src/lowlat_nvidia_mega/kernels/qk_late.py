@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
-from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
+from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,10 @@ def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool, qk_late: bool 
     return bn // 2
 
 
-def late_qk(rows: int, row1_block_n: int | None, head_dim: int, qk_norm: bool) -> bool:
-    """Whether a step of ``rows`` rows finishes q and k in the attention: a model with q/k norm whose one-row qkv
-    plan (``GemmPlan.row1``; its ``block_n``, None without one) takes the row-pair form, at one row."""
-    return qk_norm and rows == 1 and row1_block_n is not None and row1_block_n < head_dim
+def late_qk(rows: int, plan: GemmPlan, qk_norm: bool) -> bool:
+    """Whether a step of ``rows`` rows finishes q and k in the attention: a model with q/k norm whose qkv ``plan``
+    (``tuned_plans.qkv_plan``: ``block_n`` the head dim) has a one-row plan of the row-pair form, at one row."""
+    return qk_norm and rows == 1 and plan.row1 is not None and plan.row1.block_n < plan.block_n
 
 
 @triton.jit
