@@ -97,14 +97,13 @@ def _attn_split_kernel(
     r = offs_m // G
     m_valid = offs_m < G * R
     q_rows = (b * R + r).to(tl.int64) * stride_qt + (kvh * G + offs_m % G) * D
-    k_new = tl.zeros([1, D], dtype=k_ptr.dtype.element_ty)
-    one = tl.arange(0, 1)
-    k_row = k_ptr + kvh * D + one  # the new position's K row (LATE: at its slot)
-    owner = (start <= prefix) & (prefix < end)  # this program's chunk holds the new position
     if LATE:  # q and k left raw by qkv_rope (kernels/qk_late.py): finish q here, and the new K row in its owner
         q = norm_rope_rows(q_ptr + q_rows, m_valid, row_pos + offs_m * 0, qn_ptr, cos_ptr, sin_ptr, max_pos, eps, D,
                            q_ptr.dtype.element_ty)
-        k_row += new_slot * stride_ks
+        one = tl.arange(0, 1)
+        k_row = k_ptr + new_slot * stride_ks + kvh * D + one  # the new position's K row
+        owner = (start <= prefix) & (prefix < end)  # this program's chunk holds the new position
+        k_new = tl.zeros([1, D], dtype=k_ptr.dtype.element_ty)
         if owner:
             k_new = norm_rope_rows(k_row, one < 1, row_pos + one, kn_ptr, cos_ptr, sin_ptr, max_pos, eps, D,
                                    k_ptr.dtype.element_ty)
