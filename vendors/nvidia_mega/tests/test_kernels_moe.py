@@ -137,6 +137,25 @@ def test_row1_forms_match(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("block_n", "block_i"), [(4, 256), (8, 16), (16, 32)])
+def test_row1_down_matches(dtype: torch.dtype, block_n: int, block_i: int) -> None:
+    """The one-row down over all top-k experts per program (``row1_down``: no partials, no ticket) matches the
+    reference and the ticket kernel's one-row form: same roundings (each expert's output rounded, then weighted,
+    summed in fp32, the residual added, rounded once), so only the fp32 summation order may differ. ``I`` = 32 in
+    one chunk (256 capped to 32), two (16), or one exact (32)."""
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=5)
+    x, residual = make_x(1, dtype, seed=6)
+    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
+    cfg = dataclasses.replace(CFG_ROW1, row1_down=True, row1_down_block_n=block_n, row1_down_block_i=block_i)
+    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=cfg)
+    want, ids, _ = reference(x, residual, norm_w, gate_w, w13, w2, True)
+    assert torch.equal(ws.topk_ids[:1].long().cpu(), ids)
+    torch.testing.assert_close(out.float(), want.float(), **tol(dtype))
+    torch.testing.assert_close(out.float(), base.float(), atol=1e-6 if dtype == torch.float32 else 0.0,
+                               rtol=1e-5 if dtype == torch.float32 else 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_down_in_i_chunks_matches(rows: int, cfg: MoEKernelConfig, dtype: torch.dtype) -> None:
@@ -160,10 +179,22 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
     from sm90_launch import LaunchRecorder
 
     log: list = []
-    for name in ("moe_route_kernel", "_moe_gate_up_kernel", "_moe_gate_up_row1_kernel", "_moe_down_kernel"):
+    for name in ("moe_route_kernel", "_moe_gate_up_kernel", "_moe_gate_up_row1_kernel", "_moe_down_kernel",
+                 "_moe_down_row1_kernel"):
         monkeypatch.setattr(moe, name, LaunchRecorder(name, log))
     norm_w, gate_w, w13, w2 = make_weights(torch.float32)
     x, residual = make_x(rows, torch.float32)
+    down1 = dataclasses.replace(CFG_ROW1, row1_down=True, row1_down_block_n=8, row1_down_block_i=16)
+    log.clear()
+    moe_forward(dev(x), dev(residual), dev(norm_w), EPS, dev(gate_w), dev(w13), dev(w2), K, True,
+                torch.empty_like(dev(x)), MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV), pdl=False,
+                config=down1)
+    if rows == 1:  # row1_down: one program per 8 columns over every top-k expert, I in chunks of 16
+        name, grid, _, kwargs = log[-1]
+        assert (name, grid, kwargs["BLOCK_N"], kwargs["BLOCK_I"], kwargs["TOP_K"], kwargs["TOPK_PAD"]) == \
+            ("_moe_down_row1_kernel", (H // 8,), 8, 16, K, K)
+    else:
+        assert log[-1][0] == "_moe_down_kernel"
     for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False)):
         for block_i, want_i in ((16, 16), (1024, 32)):
             log.clear()
@@ -271,3 +302,18 @@ def test_workspace_counts_its_bytes() -> None:
     slots = min(E, 8 * K)
     assert ws.act.shape == (slots, 8, I) and ws.partial.shape == (slots, 8, H)
     assert ws.nbytes >= ws.act.nbytes + ws.partial.nbytes + ws.h.nbytes
+
+
+def test_row1_down_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOWLAT_MEGA_MOE_ROW1_DOWN`` picks the engine's one-row down kernel (a launch given no config); a typo is
+    refused by name rather than measuring the default twice."""
+    from lowlat_nvidia_mega.kernels.moe import ROW1_DOWN_ENV, default_config
+
+    monkeypatch.delenv(ROW1_DOWN_ENV, raising=False)
+    assert default_config() == MoEKernelConfig()
+    for value, want in (("1", True), ("0", False), ("default", MoEKernelConfig.row1_down)):
+        monkeypatch.setenv(ROW1_DOWN_ENV, value)
+        assert default_config() == dataclasses.replace(MoEKernelConfig(), row1_down=want)
+    monkeypatch.setenv(ROW1_DOWN_ENV, "yes please")
+    with pytest.raises(ValueError, match=ROW1_DOWN_ENV):
+        default_config()

@@ -56,6 +56,16 @@ SHAPES = [  # (H, I, E, top_k, rows, dtype, config, flags); flags: r residual, i
                                                                row1_block_k=64), "nz", id="row1-bf16-I100-nores"),
     pytest.param(24, 3, 3, 2, 1, F32, dataclasses.replace(MoEKernelConfig(), route_programs=2), "rnz",
                  id="row1-defaults-I3"),
+    # the one-row down over all top-k experts per program (row1_down): top_k 1 and 5 (padded to 8), H not a multiple
+    # of its columns, I walked in partial chunks, in place, no residual
+    pytest.param(100, 40, 6, 1, 1, F32, dataclasses.replace(R1, row1_down=True, row1_down_block_n=8,
+                                                            row1_down_block_i=16), "rnz", id="row1down-H100-I40x16-k1"),
+    pytest.param(72, 24, 5, 5, 1, BF16, dataclasses.replace(R1, row1_down=True, row1_down_block_n=16,
+                                                            row1_down_block_i=256), "rin", id="row1down-bf16-k5-inplace"),
+    pytest.param(160, 100, 16, 8, 1, BF16, dataclasses.replace(R1, row1_down=True, row1_down_block_n=4,
+                                                               row1_down_block_i=64), "nz", id="row1down-bf16-I100-nores"),
+    pytest.param(24, 3, 3, 2, 1, F32, dataclasses.replace(MoEKernelConfig(), route_programs=2, row1_down=True), "rnz",
+                 id="row1down-defaults-I3"),
     pytest.param(40, 56, 4, 3, 1, F32, dataclasses.replace(CFG, down_block_n=16, down_block_i=16), "r",
                  id="tdot-1row-I56x16-nonorm"),
     pytest.param(136, 72, 16, 16, 8, F32, dataclasses.replace(CFG, gate_up_block_n=16, gate_up_block_k=32,

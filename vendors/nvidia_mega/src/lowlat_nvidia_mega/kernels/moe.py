@@ -48,8 +48,8 @@ import triton
 
 from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_up_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
-from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
-from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_down_row1_kernel, _moe_gate_up_row1_kernel
+from lowlat_nvidia_mega.kernels.pdl import env_switch, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
 
 
@@ -79,6 +79,13 @@ class MoEKernelConfig:
     row1_block_k: int = 1024
     row1_warps: int = 4
     row1_stages: int = 3
+    # A one-row step's down (no peer) in moe_row1._moe_down_row1_kernel: each program sums all top-k experts of its
+    # row1_down_block_n columns itself (no fp32 partials, no ticket), I walked in row1_down_block_i chunks.
+    row1_down: bool = False
+    row1_down_block_n: int = 4
+    row1_down_block_i: int = 256
+    row1_down_warps: int = 4
+    row1_down_stages: int = 3
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -100,6 +107,20 @@ class MoEKernelConfig:
                 raise ValueError(f"MoEKernelConfig.{name}={getattr(self, name)} must be >= 16 (a tl.dot K side)")
         if self.down_block_n < 8:
             raise ValueError(f"down_block_n={self.down_block_n} must be >= 8 (the workspace counts H/8 tiles)")
+
+
+ROW1_DOWN_ENV = "LOWLAT_MEGA_MOE_ROW1_DOWN"
+
+
+def default_config() -> MoEKernelConfig:
+    """The config of a launch given none (the engine's): ``MoEKernelConfig()``, with ``row1_down`` from
+    ``LOWLAT_MEGA_MOE_ROW1_DOWN`` (1 / 0) when set, to time both one-row down kernels in whole steps side by side.
+
+    Raises:
+        ValueError: the variable holds neither an on nor an off word.
+    """
+    row1_down = env_switch(ROW1_DOWN_ENV, MoEKernelConfig.row1_down, "the one-row down over all top-k experts")
+    return MoEKernelConfig(row1_down=bool(row1_down))
 
 
 @dataclass(frozen=True)
@@ -218,7 +239,7 @@ def moe_stages(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Ten
         out: [T, H] like x, written in full.
         workspace: from ``MoEWorkspace.allocate`` with these sizes and ``max_rows >= T``.
         pdl: launch with programmatic dependent launch (needs sm90+; pass ``pdl_enabled(device)``).
-        config: tile sizes (default ``MoEKernelConfig()``).
+        config: tile sizes (default ``default_config()``).
 
     Returns:
         The stages; after ``route()``, ``gate_up()``, ``down()`` in that order ``out`` holds the result and the
@@ -229,7 +250,7 @@ def moe_stages(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Ten
             where PDL cannot run (CPU, the Triton interpreter, GPUs before sm90), or a peer with a residual or
             buffers that cannot hold the output's tiles.
     """
-    cfg = config or MoEKernelConfig()
+    cfg = config or default_config()
     ws = workspace
     _check_inputs(x, residual, norm_w, gate_w, w13, w2, top_k, out, ws)
     _check(peer is None or residual is None, "a published MoE output takes no residual (reduce_rows adds it)")
@@ -327,11 +348,27 @@ class MoEStages:
             DOT_F32=self._dot_f32, USE_PDL=self.pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
             **launch_kwargs(self.pdl))
 
+    @property
+    def row1_down(self) -> bool:
+        """Whether down runs ``moe_row1._moe_down_row1_kernel``: a one-row step (``row1``) with ``row1_down`` and no
+        peer (a published output keeps the ticket kernel's ``down_block_n`` tiles, which ``reduce_rows`` counts)."""
+        return self.row1 and self.cfg.row1_down and self.peer is None
+
     def down(self) -> None:
-        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual."""
+        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual; or,
+        with ``row1_down``, ``_moe_down_row1_kernel``: each program sums its columns over the row's top-k experts."""
         ws, cfg, out = self.ws, self.cfg, self.out
         t, hidden = self.x.shape
         res = self.residual if self.residual is not None else out
+        if self.row1_down:
+            bi = k_chunk(cfg.row1_down_block_i, ws.inter)
+            _moe_down_row1_kernel[(triton.cdiv(hidden, cfg.row1_down_block_n),)](
+                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.row_slot, hidden, ws.inter,
+                TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
+                BLOCK_N=cfg.row1_down_block_n, BLOCK_I=bi, EVEN_I=ws.inter % bi == 0,
+                HAS_RESIDUAL=self.residual is not None, USE_PDL=self.pdl, num_warps=cfg.row1_down_warps,
+                num_stages=cfg.row1_down_stages, **launch_kwargs(self.pdl))
+            return
         _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],

@@ -54,3 +54,45 @@ def _moe_gate_up_row1_kernel(
         a = rnd(g * tl.sigmoid(g), dtype) * rnd(acc_u, dtype)
         tl.store(act_ptr + slot * ROWS_C * INTER + offs_n, to_act(a, dtype), mask=n_mask)
 
+
+
+@triton.jit
+def _moe_down_row1_kernel(
+    act_ptr, w2_ptr, out_ptr, residual_ptr, slot_expert_ptr, slot_weight_ptr, row_slot_ptr, H, INTER,
+    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program per ``BLOCK_N`` output columns, over all ``TOP_K`` experts of the step's one row: no partials,
+    no ticket. Row ``r`` of the ``[TOPK_PAD * BLOCK_N, BLOCK_I]`` weight tile is column ``r % BLOCK_N`` of the
+    row's ``r // BLOCK_N``-th expert."""
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    r = tl.arange(0, TOPK_PAD * BLOCK_N)
+    kk = r // BLOCK_N
+    offs_n = pid * BLOCK_N + r % BLOCK_N
+    k_ok = kk < TOP_K
+    n_mask = k_ok & (offs_n < H)
+    # Pre-wait: the routing is complete (gate/up released us only after its own wait on the routing kernel), so
+    # the row's slots, their experts and weights, and each expert's first weight chunk load before gdc_wait.
+    slot = tl.load(row_slot_ptr + kk, mask=k_ok, other=0, cache_modifier=".cg")
+    e = tl.load(slot_expert_ptr + slot, mask=k_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    wk = tl.load(slot_weight_ptr + slot * ROWS_C, mask=k_ok, other=0.0, cache_modifier=".cg")
+    w_rows = w2_ptr + (e * H * INTER + offs_n.to(tl.int64) * INTER)[:, None]
+    a_rows = act_ptr + (slot * ROWS_C * INTER)[:, None]  # row 0 of each slot's act tile
+    ks = tl.arange(0, BLOCK_I)
+    w = load_tile(w_rows + ks[None, :], n_mask, ks < INTER, EVEN_I)
+    gdc_wait(USE_PDL)
+    gdc_launch_dependents(USE_PDL)
+    a = tl.load(a_rows + ks[None, :], mask=k_ok[:, None] & (ks < INTER)[None, :], other=0.0)
+    d = tl.sum(w.to(tl.float32) * a.to(tl.float32), 1)
+    for i0 in range(BLOCK_I, INTER, BLOCK_I):
+        ki = i0 + ks
+        wi = load_tile(w_rows + ki[None, :], n_mask, ki < INTER, EVEN_I)
+        ai = tl.load(a_rows + ki[None, :], mask=k_ok[:, None] & (ki < INTER)[None, :], other=0.0)
+        d += tl.sum(wi.to(tl.float32) * ai.to(tl.float32), 1)
+    d = to_act(d, dtype).to(tl.float32) * wk  # each expert's output rounded, then weighted (as the ticket path)
+    acc = tl.sum(tl.reshape(d, [TOPK_PAD, BLOCK_N]), axis=0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_RESIDUAL:
+        acc += tl.load(residual_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, to_act(acc, dtype), mask=cols < H)
