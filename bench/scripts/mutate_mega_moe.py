@@ -1,5 +1,6 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
-(kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages and MoEKernelConfig in kernels/moe.py):
+(kernels/moe_row1.py with the one-row down over all top-k experts, kernels/moe_experts.py, kernels/moe_route.py,
+MoEStages, MoEKernelConfig and default_config in kernels/moe.py):
 the routing grid's one program per (router block, row);
 break the code in one place, run the MoE tests, expect a failure.
 
@@ -67,9 +68,37 @@ M = [  # (name, file, original text, mutated text)
     ("K sides below 16 accepted", S, 'for name in ("gate_up_block_k", "down_block_i"):', "for name in ():"),
     ("stages not checked at the config", S, 'if f.name == "route_programs" or f.name.endswith("_stages"):',
      'if f.name == "route_programs":'),
+    # the one-row down over all top-k experts per program (row1_down, moe_row1._moe_down_row1_kernel)
+    ("row1_down never chosen", S, "return self.row1 and self.cfg.row1_down and self.peer is None", "return False"),
+    ("row1_down with a peer", S, "return self.row1 and self.cfg.row1_down and self.peer is None",
+     "return self.row1 and self.cfg.row1_down"),
+    ("row1_down at more rows", S, "return self.row1 and self.cfg.row1_down and self.peer is None",
+     "return self.cfg.row1_down and self.peer is None"),
+    ("row1_down's env switch ignored", S, "return MoEKernelConfig(row1_down=bool(row1_down))",
+     "return MoEKernelConfig()"),
+    ("row1_down's grid one tile short", S, "_moe_down_row1_kernel[(triton.cdiv(hidden, cfg.row1_down_block_n),)](",
+     "_moe_down_row1_kernel[(max(1, hidden // cfg.row1_down_block_n),)]("),
+    ("row1_down's I chunk ignored", S, "bi = k_chunk(cfg.row1_down_block_i, ws.inter)",
+     "bi = k_chunk(1 << 30, ws.inter)"),
+    ("row1_down without the routing weight", R, "d = to_act(d, dtype).to(tl.float32) * wk",
+     "d = to_act(d, dtype).to(tl.float32)"),
+    ("row1_down's expert output unrounded", R, "d = to_act(d, dtype).to(tl.float32) * wk", "d = d * wk"),
+    ("row1_down's padded choices kept", R, "    k_ok = kk < TOP_K\n", "    k_ok = kk < TOPK_PAD\n"),
+    ("row1_down's first expert only", R, "    kk = r // BLOCK_N\n", "    kk = r * 0\n"),
+    ("row1_down's column masks ignored", R, "    n_mask = k_ok & (offs_n < H)\n", "    n_mask = k_ok\n"),
+    ("row1_down's later I chunks skipped", R, "    for i0 in range(BLOCK_I, INTER, BLOCK_I):\n        ki = i0 + ks",
+     "    for i0 in range(BLOCK_I, BLOCK_I, BLOCK_I):\n        ki = i0 + ks"),
+    ("row1_down's act from the wrong row", R, "a_rows = act_ptr + (slot * ROWS_C * INTER)[:, None]",
+     "a_rows = act_ptr + (slot * ROWS_C * INTER + INTER)[:, None]"),
+    ("row1_down without the residual", R, "        acc += tl.load(residual_ptr + cols, mask=cols < H, other=0.0)",
+     "        acc += 0.0 * tl.load(residual_ptr + cols, mask=cols < H, other=0.0)"),
+    ("row1_down's I mask ignored", R, "    w = load_tile(w_rows + ks[None, :], n_mask, ks < INTER, EVEN_I)",
+     "    w = load_tile(w_rows + ks[None, :], n_mask, ks < INTER, True)"),
 ]
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_moe.py", env,
-                                 pytest_args=("vendors/nvidia_mega/tests/test_kernels_moe_edges.py",)))
+                                 pytest_args=("vendors/nvidia_mega/tests/test_kernels_moe_edges.py",
+                                              "vendors/nvidia_mega/tests/test_mega_kernels_tp.py", "-k",
+                                              "not tp or moe_publishes")))
