@@ -123,13 +123,16 @@ def test_shapes_and_tiles_match_reference(hidden: int, inter: int, experts: int,
 
 
 def test_one_workspace_many_launches() -> None:
-    """One poisoned workspace serves launches of 8, 1 (one-row forms), 3, 1 (tl.dot) and 1 row again with other
-    tiles and flags: nothing stale (act rows, partials, slots, tickets) leaks from one launch into the next."""
-    hidden, inter, experts, top_k = 72, 40, 6, 2
+    """One poisoned workspace serves launches of 8, 1 (one-row forms), 3, 1 (tl.dot), 1 (the one-row down over all
+    top-k experts, whose top_k of 3 is padded to 4: the padding reads another row's slots, stale from the 8-row
+    launch, unless masked) and 1 row again with other tiles and flags: nothing stale (act rows, partials, slots,
+    tickets) leaks from one launch into the next."""
+    hidden, inter, experts, top_k = 72, 40, 6, 3
     norm_w, gate_w, w13, w2 = make_weights(F32, seed=21, h=hidden, i=inter, e=experts)
     ws = MoEWorkspace.allocate(8, hidden, inter, experts, top_k, F32, DEV, alloc=poisoned_alloc)
     chunked = dataclasses.replace(CFG, down_block_n=16, down_block_i=16)
     plan = [(8, chunked, True), (1, R1, False), (3, CFG, True), (1, chunked, True),
+            (1, dataclasses.replace(R1, row1_down=True, row1_down_block_n=8, row1_down_block_i=16), True),
             (1, dataclasses.replace(R1, down_block_n=64, down_block_i=32, row1_block_k=128), False), (8, CFG, False)]
     for seed, (rows, cfg, renormalize) in enumerate(plan):
         x, residual = make_x(rows, F32, seed=30 + seed, h=hidden)
