@@ -1,6 +1,6 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
 (kernels/moe_row1.py with the one-row down over all top-k experts, kernels/moe_experts.py, kernels/moe_route.py,
-MoEStages, MoEKernelConfig and default_config in kernels/moe.py):
+MoEStages, MoEKernelConfig and default_config in kernels/moe.py, the routing L2 prefetch's host rules):
 the routing grid's one program per (router block, row);
 break the code in one place, run the MoE tests, expect a failure.
 
@@ -76,8 +76,18 @@ M = [  # (name, file, original text, mutated text)
      "return self.row1 and self.cfg.row1_down"),
     ("row1_down at more rows", S, "return self.row1 and self.cfg.row1_down and self.peer is None",
      "return self.cfg.row1_down and self.peer is None"),
-    ("row1_down's env switch ignored", S, "return MoEKernelConfig(row1_down=bool(row1_down))",
-     "return MoEKernelConfig()"),
+    ("the config env ignored", S, "        return MoEKernelConfig(**changes)  # type: ignore[arg-type]",
+     "        return MoEKernelConfig()"),
+    ("the config env takes any bool", S, "        if is_bool and number not in (0, 1):", "        if False:"),
+    # the routing's L2 prefetch (host side; the PTX is checked by test_compile_sm90_moe.py)
+    ("prefetch at more rows", S, "if not (self.pdl and self.x.shape[0] == 1 and aligned):",
+     "if not (self.pdl and aligned):"),
+    ("prefetch misaligned", S, "if not (self.pdl and self.x.shape[0] == 1 and aligned):",
+     "if not (self.pdl and self.x.shape[0] == 1):"),
+    ("prefetch past the block", S, "return min(self.cfg.route_l2_prefetch_kb * 1024, block) // 16 * 16",
+     "return self.cfg.route_l2_prefetch_kb * 1024"),
+    ("prefetch KiB of any value", S, 'if f.name == "route_l2_prefetch_kb" and v == 0:  # off',
+     'if f.name == "route_l2_prefetch_kb":  # off'),
     ("row1_down's grid one tile short", S, "_moe_down_row1_kernel[(triton.cdiv(hidden, cfg.row1_down_block_n),)](",
      "_moe_down_row1_kernel[(max(1, hidden // cfg.row1_down_block_n),)]("),
     ("row1_down's I chunk ignored", S, "bi = k_chunk(cfg.row1_down_block_i, ws.inter)",

@@ -242,7 +242,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20, help="graph replays (median taken)")
     ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "moe_down1", "lm_head"),
                     help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value); "
-                         "moe_down1: the one-row down over all top-k experts per program (row1_down) only")
+                         "moe_down1: the one-row down over all top-k experts per program (row1_down) and the "
+                         "routing's L2 prefetch (route_l2_prefetch_kb) only")
     ap.add_argument("--stages", action="store_true",
                     help="also time the MoE's route / gate_up / down stages: chain prefixes and each alone")
     ap.add_argument("--smoke", action="store_true",
@@ -316,11 +317,16 @@ def main() -> None:
     if args.sweep in ("all", "moe", "moe_down1") and DEV == "cuda":
         # the one-row down over all top-k experts per program, no ticket (BLOCK_N, I chunk, warps, stages), each
         # checked against the reference first; the default's line (ticket) is the table's first moe row
-        for bn, bi, wp, st in ((4, 256, 4, 3), (2, 256, 4, 3), (8, 256, 8, 3), (4, 1024, 4, 1), (2, 1024, 4, 1),
-                               (4, 256, 8, 3), (1, 1024, 4, 1), (8, 128, 8, 4)):
-            cfg = MoEKernelConfig(row1_down=True, row1_down_block_n=bn, row1_down_block_i=bi, row1_down_warps=wp,
-                                  row1_down_stages=st)
-            label = f"r1 down-all {bn}x{bi} {wp}w {st}st"
+        # and the routing's L2 prefetch of the chosen experts' first gate/up rows (KiB per block)
+        variants = [(dict(row1_down=True, row1_down_block_n=bn, row1_down_block_i=bi, row1_down_warps=wp,
+                          row1_down_stages=st), f"r1 down-all {bn}x{bi} {wp}w {st}st")
+                    for bn, bi, wp, st in ((4, 256, 4, 3), (2, 256, 4, 3), (8, 256, 8, 3), (4, 1024, 4, 1),
+                                           (2, 1024, 4, 1), (4, 256, 8, 3), (1, 1024, 4, 1), (8, 128, 8, 4))]
+        variants += [(dict(route_l2_prefetch_kb=kb), f"route L2 prefetch {kb} KiB") for kb in (128, 256, 512, 1024)]
+        variants += [(dict(route_l2_prefetch_kb=kb, row1_down=True), f"prefetch {kb} KiB + down-all") for kb in
+                     (256, 512)]
+        for kwargs, label in variants:
+            cfg = MoEKernelConfig(**kwargs)
             for note in check_moe(layers, gen, cfg, (1,), f" ({label})"):
                 print("check:", note)
             sec, floor = bench_moe(layers, 1, True, args.reps, gen, bw, cfg)

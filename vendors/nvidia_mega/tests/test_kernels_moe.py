@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
@@ -304,16 +305,21 @@ def test_workspace_counts_its_bytes() -> None:
     assert ws.nbytes >= ws.act.nbytes + ws.partial.nbytes + ws.h.nbytes
 
 
-def test_row1_down_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LOWLAT_MEGA_MOE_ROW1_DOWN`` picks the engine's one-row down kernel (a launch given no config); a typo is
-    refused by name rather than measuring the default twice."""
-    from lowlat_nvidia_mega.kernels.moe import ROW1_DOWN_ENV, default_config
+def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOWLAT_MEGA_MOE_CONFIG`` replaces fields of the engine's MoE config (a launch given none), so a config
+    change can be timed in whole steps; a typo, an unknown field, a non-integer or a value the config refuses is
+    named rather than measuring the default twice."""
+    from lowlat_nvidia_mega.kernels.moe import CONFIG_ENV, default_config
 
-    monkeypatch.delenv(ROW1_DOWN_ENV, raising=False)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
     assert default_config() == MoEKernelConfig()
-    for value, want in (("1", True), ("0", False), ("default", MoEKernelConfig.row1_down)):
-        monkeypatch.setenv(ROW1_DOWN_ENV, value)
-        assert default_config() == dataclasses.replace(MoEKernelConfig(), row1_down=want)
-    monkeypatch.setenv(ROW1_DOWN_ENV, "yes please")
-    with pytest.raises(ValueError, match=ROW1_DOWN_ENV):
-        default_config()
+    monkeypatch.setenv(CONFIG_ENV, " row1_down=1, route_l2_prefetch_kb = 512 ")
+    assert default_config() == dataclasses.replace(MoEKernelConfig(), row1_down=True, route_l2_prefetch_kb=512)
+    monkeypatch.setenv(CONFIG_ENV, "row1=0")
+    assert default_config().row1 is False
+    for bad, match in (("row1_down", "FIELD=INT"), ("row1_dwn=1", "row1_dwn"), ("down_block_n=6", "down_block_n"),
+                       ("row1_down=yes", "integer"), ("row1=2", "1 \\(on\\) or 0"), ("down_warps=1.5", "integer")):
+        monkeypatch.setenv(CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match=CONFIG_ENV) as err:
+            default_config()
+        assert re.search(match, str(err.value)), (bad, str(err.value))

@@ -186,15 +186,17 @@ def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> Non
     ("down_block_i", 0), ("down_block_i", 48), ("row1_block_n", 3), ("row1_block_k", 0), ("gate_up_block_k", 96),
     ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
     ("down_stages", 0), ("gate_up_stages", -1), ("down_block_i", 8), ("gate_up_block_k", 8), ("row1", "no"),
-    ("down_block_n", 16.0)])  # K sides below 16 cannot be tl.dot operands; no strings or floats
+    ("down_block_n", 16.0), ("row1_down", 1), ("row1_down_block_n", 3), ("row1_down_stages", 0),
+    ("route_l2_prefetch_kb", 3), ("route_l2_prefetch_kb", -512)])  # K sides below 16 cannot be tl.dot operands
 def test_config_rejects_bad_fields(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         MoEKernelConfig(**{field: value})
 
 
 def test_config_and_workspace_accept_edges() -> None:
-    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=16, row1_block_n=1)
-    assert (cfg.route_programs, cfg.down_stages) == (3, 7)  # not powers of two: counts and depths
+    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=16, row1_block_n=1,
+                          route_l2_prefetch_kb=0)
+    assert (cfg.route_programs, cfg.down_stages) == (3, 7)  # not powers of two: counts and depths; 0 KiB: off
     for args in ((0, H, I, E, K), (8, H, 0, E, K), (8, H, I, E, 0), (8, H, I, E, E + 1)):
         with pytest.raises(ValueError):
             MoEWorkspace.allocate(*args, F32, DEV)
@@ -221,3 +223,26 @@ def test_nan_row_propagates_and_out_is_written(rows: int, cfg: MoEKernelConfig) 
         problems.append(f"the NaN row's weights are {ws.topk_weights[0].tolist()}")
     assert not problems, "; ".join(problems)
     assert int(ws.counters.abs().sum()) == 0
+
+
+def test_route_prefetch_bytes() -> None:
+    """The routing's L2 prefetch per chosen expert block: the configured KiB capped at the [I, H] block, only at one
+    row, with PDL (the host's stand-in for sm90 without the interpreter) and a 16-byte aligned w13 (the
+    ``cp.async.bulk`` rule), else 0 (off). MoEStages is built directly: moe_stages refuses PDL on a CPU."""
+    from lowlat_nvidia_mega.kernels.moe import MoEStages
+
+    norm_w, gate_w, w13, w2 = make_weights(BF16)
+    ws = MoEWorkspace.allocate(8, H, I, E, K, BF16, "cpu")
+    block = I * H * 2  # 4 KiB
+
+    def stages(rows: int, kb: int, pdl: bool = True, w: torch.Tensor = w13) -> MoEStages:
+        x = torch.zeros(rows, H, dtype=BF16)
+        return MoEStages(x, None, None, EPS, gate_w, w, w2, K, True, x, ws, pdl,
+                         dataclasses.replace(MoEKernelConfig(), route_l2_prefetch_kb=kb))
+
+    assert stages(1, 2).route_prefetch_bytes == 2048
+    assert stages(1, 64).route_prefetch_bytes == block
+    assert [stages(1, 0).route_prefetch_bytes, stages(2, 2).route_prefetch_bytes,
+            stages(1, 2, pdl=False).route_prefetch_bytes] == [0, 0, 0]
+    offset = torch.empty(w13.numel() + 1, dtype=BF16)[1:].view(w13.shape)  # 2 bytes past an aligned start
+    assert offset.data_ptr() % 16 and stages(1, 2, w=offset).route_prefetch_bytes == 0

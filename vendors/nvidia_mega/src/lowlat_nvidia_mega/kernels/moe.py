@@ -40,6 +40,7 @@ as HF's bf16 modules do; the weighted sum over experts and the residual add stay
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -49,7 +50,7 @@ import triton
 from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_up_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
 from lowlat_nvidia_mega.kernels.moe_row1 import _moe_down_row1_kernel, _moe_gate_up_row1_kernel
-from lowlat_nvidia_mega.kernels.pdl import env_switch, interpreting, launch_kwargs, pdl_supported
+from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
 
 
@@ -86,6 +87,9 @@ class MoEKernelConfig:
     row1_down_block_i: int = 256
     row1_down_warps: int = 4
     row1_down_stages: int = 3
+    # A one-row step's routing asks the L2 for the first route_l2_prefetch_kb KiB of each chosen expert's gate rows
+    # and of its up rows once it has chosen them (sm90 with PDL only; moe_route.py step 4). 0: off.
+    route_l2_prefetch_kb: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,6 +100,8 @@ class MoEKernelConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be an integer")
+            if f.name == "route_l2_prefetch_kb" and v == 0:  # off
+                continue
             if f.name == "route_programs" or f.name.endswith("_stages"):
                 if v < 1:
                     raise ValueError(f"MoEKernelConfig.{f.name}={v} must be >= 1")
@@ -109,18 +115,40 @@ class MoEKernelConfig:
             raise ValueError(f"down_block_n={self.down_block_n} must be >= 8 (the workspace counts H/8 tiles)")
 
 
-ROW1_DOWN_ENV = "LOWLAT_MEGA_MOE_ROW1_DOWN"
+CONFIG_ENV = "LOWLAT_MEGA_MOE_CONFIG"
 
 
 def default_config() -> MoEKernelConfig:
-    """The config of a launch given none (the engine's): ``MoEKernelConfig()``, with ``row1_down`` from
-    ``LOWLAT_MEGA_MOE_ROW1_DOWN`` (1 / 0) when set, to time both one-row down kernels in whole steps side by side.
+    """The config of a launch given none (the engine's): ``MoEKernelConfig()`` with the fields that
+    ``LOWLAT_MEGA_MOE_CONFIG`` names replaced, e.g. ``row1_down=1,route_l2_prefetch_kb=512`` (integers; 1 / 0 for
+    the on/off fields), to time a config change in whole steps side by side (the B side of an A/B).
 
     Raises:
-        ValueError: the variable holds neither an on nor an off word.
+        ValueError: a malformed item, a field MoEKernelConfig does not have, a value that is not an integer, or
+            one the config refuses, naming the variable and the item.
     """
-    row1_down = env_switch(ROW1_DOWN_ENV, MoEKernelConfig.row1_down, "the one-row down over all top-k experts")
-    return MoEKernelConfig(row1_down=bool(row1_down))
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    if not text:
+        return MoEKernelConfig()
+    names = {f.name: f for f in fields(MoEKernelConfig)}
+    changes: dict[str, object] = {}
+    for item in text.split(","):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or name not in names:
+            raise ValueError(f"{CONFIG_ENV}: {item.strip()!r} must be FIELD=INT with a MoEKernelConfig field "
+                             f"({', '.join(names)})")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: the value must be an integer") from None
+        is_bool = names[name].type in (bool, "bool")
+        if is_bool and number not in (0, 1):
+            raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: {name} is 1 (on) or 0 (off)")
+        changes[name] = bool(number) if is_bool else number
+    try:
+        return MoEKernelConfig(**changes)  # type: ignore[arg-type]
+    except ValueError as err:
+        raise ValueError(f"{CONFIG_ENV}={text!r}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -323,10 +351,22 @@ class MoEStages:
             x, self.norm_w if self.norm_w is not None else x, self.gate_w,
             ws.h, ws.logits, ws.topk_ids, ws.topk_weights, ws.row_slot,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
-            t, hidden, ws.num_experts, float(self.eps), x.stride(0),
+            t, hidden, ws.num_experts, float(self.eps), x.stride(0), self.w13, ws.inter,
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
-            RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
+            RENORM=bool(self.renormalize), USE_PDL=self.pdl, PF_BYTES=self.route_prefetch_bytes,
+            num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
+
+    @property
+    def route_prefetch_bytes(self) -> int:
+        """Bytes of each chosen expert's gate rows (and of its up rows) the routing asks the L2 for: the config's
+        ``route_l2_prefetch_kb`` capped at the ``[I, H]`` block, at one row with PDL (sm90; the interpreter has no
+        L2) and 16-byte aligned blocks (``cp.async.bulk`` needs them), else 0."""
+        block = self.ws.inter * self.x.shape[1] * self.w13.element_size()
+        aligned = block % 16 == 0 and self.w13.data_ptr() % 16 == 0
+        if not (self.pdl and self.x.shape[0] == 1 and aligned):
+            return 0
+        return min(self.cfg.route_l2_prefetch_kb * 1024, block) // 16 * 16
 
     def gate_up(self) -> None:
         """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``row1``):
