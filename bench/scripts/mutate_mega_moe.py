@@ -79,6 +79,11 @@ M = [  # (name, file, original text, mutated text)
     ("the config env ignored", S, "        return MoEKernelConfig(**changes)  # type: ignore[arg-type]",
      "        return MoEKernelConfig()"),
     ("the config env takes any bool", S, "        if is_bool and number not in (0, 1):", "        if False:"),
+    ("the config env not checked at build", pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py"),
+     "tp_reduce_mode, default_config):", "tp_reduce_mode):"),
+    ("the config env may repeat a field", S, "        if name in changes:\n", "        if False:\n"),
+    ("the config env may contradict row1", S, 'if changes.get("row1_down") and changes.get("row1") is False:',
+     "if False:"),
     # the routing's L2 prefetch (host side; the PTX is checked by test_compile_sm90_moe.py)
     ("prefetch at more rows", S, "if not (self.pdl and self.x.shape[0] == 1 and aligned):",
      "if not (self.pdl and aligned):"),
@@ -111,5 +116,6 @@ if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_moe.py", env,
                                  pytest_args=("vendors/nvidia_mega/tests/test_kernels_moe_edges.py",
-                                              "vendors/nvidia_mega/tests/test_mega_kernels_tp.py", "-k",
-                                              "not tp or moe_publishes")))
+                                              "vendors/nvidia_mega/tests/test_mega_kernels_tp.py",
+                                              "vendors/nvidia_mega/tests/test_forward.py", "-k",
+                                              "not tp or moe_publishes or names_the_problem")))

@@ -318,7 +318,10 @@ def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CONFIG_ENV, "row1=0")
     assert default_config().row1 is False
     for bad, match in (("row1_down", "FIELD=INT"), ("row1_dwn=1", "row1_dwn"), ("down_block_n=6", "down_block_n"),
-                       ("row1_down=yes", "integer"), ("row1=2", "1 \\(on\\) or 0"), ("down_warps=1.5", "integer")):
+                       ("row1_down=yes", "integer"), ("row1=2", "1 \\(on\\) or 0"), ("down_warps=1.5", "integer"),
+                       ("row1_down=1,,row1=1", "empty item"), ("row1_down=1,", "empty item"),
+                       ("row1_down=1,down_warps=8,row1_down=0", "row1_down twice"),
+                       ("row1=0,row1_down=1", "would not run"), ("down_warps=64", "at most 32 warps")):
         monkeypatch.setenv(CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=CONFIG_ENV) as err:
             default_config()

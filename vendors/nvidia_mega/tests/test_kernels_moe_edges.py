@@ -187,7 +187,8 @@ def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> Non
     ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
     ("down_stages", 0), ("gate_up_stages", -1), ("down_block_i", 8), ("gate_up_block_k", 8), ("row1", "no"),
     ("down_block_n", 16.0), ("row1_down", 1), ("row1_down_block_n", 3), ("row1_down_stages", 0),
-    ("route_l2_prefetch_kb", 3), ("route_l2_prefetch_kb", -512)])  # K sides below 16 cannot be tl.dot operands
+    ("route_l2_prefetch_kb", 3), ("route_l2_prefetch_kb", -512), ("row1_down_warps", 64),
+    ("down_warps", 1024)])  # K sides below 16 cannot be tl.dot operands; at most 32 warps
 def test_config_rejects_bad_fields(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         MoEKernelConfig(**{field: value})

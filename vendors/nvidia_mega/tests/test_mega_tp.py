@@ -19,6 +19,7 @@ if not pdl.interpreting():
 pytest.importorskip("lowlat.plugin.peer", reason="nvidia_mega at TP needs lowlat plugin API 4")
 
 from lowlat.cli import run as run_cli  # noqa: E402
+from lowlat_nvidia_mega.kernels.moe import CONFIG_ENV  # noqa: E402
 from lowlat_nvidia_mega.tp import FAULT_ENV, TP_REDUCE_ENV  # noqa: E402
 
 
@@ -59,6 +60,12 @@ def test_tp2_gives_the_general_paths_tokens_with_decode_on_the_plugin(capsys, mo
     assert rc == 0 and got == want, err
     assert stats["by_path"]["plugin"]["DECODE"]["steps"] == 5, stats["by_path"]
     assert len(calls) - publish_calls == 2 * 2 * 5, (len(calls), publish_calls)  # 2 layers, 5 DECODE steps
+    if model == "tiny-qwen3-moe":  # a MoE config from the environment: the reduce counts the down's own tiles
+        monkeypatch.setenv(TP_REDUCE_ENV, "publish")
+        monkeypatch.setenv(CONFIG_ENV, "down_block_n=128,row1_down=1")
+        rc, got, _, err = _run(capsys, model, "nvidia_mega")
+        assert rc == 0 and got == want, err
+        monkeypatch.delenv(CONFIG_ENV)
     monkeypatch.setenv(TP_REDUCE_ENV, "nvls")
     rc, _, _, err = _run(capsys, model, "nvidia_mega")
     assert rc != 0 and f"{TP_REDUCE_ENV}='nvls': use one of publish, nccl" in err and "PluginBuildError" in err, err

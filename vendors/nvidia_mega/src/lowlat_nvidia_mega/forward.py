@@ -37,7 +37,7 @@ from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention
 from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
-from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, moe_forward
+from lowlat_nvidia_mega.kernels.moe import default_config, moe_forward
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
@@ -46,7 +46,6 @@ from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
 from lowlat_nvidia_mega.tp import MegaTP, tp_reduce_mode
 
 MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)
-MOE_TILE_N = MoEKernelConfig().down_block_n  # columns per tile the MoE's down publishes at TP (moe_forward's config)
 
 
 @dataclass(frozen=True)
@@ -131,6 +130,7 @@ class MegaForward:
         self.attn_plans, self.prenorm_max_rows = attn_plans, prenorm_max_rows
         self.eps = config.rms_norm_eps
         self.sm_scale = config.head_dim ** -0.5
+        self.moe_config = default_config()  # read once, so the MoE's launches and its TP reduce agree on its tiles
         self.k_buffers: list[torch.Tensor] | None = None
         self.v_buffers: list[torch.Tensor] | None = None
         self.req_to_token: torch.Tensor | None = None
@@ -270,7 +270,7 @@ class MegaForward:
             else:
                 self._mlp(lw, h, None, out, use_pdl, epilogue=epi)
             nxt = self.layers[i + 1].input_norm if i + 1 < n_layers else None
-            tp.finish(x, part, tile_n=MOE_TILE_N if lw.is_moe else publish_tile_n(plans["down"], t),
+            tp.finish(x, part, tile_n=self.moe_config.down_block_n if lw.is_moe else publish_tile_n(plans["down"], t),
                       site=2 * i + 1, norm_weight=nxt, h=h, eps=self.eps, use_pdl=use_pdl)
 
     def _prenorm_rows(self, t: int) -> torch.Tensor | None:
@@ -316,10 +316,10 @@ class MegaForward:
     def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool, publish: bool = False,
              out: torch.Tensor | None = None) -> None:
         """x += MoE(post_norm(x)) in place; at TP (``out`` given) this rank's partial MoE(...) instead: published to
-        every rank for ``reduce_rows`` (``publish``: tiles of ``MoEKernelConfig().down_block_n`` columns), or
-        written to ``out`` ("nccl" mode)."""
+        every rank for ``reduce_rows`` (``publish``: tiles of ``self.moe_config.down_block_n`` columns), or
+        written to ``out`` ("nccl" mode). ``self.moe_config`` is ``default_config()`` at build."""
         c = self.config
         peer = self.tp.target if publish and self.tp is not None else None
         moe_forward(x, x if out is None else None, lw.post_norm, self.eps, lw.router, lw.w13, lw.w2,
                     c.num_experts_per_tok, c.norm_topk_prob, x if out is None else out, self.ws.moe, pdl=use_pdl,
-                    peer=peer)
+                    config=self.moe_config, peer=peer)

@@ -81,7 +81,8 @@ class MoEKernelConfig:
     row1_warps: int = 4
     row1_stages: int = 3
     # A one-row step's down (no peer) in moe_row1._moe_down_row1_kernel: each program sums all top-k experts of its
-    # row1_down_block_n columns itself (no fp32 partials, no ticket), I walked in row1_down_block_i chunks.
+    # row1_down_block_n columns itself (no fp32 partials, no ticket), I walked in row1_down_block_i chunks. One of
+    # the one-row forms: without row1 it does not run.
     row1_down: bool = False
     row1_down_block_n: int = 4
     row1_down_block_i: int = 256
@@ -108,6 +109,8 @@ class MoEKernelConfig:
                 continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v} must be a power of two >= 1")
+            if f.name.endswith("_warps") and v > 32:
+                raise ValueError(f"MoEKernelConfig.{f.name}={v}: a program has at most 32 warps")
         for name in ("gate_up_block_k", "down_block_i"):  # the K side of a tl.dot operand
             if getattr(self, name) < 16:
                 raise ValueError(f"MoEKernelConfig.{name}={getattr(self, name)} must be >= 16 (a tl.dot K side)")
@@ -134,6 +137,10 @@ def default_config() -> MoEKernelConfig:
     changes: dict[str, object] = {}
     for item in text.split(","):
         name, eq, value = (part.strip() for part in item.partition("="))
+        if not item.strip():
+            raise ValueError(f"{CONFIG_ENV}={text!r} has an empty item: separate FIELD=INT items by single commas")
+        if name in changes:
+            raise ValueError(f"{CONFIG_ENV}={text!r} sets {name} twice: keep one")
         if not eq or name not in names:
             raise ValueError(f"{CONFIG_ENV}: {item.strip()!r} must be FIELD=INT with a MoEKernelConfig field "
                              f"({', '.join(names)})")
@@ -145,6 +152,9 @@ def default_config() -> MoEKernelConfig:
         if is_bool and number not in (0, 1):
             raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: {name} is 1 (on) or 0 (off)")
         changes[name] = bool(number) if is_bool else number
+    if changes.get("row1_down") and changes.get("row1") is False:
+        raise ValueError(f"{CONFIG_ENV}={text!r}: row1_down is a one-row form and row1=0 turns those off, so it "
+                         "would not run; drop one")
     try:
         return MoEKernelConfig(**changes)  # type: ignore[arg-type]
     except ValueError as err:
