@@ -49,7 +49,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, default_model: str = "ti
                    help="run DECODE steps one after another, reading each step's tokens before scheduling the "
                         "next (default: overlapped on CUDA, lowlat.runtime.overlap)")
     p.add_argument("--plugin", default="auto",
-                   help="auto (the plugins whose guard passes, those made for this platform first, then by name), "
+                   help="auto (the plugins made for this platform whose guard passes, tried by name), "
                         "none (general path only) or a plugin name "
                         "(fails before loading weights if it cannot run here); default auto")
     p.add_argument("--all-reduce", choices=ALL_REDUCES, default=d.all_reduce,
@@ -235,7 +235,9 @@ def _print_results(engine: Any, prompts: list[str], completions: list[Any], *, t
     if engine.config.dtype == "auto" and ckpt and ckpt != dtype:  # e.g. a bf16 checkpoint on a CPU
         dtype += f" (the checkpoint's {ckpt}" + (f"; --dtype {ckpt} keeps it)" if ckpt in DTYPES else ")")
     tp = engine.config.tp_size
-    reduce = f" (general path all-reduce: {engine.config.all_reduce})" if tp > 1 else ""
+    way = engine.config.all_reduce  # "nccl" is torch.distributed, whose backend on a CPU is gloo
+    way = f"torch.distributed over {'gloo' if runner.device.type == 'cpu' else 'nccl'}" if way == "nccl" else way
+    reduce = f" (general path all-reduce: {way})" if tp > 1 else ""
     console.print(Text(f"model {engine.config.model} ({engine.model_config.architecture}) on {runner.device}, "
                        f"{dtype}, tp={tp}{reduce}, "
                        f"CUDA graphs {'on' if runner.graph_runner is not None else 'off'}, "
