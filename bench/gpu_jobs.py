@@ -103,8 +103,10 @@ def mega_kernels(o: Options) -> list[Step]:
 
 def mega_moe(o: Options) -> list[Step]:
     """nvidia_mega's MoE at Qwen3-30B-A3B's shapes: route / gate_up / down per stage (chain prefixes and each
-    alone), ``MOE_SWEEP=1`` adds the tile sweep; then the MoE kernel tests on CUDA."""
-    sweep = ["--sweep", "moe"] if os.environ.get("MOE_SWEEP") == "1" else []
+    alone), ``MOE_SWEEP=1`` adds the tile sweep, ``MOE_SWEEP=down1`` only the one-row down's and the routing L2
+    prefetch's variants; then the MoE kernel tests on CUDA."""
+    mode = os.environ.get("MOE_SWEEP", "")
+    sweep = ["--sweep", "moe"] if mode == "1" else ["--sweep", "moe_down1"] if mode == "down1" else []
     return [Step("moe stages", 300, [PY, "vendors/nvidia_mega/bench_moe_head.py", "--stages", *sweep],
                  "moe_stages.txt", r"check|^moe"),
             Step("moe tests", 180, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -171,20 +173,28 @@ def mega_plans(o: Options) -> list[Step]:
 
 
 def mega_ab(o: Options) -> list[Step]:
-    """nvidia_mega's step with one plan-table entry replaced (B: ``bench/scripts/plan_ab.py``, ``AB_TABLE`` /
-    ``AB_KEY`` / ``AB_VALUE``) against the tables as they are (A), A B A B per model in one call, each beside the
-    general path: DECODE at ``BATCHES`` (default 1). The default entry is the one pending on the H200: llama-3.2-1b's
-    qkv_rope in the row-pair form (bench/results/2026-12-06-h100-mega-qkv-pairs)."""
+    """nvidia_mega's step with one change (B) against the code as it is (A), A B A B per model in one call, each
+    beside the general path: DECODE at ``BATCHES`` (default 1). B is one plan-table entry replaced
+    (``bench/scripts/plan_ab.py``, ``AB_TABLE`` / ``AB_KEY`` / ``AB_VALUE``), or, with ``AB_ENV=NAME=VALUE``, the
+    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=row1_down=1``). The default entry is
+    the one pending on the H200: llama-3.2-1b's qkv_rope in the row-pair form
+    (bench/results/2026-12-06-h100-mega-qkv-pairs)."""
     out = os.environ.get("OUT", "/tmp/out")
+    env_name, _, env_value = os.environ.get("AB_ENV", "").partition("=")
+    if env_name and not env_name.startswith("LOWLAT_MEGA_"):
+        raise SystemExit(f"AB_ENV={env_name}=...: name an nvidia_mega switch (LOWLAT_MEGA_*)")
     ab = ["--table", os.environ.get("AB_TABLE", "TUNED_ROW1"),
           "--key", os.environ.get("AB_KEY", "qkv,3072,2048,bfloat16"),
           "--value", os.environ.get("AB_VALUE", "8,1024,4,3"), "--"]
+    b_cmd = LOWLAT if env_name else [PY, "bench/scripts/plan_ab.py", *ab]
     args = ["--paths", "general,nvidia_mega", "--batch-sizes", os.environ.get("BATCHES", "1"), "--modes", "decode",
             "--context", "1024", "--input-sets", "2", "--warmup", "5", "--iters", "50", "--no-plot"]
     return [Step(f"{side}{i} {m}", 150,
-                 [*([PY, "bench/scripts/plan_ab.py", *ab] if side == "B" else LOWLAT), "bench", "--model", m, *args,
-                  "--out", f"{out}/ab_{side}{i}_{m}"], f"ab_{side}{i}_{slug(m)}.txt",
-                 r"plan_ab|L=\d+ DECODE") for m in o.models for i in (1, 2) for side in ("A", "B")]
+                 [*(b_cmd if side == "B" else LOWLAT), "bench", "--model", m, *args,
+                  "--out", f"{out}/ab_{side}{i}_{m}"],
+                 f"ab_{side}{i}_{slug(m)}.txt", r"plan_ab|L=\d+ DECODE",
+                 env={env_name: env_value} if side == "B" and env_name else {})
+            for m in o.models for i in (1, 2) for side in ("A", "B")]
 
 
 def amd_layers(o: Options) -> list[Step]:

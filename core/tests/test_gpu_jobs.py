@@ -145,3 +145,21 @@ def test_mega_attn_in_layer_env(jobs, monkeypatch, env, flags, out):
     argv = step.argv[2:]
     assert [a for a in argv if a in ("--in-layer", "attn", "full")] == flags and step.out == out
     assert argv[argv.index("--json") + 1].endswith(out.replace("tune_attention", "attn").replace(".txt", ".json"))
+
+
+def test_mega_ab_env_side(jobs, monkeypatch):
+    """``AB_ENV`` makes B the same lowlat command with one nvidia_mega switch set (A without it); a variable that is
+    not an nvidia_mega switch is refused; unset, B is plan_ab.py's table entry."""
+    opts = jobs.Options(["qwen3-30b-a3b"], ["nvidia_mega"], 1.0)
+    monkeypatch.setenv("AB_ENV", "LOWLAT_MEGA_MOE_CONFIG=row1_down=1,route_l2_prefetch_kb=512")
+    steps = jobs.mega_ab(opts)
+    assert [s.name.split()[0] for s in steps] == ["A1", "B1", "A2", "B2"]
+    for s in steps:
+        assert "plan_ab.py" not in " ".join(s.argv) and "bench" in s.argv
+        want = {"LOWLAT_MEGA_MOE_CONFIG": "row1_down=1,route_l2_prefetch_kb=512"} if s.name[0] == "B" else {}
+        assert s.env == want, s
+    monkeypatch.setenv("AB_ENV", "CUDA_VISIBLE_DEVICES=1")
+    with pytest.raises(SystemExit, match="LOWLAT_MEGA_"):
+        jobs.mega_ab(opts)
+    monkeypatch.delenv("AB_ENV")
+    assert all(("plan_ab.py" in " ".join(s.argv)) == (s.name[0] == "B") and not s.env for s in jobs.mega_ab(opts))
