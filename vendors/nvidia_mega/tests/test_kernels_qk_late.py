@@ -84,9 +84,14 @@ def test_late_attention_matches_attention_on_finished_qk(dtype: torch.dtype, bat
                            late=LateQK(qn, kn, cos, sin, positions, EPS))
     tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     torch.testing.assert_close(out.view(batch, HQ, D).float(), ref.float(), **tol)
-    # the pool: the finished row at each new slot (bit for bit in bf16: the same roundings), nothing else changed
+    # the pool: the finished row at each new slot, nothing else changed. Bit for bit in bf16 under the interpreter
+    # (the same roundings, in torch's float32 ops); on a GPU within a rounding step of the products, as for qkv_rope's
+    # own K rows (test_kernels_dense): Triton's sqrt and division and torch's rsqrt are not correctly rounded, so the
+    # float32 rstd may differ in its last bits and flip a bf16 rounding (an H100 flipped 15-27% of the elements,
+    # by at most 2**-6, bench/results/2026-12-06-h100-mega-late-qk).
+    bf16_tol = {"atol": 0, "rtol": 0} if DEV.type == "cpu" else {"atol": 2 ** -5, "rtol": 2 ** -6}
     torch.testing.assert_close(kb[new_slots].float(), kb_done[new_slots].float(),
-                               **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 0}))
+                               **({"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else bf16_tol))
     others = torch.ones(SLOTS, dtype=torch.bool, device=DEV)
     others[new_slots] = False
     assert torch.equal(kb[others], kb_done[others]) and torch.equal(vb, vb0)

@@ -50,7 +50,10 @@ class LateQK:
     def check(self, t: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raises ValueError on a field ``paged_decode_attention`` cannot use: a shape, dtype, device or layout
         (every tensor contiguous: the kernel indexes them densely), an empty RoPE table, or an eps that is not a
-        finite number >= 0."""
+        finite number >= 0. ``device`` may omit its index ("cuda": the current device's)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         for name in ("q_norm", "k_norm", "cos", "sin", "positions"):
             if not isinstance(getattr(self, name), torch.Tensor):
                 raise ValueError(f"late {name} must be a torch.Tensor, got {type(getattr(self, name)).__name__}")
