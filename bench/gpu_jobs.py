@@ -103,10 +103,8 @@ def mega_kernels(o: Options) -> list[Step]:
 
 def mega_moe(o: Options) -> list[Step]:
     """nvidia_mega's MoE at Qwen3-30B-A3B's shapes: route / gate_up / down per stage (chain prefixes and each
-    alone), ``MOE_SWEEP=1`` adds the tile sweep, ``MOE_SWEEP=down1`` only the one-row down's and the routing L2
-    prefetch's variants; then the MoE kernel tests on CUDA."""
-    mode = os.environ.get("MOE_SWEEP", "")
-    sweep = ["--sweep", "moe"] if mode == "1" else ["--sweep", "moe_down1"] if mode == "down1" else []
+    alone), ``MOE_SWEEP=1`` adds the tile sweep; then the MoE kernel tests on CUDA."""
+    sweep = ["--sweep", "moe"] if os.environ.get("MOE_SWEEP") == "1" else []
     return [Step("moe stages", 300, [PY, "vendors/nvidia_mega/bench_moe_head.py", "--stages", *sweep],
                  "moe_stages.txt", r"check|^moe"),
             Step("moe tests", 180, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -176,7 +174,7 @@ def mega_ab(o: Options) -> list[Step]:
     """nvidia_mega's step with one change (B) against the code as it is (A), A B A B per model in one call, each
     beside the general path: DECODE at ``BATCHES`` (default 1). B is one plan-table entry replaced
     (``bench/scripts/plan_ab.py``, ``AB_TABLE`` / ``AB_KEY`` / ``AB_VALUE``), or, with ``AB_ENV=NAME=VALUE``, the
-    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=row1_down=1``). The default entry is
+    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=down_warps=4``). The default entry is
     the one pending on the H200: llama-3.2-1b's qkv_rope in the row-pair form
     (bench/results/2026-12-06-h100-mega-qkv-pairs)."""
     out = os.environ.get("OUT", "/tmp/out")

@@ -151,12 +151,12 @@ def test_mega_ab_env_side(jobs, monkeypatch):
     """``AB_ENV`` makes B the same lowlat command with one nvidia_mega switch set (A without it); a variable that is
     not an nvidia_mega switch is refused; unset, B is plan_ab.py's table entry."""
     opts = jobs.Options(["qwen3-30b-a3b"], ["nvidia_mega"], 1.0)
-    monkeypatch.setenv("AB_ENV", "LOWLAT_MEGA_MOE_CONFIG=row1_down=1,route_l2_prefetch_kb=512")
+    monkeypatch.setenv("AB_ENV", "LOWLAT_MEGA_MOE_CONFIG=down_block_n=32,down_warps=4")
     steps = jobs.mega_ab(opts)
     assert [s.name.split()[0] for s in steps] == ["A1", "B1", "A2", "B2"]
     for s in steps:
         assert "plan_ab.py" not in " ".join(s.argv) and "bench" in s.argv
-        want = {"LOWLAT_MEGA_MOE_CONFIG": "row1_down=1,route_l2_prefetch_kb=512"} if s.name[0] == "B" else {}
+        want = {"LOWLAT_MEGA_MOE_CONFIG": "down_block_n=32,down_warps=4"} if s.name[0] == "B" else {}
         assert s.env == want, s
     monkeypatch.setenv("AB_ENV", "CUDA_VISIBLE_DEVICES=1")
     with pytest.raises(SystemExit, match="LOWLAT_MEGA_"):

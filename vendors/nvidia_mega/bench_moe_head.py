@@ -15,7 +15,6 @@ batch 1 (48 MoE layers + LM head).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -240,10 +239,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="distinct MoE layers per graph (default 8)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays (median taken)")
-    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "moe_down1", "lm_head"),
-                    help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value); "
-                         "moe_down1: the one-row down over all top-k experts per program (row1_down) and the "
-                         "routing's L2 prefetch (route_l2_prefetch_kb) only")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "lm_head"),
+                    help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value)")
     ap.add_argument("--stages", action="store_true",
                     help="also time the MoE's route / gate_up / down stages: chain prefixes and each alone")
     ap.add_argument("--smoke", action="store_true",
@@ -281,9 +278,7 @@ def main() -> None:
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, pdl, args.reps, gen, bw, lm_cfg)
                 table.append((f"lm_head {mode}", rows, pdl, "default", sec, floor))
     if args.stages:
-        flip = dataclasses.replace(moe_cfg, row1_down=not moe_cfg.row1_down)
-        for rows, cfg, name in ((1, moe_cfg, "default"), (1, TDOT_CFG, "tl.dot forms"),
-                                (1, flip, f"row1_down={flip.row1_down}"), (8, moe_cfg, "default")):
+        for rows, cfg, name in ((1, moe_cfg, "default"), (1, TDOT_CFG, "tl.dot forms"), (8, moe_cfg, "default")):
             for label, sec, floor in bench_moe_stages(layers, rows, args.reps, gen, bw, cfg):
                 table.append((f"moe {label}", rows, DEV == "cuda", name, sec, floor))
     if args.sweep in ("all", "moe") and DEV == "cuda":
@@ -314,23 +309,6 @@ def main() -> None:
             for rows in row_counts:
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
-    if args.sweep in ("all", "moe", "moe_down1") and DEV == "cuda":
-        # the one-row down over all top-k experts per program, no ticket (BLOCK_N, I chunk, warps, stages), each
-        # checked against the reference first; the default's line (ticket) is the table's first moe row
-        # and the routing's L2 prefetch of the chosen experts' first gate/up rows (KiB per block)
-        variants = [(dict(row1_down=True, row1_down_block_n=bn, row1_down_block_i=bi, row1_down_warps=wp,
-                          row1_down_stages=st), f"r1 down-all {bn}x{bi} {wp}w {st}st")
-                    for bn, bi, wp, st in ((4, 256, 4, 3), (2, 256, 4, 3), (8, 256, 8, 3), (4, 1024, 4, 1),
-                                           (2, 1024, 4, 1), (4, 256, 8, 3), (1, 1024, 4, 1), (8, 128, 8, 4))]
-        variants += [(dict(route_l2_prefetch_kb=kb), f"route L2 prefetch {kb} KiB") for kb in (128, 256, 512, 1024)]
-        variants += [(dict(route_l2_prefetch_kb=kb, row1_down=True), f"prefetch {kb} KiB + down-all") for kb in
-                     (256, 512)]
-        for kwargs, label in variants:
-            cfg = MoEKernelConfig(**kwargs)
-            for note in check_moe(layers, gen, cfg, (1,), f" ({label})"):
-                print("check:", note)
-            sec, floor = bench_moe(layers, 1, True, args.reps, gen, bw, cfg)
-            table.append(("moe_forward (per layer)", 1, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":
         # the LM head's tiles: logits at 1 and 8 rows, greedy ids at 1 row (at the workspace's 128-token tiles)
         for bv, bk, st in ((128, 64, 4), (128, 128, 3), (128, 128, 2), (128, 256, 3), (64, 128, 4)):

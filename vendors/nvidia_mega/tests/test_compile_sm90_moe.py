@@ -29,12 +29,9 @@ DT = torch.bfloat16
 TDOT = moe.MoEKernelConfig(row1=False)  # the tl.dot forms at one row too
 ROW1 = moe.MoEKernelConfig()  # production: the one-row FMA forms at one row
 CHUNKED = moe.MoEKernelConfig(down_block_n=64, down_block_i=128)  # down's I loop (software-pipelined)
-DOWN1 = moe.MoEKernelConfig(row1_down=True)  # the one-row down over all top-k experts per program
-PF = moe.MoEKernelConfig(route_l2_prefetch_kb=512)  # the routing's L2 prefetch of the chosen experts (one row)
 # stage: (kernel name in moe.py, the MoEStages method that launches it)
 KERNELS = {"route": ("moe_route_kernel", "route"), "gate_up": ("_moe_gate_up_kernel", "gate_up"),
-           "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down"),
-           "down_row1": ("_moe_down_row1_kernel", "down")}
+           "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down")}
 ORIGINAL = {name: getattr(moe, name) for name, _ in KERNELS.values()}  # before a test swaps one for a recorder
 
 
@@ -50,11 +47,8 @@ def _stages(rows: int, cfg: moe.MoEKernelConfig, h: int = H, i: int = I, e: int 
 
 @pytest.mark.parametrize(("stage", "rows", "cfg"), [
     ("route", 1, ROW1), ("route", 8, ROW1), ("gate_up", 1, TDOT), ("gate_up", 8, ROW1), ("gate_up_row1", 1, ROW1),
-    ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED),
-    ("down_row1", 1, DOWN1), ("route", 1, PF), ("route", 8, PF)],
-    ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked", id(DOWN1): "down1",
-                          id(PF): "prefetch"}.get(id(v),
-                                                                                                      str(v)))
+    ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED)],
+    ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked"}.get(id(v), str(v)))
 def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelConfig,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     name, method = KERNELS[stage]
@@ -63,15 +57,11 @@ def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelC
     bound, options = capture(monkeypatch, moe, name, getattr(stages, method))
     if stage == "down":
         assert bound["ROW1"] is (rows == 1 and cfg.row1)
-    if stage == "route":  # the chosen experts' first gate and up rows into L2: at one row, when configured
-        want = min(cfg.route_l2_prefetch_kb * 1024, I * H * 2) if rows == 1 else 0
-        assert bound["PF_BYTES"] == want
     ptx = compile_ptx(ORIGINAL[name], bound, options)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
-    assert ("cp.async.bulk.prefetch.L2" in ptx) is (stage == "route" and bound["PF_BYTES"] > 0)
     if stage == "down" and cfg is CHUNKED and rows > 1:
         assert "cp.async" in ptx, "the I loop's weight and act tiles must be software-pipelined"
-    if stage in ("gate_up_row1", "down", "down_row1") and rows == 1 and cfg.row1:
+    if stage in ("gate_up_row1", "down") and rows == 1 and cfg.row1:
         assert "mma" not in ptx, "the one-row forms run on the FMA units"
     if stage != "route":  # expert weights stream as 16-byte loads
         assert any(("ld.global" in ln or "cp.async" in ln) and ("v4" in ln or "0x10" in ln)

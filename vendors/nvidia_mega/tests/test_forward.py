@@ -350,10 +350,10 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(PluginBuildError, match=f"{var}='maybe'"):
             build(_binding(mc, torch.float32, params))
         monkeypatch.delenv(var)
-    monkeypatch.setenv("LOWLAT_MEGA_MOE_CONFIG", "row1_dwn=1")  # the MoE config too, at build
-    with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_MOE_CONFIG: 'row1_dwn=1' must be FIELD=INT"):
+    monkeypatch.setenv("LOWLAT_MEGA_MOE_CONFIG", "row_1=1")  # the MoE config too, at build
+    with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_MOE_CONFIG: 'row_1=1' must be FIELD=INT"):
         build(_binding(mc, torch.float32, params))
-    monkeypatch.setenv("LOWLAT_MEGA_MOE_CONFIG", "row1_down=1")  # a known switch with a good value builds
+    monkeypatch.setenv("LOWLAT_MEGA_MOE_CONFIG", "down_warps=4")  # a known switch with a good value builds
     build(_binding(mc, torch.float32, params))
     monkeypatch.delenv("LOWLAT_MEGA_MOE_CONFIG")
     monkeypatch.setenv("LOWLAT_MEGA_PRENROM", "1")  # a misspelled switch is refused, with the right name

@@ -56,16 +56,6 @@ SHAPES = [  # (H, I, E, top_k, rows, dtype, config, flags); flags: r residual, i
                                                                row1_block_k=64), "nz", id="row1-bf16-I100-nores"),
     pytest.param(24, 3, 3, 2, 1, F32, dataclasses.replace(MoEKernelConfig(), route_programs=2), "rnz",
                  id="row1-defaults-I3"),
-    # the one-row down over all top-k experts per program (row1_down): top_k 1 and 5 (padded to 8), H not a multiple
-    # of its columns, I walked in partial chunks, in place, no residual
-    pytest.param(100, 40, 6, 1, 1, F32, dataclasses.replace(R1, row1_down=True, row1_down_block_n=8,
-                                                            row1_down_block_i=16), "rnz", id="row1down-H100-I40x16-k1"),
-    pytest.param(72, 24, 5, 5, 1, BF16, dataclasses.replace(R1, row1_down=True, row1_down_block_n=16,
-                                                            row1_down_block_i=256), "rin", id="row1down-k5-inplace"),
-    pytest.param(160, 100, 16, 8, 1, BF16, dataclasses.replace(R1, row1_down=True, row1_down_block_n=4,
-                                                               row1_down_block_i=64), "nz", id="row1down-I100-nores"),
-    pytest.param(24, 3, 3, 2, 1, F32, dataclasses.replace(MoEKernelConfig(), route_programs=2, row1_down=True), "rnz",
-                 id="row1down-defaults-I3"),
     pytest.param(40, 56, 4, 3, 1, F32, dataclasses.replace(CFG, down_block_n=16, down_block_i=16), "r",
                  id="tdot-1row-I56x16-nonorm"),
     pytest.param(136, 72, 16, 16, 8, F32, dataclasses.replace(CFG, gate_up_block_n=16, gate_up_block_k=32,
@@ -123,16 +113,13 @@ def test_shapes_and_tiles_match_reference(hidden: int, inter: int, experts: int,
 
 
 def test_one_workspace_many_launches() -> None:
-    """One poisoned workspace serves launches of 8, 1 (one-row forms), 3, 1 (tl.dot), 1 (the one-row down over all
-    top-k experts, whose top_k of 3 is padded to 4: the padding reads another row's slots, stale from the 8-row
-    launch, unless masked) and 1 row again with other tiles and flags: nothing stale (act rows, partials, slots,
-    tickets) leaks from one launch into the next."""
-    hidden, inter, experts, top_k = 72, 40, 6, 3
+    """One poisoned workspace serves launches of 8, 1 (one-row forms), 3, 1 (tl.dot) and 1 row again with other
+    tiles and flags: nothing stale (act rows, partials, slots, tickets) leaks from one launch into the next."""
+    hidden, inter, experts, top_k = 72, 40, 6, 2
     norm_w, gate_w, w13, w2 = make_weights(F32, seed=21, h=hidden, i=inter, e=experts)
     ws = MoEWorkspace.allocate(8, hidden, inter, experts, top_k, F32, DEV, alloc=poisoned_alloc)
     chunked = dataclasses.replace(CFG, down_block_n=16, down_block_i=16)
     plan = [(8, chunked, True), (1, R1, False), (3, CFG, True), (1, chunked, True),
-            (1, dataclasses.replace(R1, row1_down=True, row1_down_block_n=8, row1_down_block_i=16), True),
             (1, dataclasses.replace(R1, down_block_n=64, down_block_i=32, row1_block_k=128), False), (8, CFG, False)]
     for seed, (rows, cfg, renormalize) in enumerate(plan):
         x, residual = make_x(rows, F32, seed=30 + seed, h=hidden)
@@ -186,18 +173,16 @@ def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> Non
     ("down_block_i", 0), ("down_block_i", 48), ("row1_block_n", 3), ("row1_block_k", 0), ("gate_up_block_k", 96),
     ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
     ("down_stages", 0), ("gate_up_stages", -1), ("down_block_i", 8), ("gate_up_block_k", 8), ("row1", "no"),
-    ("down_block_n", 16.0), ("row1_down", 1), ("row1_down_block_n", 3), ("row1_down_stages", 0),
-    ("route_l2_prefetch_kb", 3), ("route_l2_prefetch_kb", -512), ("row1_down_warps", 64),
-    ("down_warps", 1024)])  # K sides below 16 cannot be tl.dot operands; at most 32 warps
+    ("down_block_n", 16.0), ("down_warps", 64), ("row1_warps", 1024)])  # K sides below 16 cannot be tl.dot
+# operands; no strings or floats; at most 32 warps
 def test_config_rejects_bad_fields(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         MoEKernelConfig(**{field: value})
 
 
 def test_config_and_workspace_accept_edges() -> None:
-    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=16, row1_block_n=1,
-                          route_l2_prefetch_kb=0)
-    assert (cfg.route_programs, cfg.down_stages) == (3, 7)  # not powers of two: counts and depths; 0 KiB: off
+    cfg = MoEKernelConfig(route_programs=3, down_stages=7, down_block_n=8, down_block_i=16, row1_block_n=1)
+    assert (cfg.route_programs, cfg.down_stages) == (3, 7)  # not powers of two: counts and depths
     for args in ((0, H, I, E, K), (8, H, 0, E, K), (8, H, I, E, 0), (8, H, I, E, E + 1)):
         with pytest.raises(ValueError):
             MoEWorkspace.allocate(*args, F32, DEV)
@@ -224,26 +209,3 @@ def test_nan_row_propagates_and_out_is_written(rows: int, cfg: MoEKernelConfig) 
         problems.append(f"the NaN row's weights are {ws.topk_weights[0].tolist()}")
     assert not problems, "; ".join(problems)
     assert int(ws.counters.abs().sum()) == 0
-
-
-def test_route_prefetch_bytes() -> None:
-    """The routing's L2 prefetch per chosen expert block: the configured KiB capped at the [I, H] block, only at one
-    row, with PDL (the host's stand-in for sm90 without the interpreter) and a 16-byte aligned w13 (the
-    ``cp.async.bulk`` rule), else 0 (off). MoEStages is built directly: moe_stages refuses PDL on a CPU."""
-    from lowlat_nvidia_mega.kernels.moe import MoEStages
-
-    norm_w, gate_w, w13, w2 = make_weights(BF16)
-    ws = MoEWorkspace.allocate(8, H, I, E, K, BF16, "cpu")
-    block = I * H * 2  # 4 KiB
-
-    def stages(rows: int, kb: int, pdl: bool = True, w: torch.Tensor = w13) -> MoEStages:
-        x = torch.zeros(rows, H, dtype=BF16)
-        return MoEStages(x, None, None, EPS, gate_w, w, w2, K, True, x, ws, pdl,
-                         dataclasses.replace(MoEKernelConfig(), route_l2_prefetch_kb=kb))
-
-    assert stages(1, 2).route_prefetch_bytes == 2048
-    assert stages(1, 64).route_prefetch_bytes == block
-    assert [stages(1, 0).route_prefetch_bytes, stages(2, 2).route_prefetch_bytes,
-            stages(1, 2, pdl=False).route_prefetch_bytes] == [0, 0, 0]
-    offset = torch.empty(w13.numel() + 1, dtype=BF16)[1:].view(w13.shape)  # 2 bytes past an aligned start
-    assert offset.data_ptr() % 16 and stages(1, 2, w=offset).route_prefetch_bytes == 0

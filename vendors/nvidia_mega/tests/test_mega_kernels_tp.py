@@ -218,14 +218,12 @@ def test_moe_publishes_its_partial_and_the_ranks_sum_to_the_whole_moe(rows: int,
     """Qwen3-MoE at TP 2 with simulated ranks: each rank's ``moe_forward(..., peer=...)`` runs its slice of every
     expert's intermediate dim (w13 rows, w2 columns; the router replicated) and publishes its top-k sum per tile;
     ``reduce_rows`` at the down tile width adds the ranks and the residual. Equal (fp32) to the whole MoE at TP 1
-    plus the residual, bit-identical on both ranks, and ``out`` never written by the publishing launch. At one row
-    the whole MoE runs ``row1_down`` (8-column programs) and the publishing ranks the ticket kernel's 32-column
-    tiles that ``reduce_rows`` counts."""
+    plus the residual, bit-identical on both ranks, and ``out`` never written by the publishing launch."""
     from lowlat_nvidia_mega.kernels.moe import MoEKernelConfig, MoEWorkspace, moe_forward
 
     world, hidden, inter, experts, top_k = 2, 64, 32, 8, 2
     cfg = MoEKernelConfig(gate_up_block_n=16, gate_up_block_k=64, down_block_n=32, route_programs=2, row1=row1,
-                          row1_block_n=8, row1_block_k=32, row1_down=row1, row1_down_block_n=8)
+                          row1_block_n=8, row1_block_k=32)
     g = torch.Generator().manual_seed(rows)
     norm_w = (1 + 0.2 * torch.randn(hidden, generator=g)).to(DEV)
     gate_w = (torch.randn(experts, hidden, generator=g) * 0.3).to(DEV)

@@ -62,7 +62,7 @@ def test_tp2_gives_the_general_paths_tokens_with_decode_on_the_plugin(capsys, mo
     assert len(calls) - publish_calls == 2 * 2 * 5, (len(calls), publish_calls)  # 2 layers, 5 DECODE steps
     if model == "tiny-qwen3-moe":  # a MoE config from the environment: the reduce counts the down's own tiles
         monkeypatch.setenv(TP_REDUCE_ENV, "publish")
-        monkeypatch.setenv(CONFIG_ENV, "down_block_n=128,row1_down=1")
+        monkeypatch.setenv(CONFIG_ENV, "down_block_n=128")
         rc, got, _, err = _run(capsys, model, "nvidia_mega")
         assert rc == 0 and got == want, err
         monkeypatch.delenv(CONFIG_ENV)

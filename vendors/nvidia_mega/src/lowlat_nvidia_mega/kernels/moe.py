@@ -49,7 +49,7 @@ import triton
 
 from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_up_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
-from lowlat_nvidia_mega.kernels.moe_row1 import _moe_down_row1_kernel, _moe_gate_up_row1_kernel
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
 from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
 
@@ -80,17 +80,6 @@ class MoEKernelConfig:
     row1_block_k: int = 1024
     row1_warps: int = 4
     row1_stages: int = 3
-    # A one-row step's down (no peer) in moe_row1._moe_down_row1_kernel: each program sums all top-k experts of its
-    # row1_down_block_n columns itself (no fp32 partials, no ticket), I walked in row1_down_block_i chunks. One of
-    # the one-row forms: without row1 it does not run.
-    row1_down: bool = False
-    row1_down_block_n: int = 4
-    row1_down_block_i: int = 256
-    row1_down_warps: int = 4
-    row1_down_stages: int = 3
-    # A one-row step's routing asks the L2 for the first route_l2_prefetch_kb KiB of each chosen expert's gate rows
-    # and of its up rows once it has chosen them (sm90 with PDL only; moe_route.py step 4). 0: off.
-    route_l2_prefetch_kb: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -101,8 +90,6 @@ class MoEKernelConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be an integer")
-            if f.name == "route_l2_prefetch_kb" and v == 0:  # off
-                continue
             if f.name == "route_programs" or f.name.endswith("_stages"):
                 if v < 1:
                     raise ValueError(f"MoEKernelConfig.{f.name}={v} must be >= 1")
@@ -123,7 +110,7 @@ CONFIG_ENV = "LOWLAT_MEGA_MOE_CONFIG"
 
 def default_config() -> MoEKernelConfig:
     """The config of a launch given none (the engine's): ``MoEKernelConfig()`` with the fields that
-    ``LOWLAT_MEGA_MOE_CONFIG`` names replaced, e.g. ``row1_down=1,route_l2_prefetch_kb=512`` (integers; 1 / 0 for
+    ``LOWLAT_MEGA_MOE_CONFIG`` names replaced, e.g. ``down_block_n=32,down_warps=4`` (integers; 1 / 0 for
     the on/off fields), to time a config change in whole steps side by side (the B side of an A/B).
 
     Raises:
@@ -152,9 +139,6 @@ def default_config() -> MoEKernelConfig:
         if is_bool and number not in (0, 1):
             raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: {name} is 1 (on) or 0 (off)")
         changes[name] = bool(number) if is_bool else number
-    if changes.get("row1_down") and changes.get("row1") is False:
-        raise ValueError(f"{CONFIG_ENV}={text!r}: row1_down is a one-row form and row1=0 turns those off, so it "
-                         "would not run; drop one")
     try:
         return MoEKernelConfig(**changes)  # type: ignore[arg-type]
     except ValueError as err:
@@ -361,22 +345,10 @@ class MoEStages:
             x, self.norm_w if self.norm_w is not None else x, self.gate_w,
             ws.h, ws.logits, ws.topk_ids, ws.topk_weights, ws.row_slot,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
-            t, hidden, ws.num_experts, float(self.eps), x.stride(0), self.w13, ws.inter,
+            t, hidden, ws.num_experts, float(self.eps), x.stride(0),
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
-            RENORM=bool(self.renormalize), USE_PDL=self.pdl, PF_BYTES=self.route_prefetch_bytes,
-            num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
-
-    @property
-    def route_prefetch_bytes(self) -> int:
-        """Bytes of each chosen expert's gate rows (and of its up rows) the routing asks the L2 for: the config's
-        ``route_l2_prefetch_kb`` capped at the ``[I, H]`` block, at one row with PDL (sm90; the interpreter has no
-        L2) and 16-byte aligned blocks (``cp.async.bulk`` needs them), else 0."""
-        block = self.ws.inter * self.x.shape[1] * self.w13.element_size()
-        aligned = block % 16 == 0 and self.w13.data_ptr() % 16 == 0
-        if not (self.pdl and self.x.shape[0] == 1 and aligned):
-            return 0
-        return min(self.cfg.route_l2_prefetch_kb * 1024, block) // 16 * 16
+            RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
     def gate_up(self) -> None:
         """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``row1``):
@@ -398,27 +370,11 @@ class MoEStages:
             DOT_F32=self._dot_f32, USE_PDL=self.pdl, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
             **launch_kwargs(self.pdl))
 
-    @property
-    def row1_down(self) -> bool:
-        """Whether down runs ``moe_row1._moe_down_row1_kernel``: a one-row step (``row1``) with ``row1_down`` and no
-        peer (a published output keeps the ticket kernel's ``down_block_n`` tiles, which ``reduce_rows`` counts)."""
-        return self.row1 and self.cfg.row1_down and self.peer is None
-
     def down(self) -> None:
-        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual; or,
-        with ``row1_down``, ``_moe_down_row1_kernel``: each program sums its columns over the row's top-k experts."""
+        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual."""
         ws, cfg, out = self.ws, self.cfg, self.out
         t, hidden = self.x.shape
         res = self.residual if self.residual is not None else out
-        if self.row1_down:
-            bi = k_chunk(cfg.row1_down_block_i, ws.inter)
-            _moe_down_row1_kernel[(triton.cdiv(hidden, cfg.row1_down_block_n),)](
-                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.row_slot, hidden, ws.inter,
-                TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
-                BLOCK_N=cfg.row1_down_block_n, BLOCK_I=bi, EVEN_I=ws.inter % bi == 0,
-                HAS_RESIDUAL=self.residual is not None, USE_PDL=self.pdl, num_warps=cfg.row1_down_warps,
-                num_stages=cfg.row1_down_stages, **launch_kwargs(self.pdl))
-            return
         _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],

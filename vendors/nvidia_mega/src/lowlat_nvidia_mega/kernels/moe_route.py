@@ -24,12 +24,6 @@ for the step's row r.
    (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the combine), the
    top-k ids and weights, and the number of slots.
 
-4. With ``PF_BYTES`` (one row, ``MoEKernelConfig.route_l2_prefetch_kb``, sm90 only) the last program then asks the
-   L2 for the first ``PF_BYTES`` of each chosen expert's gate rows and of its up rows (each a contiguous
-   ``[I, H]`` block of ``w13``): HBM is idle from here until the gate/up kernel, released by this kernel's end,
-   has read its slots, so its first weights are on chip when it asks (issue 20: "start each expert's weight
-   stream as soon as the router has chosen it").
-
 Memory ordering of the ticket: each program's stores, then a CTA barrier, then an ``acq_rel`` atomic (release for
 the stores, acquire for the last program's loads, which bypass L1 with ``.cg``).
 """
@@ -50,10 +44,10 @@ def moe_route_kernel(
     x_ptr, norm_w_ptr, gate_w_ptr,
     h_ptr, logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr,
     slot_expert_ptr, slot_weight_ptr, num_slots_ptr, bitmap_ptr, counter_ptr,
-    n_rows, H, E, eps, stride_x, w13_ptr, INTER,
+    n_rows, H, E, eps, stride_x,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
     H_PAD: tl.constexpr, ROWS_C: tl.constexpr, BITS: tl.constexpr,
-    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr, PF_BYTES: tl.constexpr,
+    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)  # the row this program normalizes and routes (grid axis 1: one per row of the step)
@@ -86,25 +80,9 @@ def moe_route_kernel(
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
         tl.atomic_xchg(counter_ptr, 0)
-        ids = _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
-                              num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
-                              TOP_K, TOPK_PAD, E_PAD, ROWS_C, BITS, RENORM)
-        if PF_BYTES > 0:  # one row: its experts' first gate and up rows into L2 while HBM is idle (module doc)
-            first = tl.sum(tl.where(tl.arange(0, ROWS_C)[:, None] == 0, ids, 0), axis=0)  # row 0's [TOPK_PAD]
-            expert_rows = w13_ptr + first.to(tl.int64) * (2 * INTER * H)
-            ok = (tl.arange(0, TOPK_PAD) < TOP_K).to(tl.int32)
-            _prefetch_l2(expert_rows, ok, PF_BYTES)  # the gate rows [0, PF_BYTES / (2 H)) of each
-            _prefetch_l2(expert_rows + INTER * H, ok, PF_BYTES)  # and as many up rows
-
-
-@triton.jit
-def _prefetch_l2(ptrs, ok, NBYTES: tl.constexpr):
-    """``cp.async.bulk.prefetch.L2`` of ``NBYTES`` from each pointer whose ``ok`` is nonzero (sm90+; addresses and
-    size 16-byte multiples, which the host checks). Returns at once: the bytes arrive while the caller moves on."""
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred %pf;\nsetp.ne.s32 %pf, $2, 0;\n@%pf cp.async.bulk.prefetch.L2.global [$1], $3;\n"
-        "mov.u32 $0, 0;\n}",
-        "=r,l,r,r", [ptrs, ok, tl.full(ok.shape, NBYTES, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
+                        num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
+                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, BITS, RENORM)
 
 
 @triton.jit
@@ -166,7 +144,6 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     tl.store(topk_ids_ptr + out_offs, ids, mask=out_mask)
     tl.store(topk_w_ptr + out_offs, wts, mask=out_mask)
     tl.store(row_slot_ptr + out_offs, slot_rk, mask=out_mask)
-    return ids
 
 
 def route_launch_params(hidden: int, num_experts: int, top_k: int, programs: int) -> dict[str, int]:

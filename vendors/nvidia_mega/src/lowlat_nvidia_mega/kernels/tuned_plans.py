@@ -82,6 +82,10 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     # llama-3.2-1b DECODE b=1 step 1.0434 / 1.0448 -> 1.0351 / 1.0363 ms in A/B/A/B (plan_ab.py). The H200 keeps
     # its own entry until the same A/B runs there.
     ("NVIDIA H100 80GB HBM3", "qkv", 3072, 2048, "bfloat16"): (8, 1024, 4, 3),  # llama qkv 7.46 -> 6.09
+    # 2026-12-06, late q/k on an H100 (bench/results/2026-12-06-h100-mega-moe-late): qwen3-8b DECODE b=1 in A/B/A/B,
+    # ms per step with the head-per-program "qkv" entry above (read through plan_sources) -> the row-pair form with
+    # late q/k: 5.5526 / 5.5558 -> 5.5379 / 5.5384. An H200 reads it too (same chip) until it has its own.
+    ("NVIDIA H100 80GB HBM3", "qkv_late", 6144, 4096, "bfloat16"): (8, 1024, 4, 3),  # qwen3-8b qkv, late q/k
 }
 
 
