@@ -169,12 +169,12 @@ def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> Non
     torch.testing.assert_close(stream.cpu(), want, **tol(F32))
 
 
+# K sides below 16 cannot be tl.dot operands; no strings or floats; at most 32 warps a program
 @pytest.mark.parametrize(("field", "value"), [
     ("down_block_i", 0), ("down_block_i", 48), ("row1_block_n", 3), ("row1_block_k", 0), ("gate_up_block_k", 96),
     ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
     ("down_stages", 0), ("gate_up_stages", -1), ("down_block_i", 8), ("gate_up_block_k", 8), ("row1", "no"),
-    ("down_block_n", 16.0), ("down_warps", 64), ("row1_warps", 1024)])  # K sides below 16 cannot be tl.dot
-# operands; no strings or floats; at most 32 warps
+    ("down_block_n", 16.0), ("down_warps", 64), ("row1_warps", 1024)])
 def test_config_rejects_bad_fields(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         MoEKernelConfig(**{field: value})
