@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields
 
 import torch
 import triton
@@ -52,6 +52,12 @@ from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_l
 from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
 from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
+
+
+def _is_flag(f: Field) -> bool:
+    """Whether a MoEKernelConfig field is on/off (its annotation a string under ``from __future__ import
+    annotations``)."""
+    return f.type in (bool, "bool")
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class MoEKernelConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type in (bool, "bool"):
+            if _is_flag(f):
                 if not isinstance(v, bool):
                     raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be True or False")
                 continue
@@ -135,7 +141,7 @@ def default_config() -> MoEKernelConfig:
             number = int(value)
         except ValueError:
             raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: the value must be an integer") from None
-        is_bool = names[name].type in (bool, "bool")
+        is_bool = _is_flag(names[name])
         if is_bool and number not in (0, 1):
             raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: {name} is 1 (on) or 0 (off)")
         changes[name] = bool(number) if is_bool else number
