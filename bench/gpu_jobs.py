@@ -174,18 +174,20 @@ def mega_ab(o: Options) -> list[Step]:
     """nvidia_mega's step with one change (B) against the code as it is (A), A B A B per model in one call, each
     beside the general path: DECODE at ``BATCHES`` (default 1). B is one plan-table entry replaced
     (``bench/scripts/plan_ab.py``, ``AB_TABLE`` / ``AB_KEY`` / ``AB_VALUE``), or, with ``AB_ENV=NAME=VALUE``, the
-    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=down_warps=4``). The default entry is
-    the one pending on the H200: llama-3.2-1b's qkv_rope in the row-pair form
-    (bench/results/2026-12-06-h100-mega-qkv-pairs)."""
+    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=down_warps=4``). ``AB_VALUE=none``
+    removes the entry instead; the default is that for llama-3.2-1b's qkv_rope in the row-pair form (in both chips'
+    tables since bench/results/2026-12-06-h200-mega-ab), i.e. what the entry buys. ``AB_PATHS=nvidia_mega`` leaves
+    the general path out (two engines of qwen3-30b-a3b do not fit an H100's 80 GB)."""
     out = os.environ.get("OUT", "/tmp/out")
     env_name, _, env_value = os.environ.get("AB_ENV", "").partition("=")
     if env_name and not env_name.startswith("LOWLAT_MEGA_"):
         raise SystemExit(f"AB_ENV={env_name}=...: name an nvidia_mega switch (LOWLAT_MEGA_*)")
     ab = ["--table", os.environ.get("AB_TABLE", "TUNED_ROW1"),
           "--key", os.environ.get("AB_KEY", "qkv,3072,2048,bfloat16"),
-          "--value", os.environ.get("AB_VALUE", "8,1024,4,3"), "--"]
+          "--value", os.environ.get("AB_VALUE", "none"), "--"]
     b_cmd = LOWLAT if env_name else [PY, "bench/scripts/plan_ab.py", *ab]
-    args = ["--paths", "general,nvidia_mega", "--batch-sizes", os.environ.get("BATCHES", "1"), "--modes", "decode",
+    args = ["--paths", os.environ.get("AB_PATHS", "general,nvidia_mega"),
+            "--batch-sizes", os.environ.get("BATCHES", "1"), "--modes", "decode",
             "--context", "1024", "--input-sets", "2", "--warmup", "5", "--iters", "50", "--no-plot"]
     return [Step(f"{side}{i} {m}", 150,
                  [*(b_cmd if side == "B" else LOWLAT), "bench", "--model", m, *args,
@@ -381,9 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"jobs-{'-'.join(args.jobs)}-{stamp}.json").write_text(
         json.dumps({"jobs": args.jobs, "argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k in (
             "INPUT_LEN", "OUTPUT_LEN", "REQUESTS", "CONCURRENCY", "SPECULATIVE", "NUM_DRAFT_TOKENS", "SPEC_ONLY",
-            "SPEC_ADAPTIVE", "MUTANTS",
-            "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP", "ATTN_IN_LAYER", "TP", "TP_PATHS",
-            "BATCH_SIZES")}, "steps": records}, indent=1))
+            "SPEC_ADAPTIVE", "MUTANTS", "AMD_VARIANTS", "AMD_SYNC_FLOOR", "ROWS", "MOE_SWEEP", "ATTN_IN_LAYER", "TP",
+            "TP_PATHS", "BATCH_SIZES", "BATCHES", "AB_TABLE", "AB_KEY", "AB_VALUE", "AB_ENV", "AB_PATHS")},
+                    "steps": records}, indent=1))
     failed = [r["name"] for r in records if r["rc"] != 0]
     print(f"{len(records) - len(failed)} steps ok, {len(failed)} failed: {failed}" if failed else
           f"{len(records)} steps ok")

@@ -8,7 +8,9 @@ An entry goes into ``kernels/tuned_plans.py`` only after a side-by-side run show
     python3 bench/scripts/plan_ab.py --table TUNED_ROW1 --key qkv,3072,2048,bfloat16 --value 8,2048,8,1 -- \\
         bench --model llama-3.2-1b --paths general,nvidia_mega --batch-sizes 1 --modes decode --no-plot
 
-Prints the replaced entries first. Exit status: the CLI's.
+``--value none`` removes the entry instead, for this GPU's name and every name it reads, so B runs without it: the
+way to A/B an entry that is already in the table, or one this GPU reads from another GPU of its chip (the A side then
+has it). Prints the replaced entries first. Exit status: the CLI's.
 
 Raises:
     SystemExit: an unknown table; a key that no lookup could read (a kind the table does not have, a non-positive N
@@ -33,7 +35,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                                  usage="%(prog)s --table T --key K --value V -- LOWLAT_SUBCOMMAND [ARGS ...]")
     ap.add_argument("--table", choices=TABLES, required=True)
     ap.add_argument("--key", required=True, help="kind,N,K,dtype, e.g. qkv,3072,2048,bfloat16")
-    ap.add_argument("--value", required=True, help="the plan's integers, comma-separated")
+    ap.add_argument("--value", required=True, help="the plan's integers, comma-separated; 'none' removes the entry")
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])  # -h / --help print the usage and exit here
     if cut == len(argv):
@@ -41,21 +43,24 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, argv[cut + 1:]
 
 
-def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plans) -> tuple[tuple, tuple]:  # type: ignore[no-untyped-def]
-    """(key without the GPU name, value) of a replacement the production lookups will read; SystemExit otherwise."""
+def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plans) -> tuple[tuple, tuple | None]:  # type: ignore[no-untyped-def]
+    """(key without the GPU name, value or None to remove) of a replacement the production lookups will read;
+    SystemExit otherwise."""
     from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
 
     try:
         kind, n, k, dtype = key_arg.split(",")
         key = (kind, int(n), int(k), dtype)
-        value = tuple(int(v) for v in value_arg.split(","))
+        value = None if value_arg == "none" else tuple(int(v) for v in value_arg.split(","))
     except ValueError as e:
         raise SystemExit(f"plan_ab.py: --key is kind,N,K,dtype and --value integers: {e}") from None
     if kind not in KINDS[table] or key[1] < 1 or key[2] < 1 or not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise SystemExit(f"plan_ab.py: --key {key_arg!r} is never read: kind one of {', '.join(KINDS[table])}, "
                          "N and K positive, dtype a torch dtype name such as bfloat16")
     try:
-        if table == "TUNED_ROW1":
+        if value is None:
+            pass
+        elif table == "TUNED_ROW1":
             GemvPlan(*value)
         elif len(value) != 5 or min(value) < 1:
             raise ValueError("TUNED takes five positive ints (BLOCK_N, BLOCK_K, split-K, warps, stages)")
@@ -81,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = set(tuned_plans.plan_sources(dev)) or {tuned_plans.device_name(dev)}
     for name in sorted(names):
-        print(f"plan_ab: {args.table}[{(name, *key)!r}] = {value!r} (was {table.get((name, *key))!r})", flush=True)
-        table[(name, *key)] = value
+        was = table.pop((name, *key), None)
+        print(f"plan_ab: {args.table}[{(name, *key)!r}] = {value!r} (was {was!r})", flush=True)
+        if value is not None:
+            table[(name, *key)] = value
     return cli_main(rest)
 
 

@@ -69,3 +69,19 @@ def test_sets_the_entry_for_this_gpus_names_before_the_command(monkeypatch: pyte
     monkeypatch.setattr(tuned_plans, "TUNED_ROW1", dict(tuned_plans.TUNED_ROW1))  # restored after the test
     assert plan_ab.main([*GOOD, "bench", "--model", "llama-3.2-1b"]) == 3
     assert seen == {"rest": ["bench", "--model", "llama-3.2-1b"], "entry": (8, 1024, 4, 3)}
+
+
+def test_value_none_removes_the_entry_for_this_gpus_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    key = ("cpu", "qkv_late", 6144, 4096, "bfloat16")
+
+    def fake_cli(rest: list[str]) -> int:
+        seen["present"] = key in tuned_plans.TUNED_ROW1
+        return 0
+
+    import lowlat.cli
+    monkeypatch.setattr(lowlat.cli, "main", fake_cli)
+    monkeypatch.setattr(tuned_plans, "TUNED_ROW1", {**tuned_plans.TUNED_ROW1, key: (8, 1024, 4, 3)})
+    assert plan_ab.main(["--table", "TUNED_ROW1", "--key", "qkv_late,6144,4096,bfloat16", "--value", "none", "--",
+                         "plugins"]) == 0
+    assert seen == {"present": False}
