@@ -73,15 +73,16 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     ("NVIDIA H200", "gemm", 4096, 12288, "bfloat16"): (2, 1024, 4, 1),   # qwen3-8b down   29.38 -> 27.03
     # 2026-12-02 (bench/results/2026-12-02-h200-mega-qkv-row1/call1): the production tl.dot plan -> the one-row
     # kernel, µs per launch at 1 row.
-    ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"): (64, 256, 4, 3, 8),    # llama qkv        9.53 -> 6.37
+    # llama qkv 9.53 -> 6.37 then; now the row-pair form below (2026-12-06)
     ("NVIDIA H200", "qkv", 6144, 4096, "bfloat16"): (128, 128, 4, 3, 8),   # qwen3-8b qkv    21.51 -> 16.16
     ("NVIDIA H200", "qkv", 5120, 2048, "bfloat16"): (128, 128, 8, 1, 8),   # qwen3-30b qkv   11.36 -> 8.66
     ("NVIDIA H200", "gemm", 2048, 4096, "bfloat16"): (8, 2048, 8, 1),      # qwen3-30b o      7.24 -> 5.97
     # 2026-12-06, the row-pair form on an H100 SXM (bench/results/2026-12-06-h100-mega-qkv-pairs): the best head per
     # program (the H200's entry above, 7.46; best 7.32) -> the best row-pair plan, µs per launch at 1 row; the
-    # llama-3.2-1b DECODE b=1 step 1.0434 / 1.0448 -> 1.0351 / 1.0363 ms in A/B/A/B (plan_ab.py). The H200 keeps
-    # its own entry until the same A/B runs there.
+    # llama-3.2-1b DECODE b=1 step 1.0434 / 1.0448 -> 1.0351 / 1.0363 ms in A/B/A/B (plan_ab.py). On the H200
+    # (bench/results/2026-12-06-h200-mega-ab/call1, the same A/B): 0.8336 / 0.8324 -> 0.8238 / 0.8240 ms.
     ("NVIDIA H100 80GB HBM3", "qkv", 3072, 2048, "bfloat16"): (8, 1024, 4, 3),  # llama qkv 7.46 -> 6.09
+    ("NVIDIA H200", "qkv", 3072, 2048, "bfloat16"): (8, 1024, 4, 3),            # llama qkv, row pairs
     # 2026-12-06, late q/k on an H100 (bench/results/2026-12-06-h100-mega-moe-late): qwen3-8b DECODE b=1 in A/B/A/B,
     # ms per step with the head-per-program "qkv" entry above (read through plan_sources) -> the row-pair form with
     # late q/k: 5.5526 / 5.5558 -> 5.5379 / 5.5384. An H200 reads it too (same chip) until it has its own.
