@@ -1,6 +1,6 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
 (kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages, MoEKernelConfig and default_config
-in kernels/moe.py, the build's check of LOWLAT_MEGA_MOE_CONFIG):
+in kernels/moe.py, its parser kernels/env_config.py, the build's check of LOWLAT_MEGA_MOE_CONFIG):
 the routing grid's one program per (router block, row);
 break the code in one place, run the MoE tests, expect a failure.
 
@@ -22,7 +22,7 @@ import sys
 import mutation_runner  # same directory
 
 K = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels")
-R, X, S, P = K / "moe_row1.py", K / "moe_experts.py", K / "moe.py", K / "moe_route.py"
+R, X, S, P, E = K / "moe_row1.py", K / "moe_experts.py", K / "moe.py", K / "moe_route.py", K / "env_config.py"
 M = [  # (name, file, original text, mutated text)
     ("one-row gate/up reads gate rows as up", R, "up_rows = gate_rows + INTER * H", "up_rows = gate_rows"),
     ("one-row gate/up without SiLU", R, "a = rnd(g * tl.sigmoid(g), dtype) * rnd(acc_u, dtype)",
@@ -70,12 +70,13 @@ M = [  # (name, file, original text, mutated text)
      'if f.name == "route_programs":'),
     ("warps above 32 accepted", S, 'if f.name.endswith("_warps") and v > 32:', "if False:"),
     # LOWLAT_MEGA_MOE_CONFIG (default_config) and its check at build
-    ("the config env ignored", S, "        return MoEKernelConfig(**changes)  # type: ignore[arg-type]",
-     "        return MoEKernelConfig()"),
-    ("the config env takes any bool", S, "        if is_bool and number not in (0, 1):", "        if False:"),
-    ("the config env may repeat a field", S, "        if name in changes:\n", "        if False:\n"),
+    ("the config env ignored", E, "        return cls(**changes)", "        return cls()"),
+    ("the config env takes any bool", E, "        if flag and number not in (0, 1):", "        if False:"),
+    ("the config env may repeat a field", E, "        if name in changes:\n", "        if False:\n"),
+    ("the config env read from the LM head's variable", S, "return config_from_env(MoEKernelConfig, CONFIG_ENV)",
+     'return config_from_env(MoEKernelConfig, "LOWLAT_MEGA_LM_HEAD_CONFIG")'),
     ("the config env not checked at build", pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py"),
-     "tp_reduce_mode, default_config):", "tp_reduce_mode):"),
+     "tp_reduce_mode, default_config,\n", "tp_reduce_mode,\n"),
 ]
 
 if __name__ == "__main__":

@@ -310,12 +310,19 @@ def main() -> None:
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":
-        # the LM head's tiles: logits at 1 and 8 rows, greedy ids at 1 row (at the workspace's 128-token tiles)
-        for bv, bk, st in ((128, 64, 4), (128, 128, 3), (128, 128, 2), (128, 256, 3), (64, 128, 4)):
-            cfg = LMHeadConfig(block_v=bv, block_k=bk, num_stages=st)
-            for rows, mode in ((1, "logits"), (1, "greedy"), (8, "logits")) if bv == 128 else ((1, "logits"),):
+        # the LM head's tiles: logits at 1 and 8 rows, greedy ids at 1 row (at the workspace's 128-token tiles);
+        # min_rows=8 runs one row as 8 (an MMA of N = 8 instead of a one-column dot)
+        lm_sweep = [dict(block_v=bv, block_k=bk, num_stages=st) for bv, bk, st in
+                    ((128, 64, 4), (128, 128, 2), (128, 256, 3), (64, 128, 4))]
+        lm_sweep += [dict(block_v=bv, block_k=bk, num_stages=st, num_warps=wp, min_rows=8) for bv, bk, st, wp in
+                     ((128, 128, 3, 4), (128, 128, 3, 8), (128, 256, 2, 4), (128, 64, 4, 4), (64, 128, 4, 4),
+                      (64, 256, 3, 4), (256, 64, 3, 8))]
+        for kwargs in lm_sweep:
+            cfg = LMHeadConfig(**kwargs)
+            label = f"v{cfg.block_v} k{cfg.block_k} s{cfg.num_stages} w{cfg.num_warps} m{cfg.min_rows}"
+            for rows, mode in ((1, "logits"), (1, "greedy"), (8, "logits")) if cfg.block_v == 128 else ((1, "logits"),):
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, True, args.reps, gen, bw, cfg)
-                table.append((f"lm_head {mode}", rows, True, f"v{bv} k{bk} s{st}", sec, floor))
+                table.append((f"lm_head {mode}", rows, True, label, sec, floor))
 
     print(f"\n{'kernel':34} {'rows':>4} {'pdl':>4} {'config':>24} {'median us':>10} {'floor us':>9} {'% floor':>8}")
     for name, rows, pdl, cfg_name, sec, floor in table:

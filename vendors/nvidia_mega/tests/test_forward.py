@@ -209,6 +209,21 @@ def test_step_with_a_tuned_attention_plan(arch: str, dtype: torch.dtype, mode: F
     assert fwd.ws.o_partial.numel() >= n_o and fwd.ws.lse_partial.numel() >= n_l
 
 
+def test_lm_head_config_from_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOWLAT_MEGA_LM_HEAD_CONFIG`` (read once at build) reaches the step's LM head launch, and a one-row step with
+    its rows padded to 8 (``min_rows``) still matches the reference."""
+    seen = []
+    real = forward_mod.lm_head_logits
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(kwargs["config"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(forward_mod, "lm_head_logits", spy)
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8")
+    _check_step("LlamaForCausalLM", torch.float32, ForwardMode.DECODE, [11], 1)
+    assert seen and all(c.min_rows == 8 for c in seen)
+
+
 def _count_norm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each ``norm_rows`` launch MegaForward makes from now on (the launch itself still runs)."""
     launches: list[int] = []
@@ -356,6 +371,12 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MEGA_MOE_CONFIG", "down_warps=4")  # a known switch with a good value builds
     build(_binding(mc, torch.float32, params))
     monkeypatch.delenv("LOWLAT_MEGA_MOE_CONFIG")
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=3")  # and the LM head's
+    with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_LM_HEAD_CONFIG='min_rows=3'"):
+        build(_binding(mc, torch.float32, params))
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8")
+    assert build(_binding(mc, torch.float32, params)).head_config.min_rows == 8
+    monkeypatch.delenv("LOWLAT_MEGA_LM_HEAD_CONFIG")
     monkeypatch.setenv("LOWLAT_MEGA_PRENROM", "1")  # a misspelled switch is refused, with the right name
     with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_PRENROM: did you mean LOWLAT_MEGA_PRENORM"):
         build(_binding(mc, torch.float32, params))

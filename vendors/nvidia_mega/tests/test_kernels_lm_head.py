@@ -330,7 +330,8 @@ def test_prefetch_is_bit_identical(dtype: torch.dtype, rows: int, hidden: int) -
 
 def test_config_refuses_bad_tiles() -> None:
     for field, bad in (("block_v", 96), ("block_k", 24), ("num_warps", 3), ("num_stages", 0), ("block_v", 8),
-                       ("block_k", 8)):  # a tile side below 16 cannot be a tl.dot operand
+                       ("block_k", 8), ("min_rows", 3), ("min_rows", 0), ("min_rows", 16), ("num_warps", 64)):
+        # a tile side below 16 cannot be a tl.dot operand; min_rows pads to a power of two of the 8 rows served
         with pytest.raises(ValueError, match=f"LMHeadConfig.{field}={bad}"):
             LMHeadConfig(**{field: bad})
     assert LMHeadConfig().num_stages == 3  # stages need not be a power of two
@@ -341,3 +342,63 @@ def test_config_refuses_non_integer_stages() -> None:
     the config rather than inside Triton's compile."""
     with pytest.raises(ValueError, match="LMHeadConfig.num_stages=2.5"):
         LMHeadConfig(num_stages=2.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("dtype", "rows"), [(torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 3)])
+def test_min_rows_pads_without_changing_results(dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``min_rows=8`` runs T rows as 8 (the padded rows masked): the logits match the reference as closely as at
+    ``min_rows=1``, the ids are the argmax, the sampled ids equal the unpadded launch's (same noise), and nothing is
+    written for the padded rows."""
+    from lowlat_nvidia_mega.kernels import lm_head as lm_head_mod
+
+    real, rows_c = lm_head_mod._lm_head_kernel, []
+
+    class Spy:  # records each launch's ROWS_C, then launches
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            def launch(*args, **kwargs):  # type: ignore[no-untyped-def]
+                rows_c.append(kwargs["ROWS_C"])
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(lm_head_mod, "_lm_head_kernel", Spy())
+    x, norm_w, w = make(rows, dtype, seed=7)
+    ws = LMHeadWorkspace.allocate(8, V, DEV, block_v=64, candidates=CAND, fan_in=4)
+    want = reference_logits(x, norm_w, w)
+    temp = torch.full((rows,), 1.2, device=DEV)
+    top_k = torch.full((rows,), 6, dtype=torch.int32, device=DEV)
+    top_p = torch.full((rows,), 0.9, device=DEV)
+    seeds = torch.arange(rows, device=DEV) + 11
+    got = []
+    for min_rows in (1, 8):
+        cfg = LMHeadConfig(block_v=64, block_k=64, min_rows=min_rows)
+        big = torch.full((8, V), float("nan"), device=DEV)
+        lm_head_logits(x, norm_w, w, EPS, big[:rows], pdl=False, config=cfg)
+        assert torch.isnan(big[rows:]).all(), "the padded rows must not be written"
+        tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.0, "rtol": 8e-3}
+        torch.testing.assert_close(big[:rows], want, **tol)
+        greedy = torch.full((rows,), -1, dtype=torch.int64, device=DEV)
+        lm_head_sample(x, norm_w, w, EPS, None, None, None, None, None, greedy, ws, pdl=False, config=cfg)
+        assert torch.equal(greedy, torch.argmax(big[:rows], dim=-1))
+        sampled = torch.full((rows,), -1, dtype=torch.int64, device=DEV)
+        lm_head_sample(x, norm_w, w, EPS, temp, top_k, top_p, seeds, seeds, sampled, ws, pdl=False, config=cfg)
+        assert int(ws.counters.abs().sum()) == 0 and bool((sampled >= 0).all())
+        got.append(sampled)
+    assert torch.equal(got[0], got[1])
+    padded = 4 if rows == 3 else 1
+    assert rows_c == [padded] * 3 + [8] * 3, rows_c
+
+
+def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LOWLAT_MEGA_LM_HEAD_CONFIG`` replaces fields of the engine's LM head config; a bad item is named."""
+    from lowlat_nvidia_mega.kernels.lm_head import CONFIG_ENV, default_lm_head_config
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert default_lm_head_config() == LMHeadConfig()
+    monkeypatch.setenv(CONFIG_ENV, "min_rows=8, num_warps=8")
+    assert default_lm_head_config() == LMHeadConfig(min_rows=8, num_warps=8)
+    for bad, match in (("min_rows=5", "power of two"), ("rows=8", "FIELD=INT with a LMHeadConfig field"),
+                       ("min_rows=8,", "empty item"), ("min_rows=8,min_rows=4", "min_rows twice"),
+                       ("block_v=x", "integer")):
+        monkeypatch.setenv(CONFIG_ENV, bad)
+        with pytest.raises(ValueError, match=CONFIG_ENV) as err:
+            default_lm_head_config()
+        assert match in str(err.value), (bad, str(err.value))

@@ -19,6 +19,8 @@ from lowlat.plugin import PluginBuildError
 
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, partial_numel
+from lowlat_nvidia_mega.kernels.lm_head import CONFIG_ENV as LM_HEAD_CONFIG_ENV
+from lowlat_nvidia_mega.kernels.lm_head import default_lm_head_config
 from lowlat_nvidia_mega.kernels.moe import CONFIG_ENV as MOE_CONFIG_ENV
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, default_config
 from lowlat_nvidia_mega.kernels.norm_rows import PRENORM_ENV, prenorm_switch
@@ -46,7 +48,8 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV, TP_REDUCE_ENV, MOE_CONFIG_ENV)  # README "Switches"
+SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV, TP_REDUCE_ENV, MOE_CONFIG_ENV,  # README "Switches"
+            LM_HEAD_CONFIG_ENV)
 TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK", FAULT_ENV)  # read by the test suite only (FAULT_ENV: fault injection)
 
 
@@ -54,7 +57,7 @@ def check_switches() -> None:
     """Refuse, at build, what the switches read at each launch or step would refuse later, or would ignore: a
     ``LOWLAT_MEGA_*`` variable that names no switch (a misspelled switch would silently run, and measure, the
     default variant) and a value ``LOWLAT_MEGA_PREFETCH_ACT`` / ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` does
-    not parse (``LOWLAT_MEGA_TP_REDUCE`` and ``LOWLAT_MEGA_MOE_CONFIG`` too).
+    not parse (``LOWLAT_MEGA_TP_REDUCE``, ``LOWLAT_MEGA_MOE_CONFIG`` and ``LOWLAT_MEGA_LM_HEAD_CONFIG`` too).
 
     Raises:
         PluginBuildError: naming each unknown variable, the closest switch and the known ones, or the bad value.
@@ -65,7 +68,8 @@ def check_switches() -> None:
                  if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
                                f"Known: {', '.join(SWITCHES)}; unset the others")
-    for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode, default_config):
+    for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode, default_config,
+                   default_lm_head_config):
         try:
             switch()
         except ValueError as e:

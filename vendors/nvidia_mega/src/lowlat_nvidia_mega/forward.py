@@ -36,7 +36,7 @@ from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention
 from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n
-from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits, lm_head_sample
+from lowlat_nvidia_mega.kernels.lm_head import default_lm_head_config, lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import default_config, moe_forward
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
@@ -131,6 +131,7 @@ class MegaForward:
         self.eps = config.rms_norm_eps
         self.sm_scale = config.head_dim ** -0.5
         self.moe_config = default_config()  # read once, so the MoE's launches and its TP reduce agree on its tiles
+        self.head_config = default_lm_head_config()
         self.k_buffers: list[torch.Tensor] | None = None
         self.v_buffers: list[torch.Tensor] | None = None
         self.req_to_token: torch.Tensor | None = None
@@ -193,7 +194,7 @@ class MegaForward:
             self._layers_tp(batch, x, use_pdl)
             logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
             return self.tp.gather_logits(lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits,
-                                                        pdl=use_pdl))
+                                                        pdl=use_pdl, config=self.head_config))
         h = self._prenorm_rows(t)
         torch.index_select(self.embed, 0, batch.input_ids, out=x)
         for i, lw in enumerate(self.layers):
@@ -211,7 +212,8 @@ class MegaForward:
         if batch.wants_ids:
             return self._sample(x, batch, use_pdl)
         logits = torch.empty(t, self.lm_head.shape[0], dtype=torch.float32, device=self.device)
-        return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl)
+        return lm_head_logits(x, self.final_norm, self.lm_head, self.eps, logits, pdl=use_pdl,
+                              config=self.head_config)
 
     def _attention(self, batch: ForwardBatch, i: int, lw: LayerWeights, qkv_in: torch.Tensor,
                    qkv_norm: torch.Tensor | None, use_pdl: bool) -> None:
@@ -311,7 +313,7 @@ class MegaForward:
         top_p = info.top_p if variant == "filter" else None
         ids = torch.empty(t, dtype=torch.int64, device=self.device)
         return lm_head_sample(x, self.final_norm, self.lm_head, self.eps, temp, top_k, top_p, seeds, offsets, ids,
-                              self.ws.head, pdl=use_pdl)  # type: ignore[arg-type]
+                              self.ws.head, pdl=use_pdl, config=self.head_config)  # type: ignore[arg-type]
 
     def _moe(self, x: torch.Tensor, lw: LayerWeights, use_pdl: bool, publish: bool = False,
              out: torch.Tensor | None = None) -> None:

@@ -4,16 +4,16 @@
 accumulation, rounded to the model dtype and widened to float32 as ``F.linear(h, W).float()`` does
 (``lowlat.layers.logits``), so ties resolve like the general path.
 
-Grid ``(ceil(V / BLOCK_V),)``: program p owns vocab rows ``[p*BLOCK_V, (p+1)*BLOCK_V)`` of the weight, streams
-them once (K loop over H, software-pipelined by ``tl.dot`` with the weight as the M operand: "swap AB", so the
-T rows, padded to a power of two ``ROWS_C`` <= 8, are the small N side) and computes that tile's logits for all
-rows. ``ROWS_C`` follows T (one compiled variant per 1, 2, 4, 8) because the sampling epilogue's work scales with
-it. For Qwen3 (V = 151936, H = 2048, bf16, 622 MB) that is 1187 programs of 512 KiB each. Every program
-recomputes the rows' RMS from x (T*H elements from L2) before its loop. Nothing precedes ``gdc_wait``: the first
-weight tiles are issued by the software pipeline right after it. With ``lm_head_sample`` the tile's logits never
-leave the chip unless asked: each program writes a small record and a merge tree of atomic tickets reduces them
-across programs (``sampling.py``). Activation prefetch (``PREFETCH_ACT``, off by default; see ``small_gemm.py``):
-the K loop loads the next x / norm-weight chunk one iteration ahead; bit-identical results.
+Grid ``(ceil(V / BLOCK_V),)``: program p owns vocab rows ``[p*BLOCK_V, (p+1)*BLOCK_V)`` of the weight, streams them once
+(K loop over H, software-pipelined by ``tl.dot`` with the weight as the M operand: "swap AB", so the T rows, padded to a
+power of two ``ROWS_C`` <= 8, are the small N side) and computes that tile's logits for all rows. ``ROWS_C`` follows T
+(one compiled variant per 1, 2, 4, 8; at least ``LMHeadConfig.min_rows``) because the sampling epilogue's work scales
+with it. For Qwen3 (V = 151936, H = 2048, bf16, 622 MB) that is 1187 programs of 512 KiB each. Every program recomputes
+the rows' RMS from x (T*H elements from L2) before its loop. Nothing precedes ``gdc_wait``: the first weight tiles are
+issued by the software pipeline right after it. With ``lm_head_sample`` the tile's logits never leave the chip unless
+asked: each program writes a small record and a merge tree of atomic tickets reduces them across programs
+(``sampling.py``). Activation prefetch (``PREFETCH_ACT``, off by default; see ``small_gemm.py``): the K loop loads the
+next x / norm-weight chunk one iteration ahead; bit-identical results.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowlat_nvidia_mega.kernels.env_config import config_from_env
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace, merge_records, pick_tokens, tile_record
 from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, prefetch_act_enabled, to_act
@@ -35,23 +36,44 @@ ROWS = 8
 class LMHeadConfig:
     """Launch settings (powers of two, the two tile sides >= 16; ``num_stages`` >= 1). ``block_v`` is used by
     ``lm_head_logits``; ``lm_head_sample`` takes it from its workspace (the merge tree's shape depends on it).
+    ``min_rows`` (a power of two, 1..8) pads the rows to at least that many: ``ROWS_C = max(next_pow2(T),
+    min_rows)``, so at 1 row 8 makes the tile's dot an MMA of N = 8 instead of a one-column dot.
     Defaults measured on the H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128
     with 3 stages take 155.0 µs at 1 row and 150.9 at 8, against 177.6 and 163.7 for the earlier 64 / 4 stages
-    (docs/kernels.md, "Launch plans")."""
+    (docs/kernels.md, "Launch plans"). ``LOWLAT_MEGA_LM_HEAD_CONFIG`` (``default_lm_head_config``) replaces fields
+    for the engine."""
 
     block_v: int = 128
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    min_rows: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_v", "block_k", "num_warps"):
+        for name in ("block_v", "block_k", "num_warps", "min_rows"):
             v = getattr(self, name)
-            low = 16 if name != "num_warps" else 1  # the tiles are tl.dot operands: each side at least 16
-            if v < low or v & (v - 1):
+            low = 16 if name in ("block_v", "block_k") else 1  # the tiles are tl.dot operands: each side >= 16
+            if not isinstance(v, int) or v < low or v & (v - 1):
                 raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= {low}")
+        if self.num_warps > 32:
+            raise ValueError(f"LMHeadConfig.num_warps={self.num_warps}: a program has at most 32 warps")
+        if self.min_rows > ROWS:
+            raise ValueError(f"LMHeadConfig.min_rows={self.min_rows} must be at most {ROWS} (the rows a launch serves)")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be an integer >= 1")
+
+
+CONFIG_ENV = "LOWLAT_MEGA_LM_HEAD_CONFIG"
+
+
+def default_lm_head_config() -> LMHeadConfig:
+    """The config of the engine's LM head: ``LMHeadConfig()`` with the fields that ``LOWLAT_MEGA_LM_HEAD_CONFIG``
+    names replaced, e.g. ``min_rows=8`` (``env_config``).
+
+    Raises:
+        ValueError: as ``env_config.config_from_env``, naming the variable and the item.
+    """
+    return config_from_env(LMHeadConfig, CONFIG_ENV)
 
 
 # ``n_tiles`` is never specialized: Triton turns an int argument equal to 1 into a constant, and with one tile
@@ -181,7 +203,7 @@ def _launch(x, norm_w, w, eps, logits, samp, ws, block_v, cfg, pdl, prefetch):  
         x, norm_w, w, logits if logits is not None else x,
         temp, topk, topp, seeds, offsets, tokens, *bufs,
         t, hidden, vocab, n_tiles, float(eps), x.stride(0), logits.stride(0) if logits is not None else 0,
-        ROWS_C=triton.next_power_of_2(t), BLOCK_V=block_v,
+        ROWS_C=max(triton.next_power_of_2(t), cfg.min_rows), BLOCK_V=block_v,
         BLOCK_K=min(cfg.block_k, max(16, triton.next_power_of_2(hidden))),
         CAND=ws.candidates if ws is not None else 1, FAN_IN=ws.fan_in if ws is not None else 2,
         WRITE_LOGITS=logits is not None, SAMPLE=sample, FILTER=filt, ROUND_LOGITS=x.dtype != torch.float32,

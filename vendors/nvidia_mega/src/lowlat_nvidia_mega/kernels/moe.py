@@ -40,24 +40,18 @@ as HF's bf16 modules do; the weighted sum over experts and the residual add stay
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import Field, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 
+from lowlat_nvidia_mega.kernels.env_config import config_from_env, is_flag
 from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_up_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
 from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
 from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
-
-
-def _is_flag(f: Field) -> bool:
-    """Whether a MoEKernelConfig field is on/off (its annotation a string under ``from __future__ import
-    annotations``)."""
-    return f.type in (bool, "bool")
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ class MoEKernelConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if _is_flag(f):
+            if is_flag(f):
                 if not isinstance(v, bool):
                     raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be True or False")
                 continue
@@ -116,39 +110,12 @@ CONFIG_ENV = "LOWLAT_MEGA_MOE_CONFIG"
 
 def default_config() -> MoEKernelConfig:
     """The config of a launch given none (the engine's): ``MoEKernelConfig()`` with the fields that
-    ``LOWLAT_MEGA_MOE_CONFIG`` names replaced, e.g. ``down_block_n=32,down_warps=4`` (integers; 1 / 0 for
-    the on/off fields), to time a config change in whole steps side by side (the B side of an A/B).
+    ``LOWLAT_MEGA_MOE_CONFIG`` names replaced, e.g. ``down_block_n=32,down_warps=4`` (``env_config``).
 
     Raises:
-        ValueError: a malformed item, a field MoEKernelConfig does not have, a value that is not an integer, or
-            one the config refuses, naming the variable and the item.
+        ValueError: as ``env_config.config_from_env``, naming the variable and the item.
     """
-    text = os.environ.get(CONFIG_ENV, "").strip()
-    if not text:
-        return MoEKernelConfig()
-    names = {f.name: f for f in fields(MoEKernelConfig)}
-    changes: dict[str, object] = {}
-    for item in text.split(","):
-        name, eq, value = (part.strip() for part in item.partition("="))
-        if not item.strip():
-            raise ValueError(f"{CONFIG_ENV}={text!r} has an empty item: separate FIELD=INT items by single commas")
-        if name in changes:
-            raise ValueError(f"{CONFIG_ENV}={text!r} sets {name} twice: keep one")
-        if not eq or name not in names:
-            raise ValueError(f"{CONFIG_ENV}: {item.strip()!r} must be FIELD=INT with a MoEKernelConfig field "
-                             f"({', '.join(names)})")
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: the value must be an integer") from None
-        is_bool = _is_flag(names[name])
-        if is_bool and number not in (0, 1):
-            raise ValueError(f"{CONFIG_ENV}: {item.strip()!r}: {name} is 1 (on) or 0 (off)")
-        changes[name] = bool(number) if is_bool else number
-    try:
-        return MoEKernelConfig(**changes)  # type: ignore[arg-type]
-    except ValueError as err:
-        raise ValueError(f"{CONFIG_ENV}={text!r}: {err}") from None
+    return config_from_env(MoEKernelConfig, CONFIG_ENV)
 
 
 @dataclass(frozen=True)
