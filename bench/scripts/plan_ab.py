@@ -53,10 +53,13 @@ def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plan
         key = (kind, int(n), int(k), dtype)
         value = None if value_arg == "none" else tuple(int(v) for v in value_arg.split(","))
     except ValueError as e:
-        raise SystemExit(f"plan_ab.py: --key is kind,N,K,dtype and --value integers: {e}") from None
-    if kind not in KINDS[table] or key[1] < 1 or key[2] < 1 or not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise SystemExit(f"plan_ab.py: --key is kind,N,K,dtype and --value integers, or 'none' to remove the "
+                         f"entry: {e}") from None
+    named = getattr(torch, dtype, None)
+    if kind not in KINDS[table] or key[1] < 1 or key[2] < 1 or not isinstance(named, torch.dtype) \
+            or str(named) != f"torch.{dtype}":  # the lookups key on str(dtype): 'half' or 'float' is never read
         raise SystemExit(f"plan_ab.py: --key {key_arg!r} is never read: kind one of {', '.join(KINDS[table])}, "
-                         "N and K positive, dtype a torch dtype name such as bfloat16")
+                         "N and K positive, dtype a torch dtype's own name such as bfloat16 or float16")
     try:
         if value is None:
             pass
@@ -66,7 +69,11 @@ def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plan
             raise ValueError("TUNED takes five positive ints (BLOCK_N, BLOCK_K, split-K, warps, stages)")
     except (TypeError, ValueError) as e:
         raise SystemExit(f"plan_ab.py: --value {value_arg!r} is not a {table} plan: {e}") from None
-    if not tuned_plans.tuned_switch():
+    try:
+        tables_on = tuned_plans.tuned_switch()
+    except ValueError as e:
+        raise SystemExit(f"plan_ab.py: {e}") from None
+    if not tables_on:
         raise SystemExit("plan_ab.py: LOWLAT_MEGA_TUNED turns the tables off, so B would run as A; unset it")
     tp = next((rest[i + 1] if a == "--tp" else a[5:] for i, a in enumerate(rest)
                if a.startswith("--tp=") or (a == "--tp" and i + 1 < len(rest))), "1")
@@ -85,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     table = getattr(tuned_plans, args.table)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = set(tuned_plans.plan_sources(dev)) or {tuned_plans.device_name(dev)}
+    if value is None and not any((name, *key) in table for name in names):
+        raise SystemExit(f"plan_ab.py: {args.table} has no entry {key} for {', '.join(sorted(names))} to remove, so "
+                         "B would run as A")
     for name in sorted(names):
         was = table.pop((name, *key), None)
         print(f"plan_ab: {args.table}[{(name, *key)!r}] = {value!r} (was {was!r})", flush=True)

@@ -161,5 +161,20 @@ def test_mega_ab_env_side(jobs, monkeypatch):
     monkeypatch.setenv("AB_ENV", "CUDA_VISIBLE_DEVICES=1")
     with pytest.raises(SystemExit, match="LOWLAT_MEGA_"):
         jobs.mega_ab(opts)
+    for bad in ("LOWLAT_MEGA_LM_HEAD_CONFIG", "LOWLAT_MEGA_LM_HEAD_CONFIG=", "LOWLAT_MEGA_PDL= "):
+        monkeypatch.setenv("AB_ENV", bad)  # no value: B would run as A
+        with pytest.raises(SystemExit, match="NAME=VALUE"):
+            jobs.mega_ab(opts)
+    monkeypatch.setenv("AB_ENV", "LOWLAT_MEGA_PDL=0")
+    monkeypatch.setenv("AB_KEY", "qkv,3072,2048,bfloat16")  # two changes at once: refused
+    with pytest.raises(SystemExit, match="one change per A/B"):
+        jobs.mega_ab(opts)
     monkeypatch.delenv("AB_ENV")
+    monkeypatch.delenv("AB_KEY")
     assert all(("plan_ab.py" in " ".join(s.argv)) == (s.name[0] == "B") and not s.env for s in jobs.mega_ab(opts))
+    for bad in ("general", "", "general,,nvidia_mega", "nvidia-mega"):
+        monkeypatch.setenv("AB_PATHS", bad)
+        with pytest.raises(SystemExit, match="AB_PATHS"):
+            jobs.mega_ab(opts)
+    monkeypatch.setenv("AB_PATHS", "nvidia_mega")
+    assert all(s.argv[s.argv.index("--paths") + 1] == "nvidia_mega" for s in jobs.mega_ab(opts))

@@ -374,8 +374,12 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=3")  # and the LM head's
     with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_LM_HEAD_CONFIG='min_rows=3'"):
         build(_binding(mc, torch.float32, params))
-    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8")
-    assert build(_binding(mc, torch.float32, params)).head_config.min_rows == 8
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "block_v=32")  # below the sampler's candidates per tile
+    with pytest.raises(PluginBuildError, match="block_v=32 is below the sampler's 64 candidates"):
+        build(_binding(mc, torch.float32, params))
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8,block_v=256")
+    built = build(_binding(mc, torch.float32, params))
+    assert built.head_config.min_rows == 8 and built.ws.head.block_v == 256  # the sampler's tiles follow it
     monkeypatch.delenv("LOWLAT_MEGA_LM_HEAD_CONFIG")
     monkeypatch.setenv("LOWLAT_MEGA_PRENROM", "1")  # a misspelled switch is refused, with the right name
     with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_PRENROM: did you mean LOWLAT_MEGA_PRENORM"):

@@ -337,6 +337,16 @@ def test_config_refuses_bad_tiles() -> None:
     assert LMHeadConfig().num_stages == 3  # stages need not be a power of two
 
 
+def test_config_refuses_bools_and_other_types() -> None:
+    """bool is an int in Python, and numpy / torch integers are not ints: each is named with its type."""
+    for field, bad in (("min_rows", True), ("num_warps", True), ("num_stages", True), ("min_rows", "8"),
+                       ("block_v", 128.0)):
+        with pytest.raises(ValueError, match=f"LMHeadConfig.{field}=.* must be an integer, not"):
+            LMHeadConfig(**{field: bad})
+    with pytest.raises(ValueError, match="num_stages=9 must be in 1..8"):
+        LMHeadConfig(num_stages=9)
+
+
 def test_config_refuses_non_integer_stages() -> None:
     """num_stages is no longer checked with ``&`` (which raised TypeError on a float): 2.5 must still be refused, at
     the config rather than inside Triton's compile."""
@@ -397,8 +407,11 @@ def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_lm_head_config() == LMHeadConfig(min_rows=8, num_warps=8)
     for bad, match in (("min_rows=5", "power of two"), ("rows=8", "FIELD=INT with a LMHeadConfig field"),
                        ("min_rows=8,", "empty item"), ("min_rows=8,min_rows=4", "min_rows twice"),
-                       ("block_v=x", "integer")):
+                       ("block_v=x", "decimal integer"), ("min_rows=+8", "decimal integer"),
+                       ("min_rows=\u0668", "decimal integer"), ("block_v=1_28", "decimal integer"),
+                       ("min_rows=0x8", "decimal integer"), ("block_v=" + "1" * 5000, "decimal integer"),
+                       ("block_v=4096,block_k=4096", "2**20")):
         monkeypatch.setenv(CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=CONFIG_ENV) as err:
             default_lm_head_config()
-        assert match in str(err.value), (bad, str(err.value))
+        assert match in str(err.value) and len(str(err.value)) < 400, (bad, str(err.value))

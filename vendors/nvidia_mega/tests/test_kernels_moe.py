@@ -287,9 +287,11 @@ def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CONFIG_ENV, "row1=0")
     assert default_config().row1 is False
     for bad, match in (("row1", "FIELD=INT"), ("row_1=1", "row_1"), ("down_block_n=6", "down_block_n"),
-                       ("row1=yes", "integer"), ("row1=2", "1 \\(on\\) or 0"), ("down_warps=1.5", "integer"),
+                       ("row1=yes", "1 \\(on\\) or 0"), ("row1=2", "1 \\(on\\) or 0"), ("down_warps=1.5", "integer"),
                        ("row1=1,,down_warps=4", "empty item"), ("row1=1,", "empty item"),
-                       ("row1=1,down_warps=8,row1=0", "row1 twice"), ("down_warps=64", "at most 32 warps")):
+                       ("row1=1,down_warps=8,row1=0", "row1 twice"), ("down_warps=64", "at most 32 warps"),
+                       ("row1=true", "1 \\(on\\) or 0"), ("row1=01", "1 \\(on\\) or 0"),
+                       ("down_warps=+4", "integer"), ("down_warps=\u0664", "integer")):
         monkeypatch.setenv(CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=CONFIG_ENV) as err:
             default_config()

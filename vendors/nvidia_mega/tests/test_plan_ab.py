@@ -32,6 +32,10 @@ GOOD = ["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "
      "not a TUNED_ROW1 plan"),
     (["--table", "TUNED", "--key", "qkv,3072,2048,bfloat16", "--value", "8", "--", "plugins"], "not a TUNED plan"),
     (["--table", "TUNED_ROW1", "--key", "qkv,3072", "--value", "8,1024,4,3", "--", "plugins"], "kind,N,K,dtype"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,half", "--value", "8,1024,4,3", "--", "plugins"], "never read"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "None", "--", "plugins"], "'none'"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,9999,2048,bfloat16", "--value", "none", "--", "plugins"],
+     "no entry .* to remove"),
     ([*GOOD, "bench", "serve"], "other processes"),
     ([*GOOD, "serve"], "other processes"),
     ([*GOOD, "run", "--tp", "2"], "other processes"),
@@ -45,6 +49,9 @@ def test_refuses_a_replacement_that_would_not_count(argv: list[str], match: str)
 def test_refuses_with_the_tables_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(tuned_plans.TUNED_ENV, "0")
     with pytest.raises(SystemExit, match="B would run as A"):
+        plan_ab.main([*GOOD, "plugins"])
+    monkeypatch.setenv(tuned_plans.TUNED_ENV, "bogus")  # a value that does not parse: a message, no traceback
+    with pytest.raises(SystemExit, match="LOWLAT_MEGA_TUNED='bogus'"):
         plan_ab.main([*GOOD, "plugins"])
 
 

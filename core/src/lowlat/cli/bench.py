@@ -114,7 +114,9 @@ def command_line(args: argparse.Namespace) -> list[str]:
 
 @one_line_errors("bench")
 def run(args: argparse.Namespace) -> int:
-    """Run ``lowlat bench``. Returns 0, or 2 after printing one error line (LOWLAT_DEBUG=1 re-raises)."""
+    """Run ``lowlat bench``. Returns 0; 1 when a lowlat path asked for could not start (a plugin that fails to build
+    or is not installed; its rows are skipped, the others measured and every file written); or 2 after printing one
+    error line (LOWLAT_DEBUG=1 re-raises)."""
     from lowlat.bench.report import load_results, print_table, render_markdown
 
     if args.report:
@@ -134,4 +136,9 @@ def run(args: argparse.Namespace) -> int:
             "and silences this line")
     results = run_bench(cfg, out_dir=out, command=command_line(args), plot=not args.no_plot, log=log)
     print_table(results)
+    unstarted = sorted({f"{r['model']} {r['path']}" for r in results["rows"]
+                        if r.get("status") == "skipped" and " could not start: " in str(r.get("reason"))})
+    if unstarted:  # the table and files are written; a script must still see that an asked-for path never ran
+        log(f"[bench] exit status 1: {', '.join(unstarted)} could not start (the reasons are under the table)")
+        return 1
     return 0

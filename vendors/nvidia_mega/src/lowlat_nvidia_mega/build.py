@@ -236,15 +236,24 @@ def _attention_partials(hq: int, hkv: int, d: int, attn_plans: dict[tuple[int, i
 
 
 def _head_workspace(mc: Any, dev: torch.device, alloc: Any) -> LMHeadWorkspace:
-    """The sampled-ids scratch (``specs.SAMPLING``): LM head tiles of LMHeadConfig's 128 tokens, C = CANDIDATES."""
+    """The sampled-ids scratch (``specs.SAMPLING``): LM head tiles of ``default_lm_head_config().block_v`` tokens
+    (128 unless ``LOWLAT_MEGA_LM_HEAD_CONFIG`` says otherwise), C = CANDIDATES.
+
+    Raises:
+        PluginBuildError: a ``block_v`` below CANDIDATES (a tile must hold the sampler's candidate list)."""
     from lowlat_nvidia_mega.specs import CANDIDATES
+
+    block_v = default_lm_head_config().block_v
+    if block_v < CANDIDATES:
+        raise PluginBuildError(f"{LM_HEAD_CONFIG_ENV}: block_v={block_v} is below the sampler's {CANDIDATES} "
+                               f"candidates per tile; use block_v >= {CANDIDATES}")
 
     count = iter(range(1 << 30))
 
     def head_alloc(shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         return alloc(f"lm_head_sample.{next(count)}", tuple(shape), dtype)
 
-    return LMHeadWorkspace.allocate(MAX_ROWS, mc.vocab_size, dev, block_v=128, candidates=CANDIDATES, fan_in=8,
+    return LMHeadWorkspace.allocate(MAX_ROWS, mc.vocab_size, dev, block_v=block_v, candidates=CANDIDATES, fan_in=8,
                                     alloc=head_alloc)
 
 

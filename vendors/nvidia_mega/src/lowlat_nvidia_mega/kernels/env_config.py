@@ -9,6 +9,7 @@ change in whole steps beside the default (docs/kernels.md, "Launch plans").
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import Field, fields
 from typing import TypeVar
 
@@ -30,8 +31,9 @@ def config_from_env(cls: type[C], env: str) -> C:
 
     Raises:
         ValueError: an empty item, a repeated field, an item that is not ``FIELD=INT`` with a field of ``cls``, a
-            value that is not an integer (or not 1 / 0 for an on/off field), or one ``cls`` refuses; each names the
-            variable and the item.
+            value that is not a plain decimal integer (ASCII digits, an optional minus; not ``+8``, ``0x8``, ``1_6``
+            or other scripts' digits), or not 1 / 0 for an on/off field, or one ``cls`` refuses; each names the
+            variable and the item (cut to 60 characters).
     """
     text = os.environ.get(env, "").strip()
     if not text:
@@ -40,22 +42,22 @@ def config_from_env(cls: type[C], env: str) -> C:
     changes: dict[str, object] = {}
     for item in text.split(","):
         name, eq, value = (part.strip() for part in item.partition("="))
+        shown = repr(item.strip()[:60] + ("..." if len(item.strip()) > 60 else ""))
         if not item.strip():
             raise ValueError(f"{env}={text!r} has an empty item: separate FIELD=INT items by single commas")
         if name in changes:
             raise ValueError(f"{env}={text!r} sets {name} twice: keep one")
         if not eq or name not in names:
-            raise ValueError(f"{env}: {item.strip()!r} must be FIELD=INT with a {cls.__name__} field "
+            raise ValueError(f"{env}: {shown} must be FIELD=INT with a {cls.__name__} field "
                              f"({', '.join(names)})")
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(f"{env}: {item.strip()!r}: the value must be an integer") from None
         flag = is_flag(names[name])
-        if flag and number not in (0, 1):
-            raise ValueError(f"{env}: {item.strip()!r}: {name} is 1 (on) or 0 (off)")
+        if flag and value not in ("0", "1"):
+            raise ValueError(f"{env}: {shown}: {name} is 1 (on) or 0 (off)")
+        if not re.fullmatch(r"-?[0-9]{1,18}", value):
+            raise ValueError(f"{env}: {shown}: the value must be a decimal integer such as 8")
+        number = int(value)
         changes[name] = bool(number) if flag else number
     try:
         return cls(**changes)
     except ValueError as err:
-        raise ValueError(f"{env}={text!r}: {err}") from None
+        raise ValueError(f"{env}={text[:120]!r}: {err}") from None

@@ -34,8 +34,9 @@ ROWS = 8
 
 @dataclass(frozen=True)
 class LMHeadConfig:
-    """Launch settings (powers of two, the two tile sides >= 16; ``num_stages`` >= 1). ``block_v`` is used by
-    ``lm_head_logits``; ``lm_head_sample`` takes it from its workspace (the merge tree's shape depends on it).
+    """Launch settings (integers: powers of two, the two tile sides >= 16 and at most 2**20 elements together;
+    ``num_stages`` 1..8). ``block_v`` is used by ``lm_head_logits``; ``lm_head_sample`` takes it from its workspace
+    (the merge tree's shape depends on it; the engine sizes that workspace from the same config).
     ``min_rows`` (a power of two, 1..8) pads the rows to at least that many: ``ROWS_C = max(next_pow2(T),
     min_rows)``, so at 1 row 8 makes the tile's dot an MMA of N = 8 instead of a one-column dot.
     Defaults measured on the H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128
@@ -50,17 +51,24 @@ class LMHeadConfig:
     min_rows: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("block_v", "block_k", "num_warps", "min_rows", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"LMHeadConfig.{name}={v!r} must be an integer, not {type(v).__name__}")
         for name in ("block_v", "block_k", "num_warps", "min_rows"):
             v = getattr(self, name)
             low = 16 if name in ("block_v", "block_k") else 1  # the tiles are tl.dot operands: each side >= 16
-            if not isinstance(v, int) or v < low or v & (v - 1):
+            if v < low or v & (v - 1):
                 raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= {low}")
+        if self.block_v * self.block_k > 1 << 20:  # Triton's largest tensor (block_k is also capped at H)
+            raise ValueError(f"LMHeadConfig: block_v x block_k = {self.block_v} x {self.block_k} is above 2**20 "
+                             "elements, Triton's largest tensor")
         if self.num_warps > 32:
             raise ValueError(f"LMHeadConfig.num_warps={self.num_warps}: a program has at most 32 warps")
         if self.min_rows > ROWS:
             raise ValueError(f"LMHeadConfig.min_rows={self.min_rows} must be at most {ROWS} (the rows a launch serves)")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be an integer >= 1")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"LMHeadConfig.num_stages={self.num_stages} must be in 1..8 (shared memory holds fewer)")
 
 
 CONFIG_ENV = "LOWLAT_MEGA_LM_HEAD_CONFIG"
