@@ -262,9 +262,13 @@ def test_bad_inputs_raise_clear_errors() -> None:
         MoEKernelConfig(down_block_n=24)
     with pytest.raises(ValueError, match="power of two"):
         MoEKernelConfig(row1_block_k=768)
-    with pytest.raises(ValueError, match="row1_stages=0 must be >= 1"):
+    with pytest.raises(ValueError, match="row1_stages=0 must be in 1..8"):
         MoEKernelConfig(row1_stages=0)
-    assert MoEKernelConfig(gate_up_stages=3, row1_stages=5).gate_up_stages == 3  # stages: any depth >= 1
+    with pytest.raises(ValueError, match="gate_up_stages=9 must be in 1..8"):
+        MoEKernelConfig(gate_up_stages=9)
+    with pytest.raises(ValueError, match="route_programs=4097 must be in 1..4096"):
+        MoEKernelConfig(route_programs=4097)
+    assert MoEKernelConfig(gate_up_stages=3, row1_stages=5).gate_up_stages == 3  # stages: any depth 1..8
 
 
 def test_workspace_counts_its_bytes() -> None:

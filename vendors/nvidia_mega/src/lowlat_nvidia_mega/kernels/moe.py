@@ -57,8 +57,8 @@ from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, pe
 @dataclass(frozen=True)
 class MoEKernelConfig:
     """Tile sizes and launch settings: powers of two, except ``route_programs`` (the number of router programs
-    to aim for) and the ``*_stages`` software-pipeline depths (>= 1). Defaults aim at Qwen3-30B-A3B shapes on an
-    H200; ``bench_moe_head.py --sweep`` tries others."""
+    to aim for, 1..4096) and the ``*_stages`` software-pipeline depths (1..8). Defaults aim at Qwen3-30B-A3B shapes
+    on an H200; ``bench_moe_head.py --sweep`` tries others."""
 
     gate_up_block_n: int = 16
     gate_up_block_k: int = 256
@@ -91,8 +91,9 @@ class MoEKernelConfig:
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be an integer")
             if f.name == "route_programs" or f.name.endswith("_stages"):
-                if v < 1:
-                    raise ValueError(f"MoEKernelConfig.{f.name}={v} must be >= 1")
+                top = 4096 if f.name == "route_programs" else 8  # more stages than shared memory ever holds
+                if not 1 <= v <= top:
+                    raise ValueError(f"MoEKernelConfig.{f.name}={v} must be in 1..{top}")
                 continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v} must be a power of two >= 1")
