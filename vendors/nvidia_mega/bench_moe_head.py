@@ -311,7 +311,7 @@ def main() -> None:
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":
         # the LM head's tiles: logits at 1 and 8 rows, greedy ids at 1 row (at the workspace's 128-token tiles);
-        # min_rows=8 runs one row as 8 (an MMA of N = 8 instead of a one-column dot)
+        # min_rows=8 runs one row as 8 (on sm90 the dot then compiles to wgmma, as at 8 rows, not mma.sync)
         lm_sweep = [dict(block_v=bv, block_k=bk, num_stages=st) for bv, bk, st in
                     ((128, 64, 4), (128, 128, 2), (128, 256, 3), (64, 128, 4))]
         lm_sweep += [dict(block_v=bv, block_k=bk, num_stages=st, num_warps=wp, min_rows=8) for bv, bk, st, wp in

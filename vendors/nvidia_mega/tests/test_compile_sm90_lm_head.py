@@ -104,3 +104,21 @@ def test_lm_head_logits_compiles_for_sm90(prefetch: bool, monkeypatch: pytest.Mo
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert any("cp.async.cg.shared.global" in ln and "0x10" in ln for ln in ptx.splitlines()), \
         "weight tiles must stream as 16-byte asynchronous copies"
+
+
+@pytest.mark.parametrize("min_rows", [1, 8])
+def test_one_row_logits_take_wgmma_when_padded(min_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LMHeadConfig.min_rows=8`` at one row: the tile's dot has N = 8 and compiles to sm90's warpgroup MMA
+    (``wgmma ... m64n8k16``, the weight tile read from shared memory); at N = 1 Triton pads to ``mma.sync
+    m16n8k16`` (the tile through registers). qwen3-30b-a3b's vocabulary, PDL, the default tiles."""
+    def launch() -> None:
+        x = torch.empty(1, 2048, dtype=torch.bfloat16, device=META)
+        out = torch.empty(1, 151936, device=META)
+        lm_head.lm_head_logits(x, torch.empty(2048, dtype=torch.bfloat16, device=META),
+                               torch.empty(151936, 2048, dtype=torch.bfloat16, device=META), 1e-6, out, pdl=True,
+                               config=lm_head.LMHeadConfig(min_rows=min_rows))
+    bound, options = _capture(monkeypatch, launch)
+    assert bound["ROWS_C"] == min_rows
+    ptx = _compile(bound, options)
+    assert ("wgmma.mma_async" in ptx) == (min_rows == 8), "only the padded dot takes the warpgroup MMA"
+    assert ("mma.sync.aligned.m16n8k16" in ptx) == (min_rows == 1)

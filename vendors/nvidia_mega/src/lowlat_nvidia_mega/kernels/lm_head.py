@@ -38,7 +38,9 @@ class LMHeadConfig:
     ``num_stages`` 1..8). ``block_v`` is used by ``lm_head_logits``; ``lm_head_sample`` takes it from its workspace
     (the merge tree's shape depends on it; the engine sizes that workspace from the same config).
     ``min_rows`` (a power of two, 1..8) pads the rows to at least that many: ``ROWS_C = max(next_pow2(T),
-    min_rows)``, so at 1 row 8 makes the tile's dot an MMA of N = 8 instead of a one-column dot.
+    min_rows)``. At one row 8 turns the tile's dot from ``mma.sync m16n8k16`` (N padded by Triton, the weight tile
+    through registers) into sm90's ``wgmma m64n8k16`` (read from shared memory), as an 8-row launch compiles
+    (Triton 3.9's sm90 build, ``tests/test_compile_sm90_lm_head.py``).
     Defaults measured on the H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128
     with 3 stages take 155.0 µs at 1 row and 150.9 at 8, against 177.6 and 163.7 for the earlier 64 / 4 stages
     (docs/kernels.md, "Launch plans"). ``LOWLAT_MEGA_LM_HEAD_CONFIG`` (``default_lm_head_config``) replaces fields
