@@ -264,3 +264,16 @@ def test_a_row_whose_repeat_disagrees_is_named_under_the_table(bench_run):
     assert len(notes) == 1 and "88.6700 ms" in notes[0] and "1.4100 ms" in notes[0] and "6189%" in notes[0]
     assert notes[0] in report.render_markdown(faked)
     assert report.unstable_notes({**results, "rows": rows[1:]}) == []
+
+
+def test_metadata_records_the_switches_in_the_environment(monkeypatch):
+    """An A/B whose B side is an environment switch has the baseline's command line: ``meta.env`` tells the two
+    results apart (``LOWLAT_*`` and ``TRITON_*`` variables, nothing else)."""
+    from lowlat.bench.env import environment
+
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8")
+    monkeypatch.setenv("LOWLAT_TEST_UNRELATED_HOME", "/x")
+    monkeypatch.setenv("HOME_NOT_RECORDED", "secret")
+    env = environment(torch.device("cpu"), ["lowlat", "bench"])["env"]
+    assert env["LOWLAT_MEGA_LM_HEAD_CONFIG"] == "min_rows=8" and "HOME_NOT_RECORDED" not in env
+    assert all(k.startswith(("LOWLAT_", "TRITON_")) for k in env)

@@ -405,7 +405,7 @@ def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_lm_head_config() == LMHeadConfig()
     monkeypatch.setenv(CONFIG_ENV, "min_rows=8, num_warps=8")
     assert default_lm_head_config() == LMHeadConfig(min_rows=8, num_warps=8)
-    for bad, match in (("min_rows=5", "power of two"), ("rows=8", "FIELD=INT with a LMHeadConfig field"),
+    for bad, match in (("min_rows=5", "1, 2, 4 or 8"), ("rows=8", "FIELD=INT with a LMHeadConfig field"),
                        ("min_rows=8,", "empty item"), ("min_rows=8,min_rows=4", "min_rows twice"),
                        ("block_v=x", "decimal integer"), ("min_rows=+8", "decimal integer"),
                        ("min_rows=\u0668", "decimal integer"), ("block_v=1_28", "decimal integer"),

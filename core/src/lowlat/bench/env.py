@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 import sys
@@ -62,7 +63,9 @@ def gpu_info(device: torch.device) -> dict[str, Any]:
 
 
 def environment(device: torch.device, command: list[str] | None) -> dict[str, Any]:
-    """Everything a results JSON records about the run (``command``: argv, default ``sys.argv``)."""
+    """Everything a results JSON records about the run (``command``: argv, default ``sys.argv``), with the
+    ``LOWLAT_*`` and ``TRITON_*`` environment variables set (the plugins' switches: an A/B run with a switch in the
+    environment has the same command line as its baseline)."""
     cmd = list(sys.argv if command is None else command)
     return {
         **git_commit(),
@@ -78,4 +81,5 @@ def environment(device: torch.device, command: list[str] | None) -> dict[str, An
         "python": platform.python_version(),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("LOWLAT_", "TRITON_"))},
     }

@@ -84,10 +84,14 @@ class StepWatchdog:
             raise job.error
         return job.result  # type: ignore[no-any-return]
 
-    def close(self) -> None:
-        """Let the worker thread exit (idempotent; an abandoned thread is left to itself)."""
+    def close(self, join_s: float = 10.0) -> None:
+        """Let the worker thread exit and wait up to ``join_s`` seconds for it (idempotent; an abandoned thread is
+        left to itself). Joining matters at process exit: a worker still unwinding its native thread state while the
+        interpreter finalizes can abort the process (``terminate called without an active exception``, seen with
+        Triton's interpreter)."""
         if self._thread is not None:
             self._jobs.put(None)
+            self._thread.join(join_s)
             self._thread = None
 
     def _loop(self) -> None:

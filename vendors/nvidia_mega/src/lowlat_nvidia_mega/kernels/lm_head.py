@@ -61,7 +61,8 @@ class LMHeadConfig:
             v = getattr(self, name)
             low = 16 if name in ("block_v", "block_k") else 1  # the tiles are tl.dot operands: each side >= 16
             if v < low or v & (v - 1):
-                raise ValueError(f"LMHeadConfig.{name}={v} must be a power of two >= {low}")
+                raise ValueError(f"LMHeadConfig.{name}={v} must be " +
+                                 ("1, 2, 4 or 8" if name == "min_rows" else f"a power of two >= {low}"))
         if self.block_v * self.block_k > 1 << 20:  # Triton's largest tensor (block_k is also capped at H)
             raise ValueError(f"LMHeadConfig: block_v x block_k = {self.block_v} x {self.block_k} is above 2**20 "
                              "elements, Triton's largest tensor")
