@@ -31,8 +31,10 @@ M = [  # (name, file, original text, mutated text)
     ("the env not checked at build", B, "                   default_lm_head_config):", "                   ):"),
     ("the step's logits ignore the config", F, "pdl=use_pdl,\n                              config=self.head_config)",
      "pdl=use_pdl)"),
-    ("the config never set at build", F, "        self.head_config = default_lm_head_config()\n",
-     "        self.head_config = None\n"),
+    ("the config never passed to the forward", B, "if tp > 1 else None, head_config=head_config)",
+     "if tp > 1 else None)"),
+    ("the sampler's tiles not the config's", B, "_head_workspace(mc, dev, alloc, head_config.block_v)",
+     "_head_workspace(mc, dev, alloc, 128)"),
 ]
 
 if __name__ == "__main__":

@@ -144,6 +144,7 @@ def build(binding: Any) -> MegaForward:
     cos_ws, sin_ws = alloc("rope_cos", tuple(cos.shape), f32), alloc("rope_sin", tuple(sin.shape), f32)
     cos_ws.copy_(cos)
     sin_ws.copy_(sin)
+    head_config = default_lm_head_config()  # one read: the sampler's workspace and the launches share its tiles
     ws = Workspaces(
         x=alloc("x", (MAX_ROWS, hid), dt), q=alloc("q", (MAX_ROWS, hq * d), dt),
         attn=alloc("attn", (MAX_ROWS, hq * d), dt),
@@ -154,12 +155,12 @@ def build(binding: Any) -> MegaForward:
         lse_partial=alloc("attn_lse_partial", (n_l,), f32), cos=cos_ws, sin=sin_ws,
         h=alloc("prenorm_h", (MAX_ROWS, hid), dt),
         moe=_moe_workspace(mc, sh.moe_inter, dt, dev, alloc) if mc.is_moe else None,
-        head=_head_workspace(mc, dev, alloc) if tp == 1 else None,  # at TP the engine samples (core's Dispatcher)
+        head=_head_workspace(mc, dev, alloc, head_config.block_v) if tp == 1 else None,  # at TP the engine samples
     )
     fwd = MegaForward(config=mc, device=dev, dtype=dt, embed=embed, final_norm=final_norm, lm_head=lm_head,
                       layers=layers, ws=ws, plans=plans, attn_plans=attn_plans,
                       prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev), heads=(hq, hkv),
-                      tp=open_tp(binding, hid, MAX_ROWS, dt) if tp > 1 else None)
+                      tp=open_tp(binding, hid, MAX_ROWS, dt) if tp > 1 else None, head_config=head_config)
     binding.on_kv_pool_ready(fwd.attach_kv_pool)
     return fwd
 
@@ -235,15 +236,14 @@ def _attention_partials(hq: int, hkv: int, d: int, attn_plans: dict[tuple[int, i
     return n_o, n_l
 
 
-def _head_workspace(mc: Any, dev: torch.device, alloc: Any) -> LMHeadWorkspace:
-    """The sampled-ids scratch (``specs.SAMPLING``): LM head tiles of ``default_lm_head_config().block_v`` tokens
-    (128 unless ``LOWLAT_MEGA_LM_HEAD_CONFIG`` says otherwise), C = CANDIDATES.
+def _head_workspace(mc: Any, dev: torch.device, alloc: Any, block_v: int) -> LMHeadWorkspace:
+    """The sampled-ids scratch (``specs.SAMPLING``): LM head tiles of ``block_v`` tokens (the engine's
+    ``LMHeadConfig``: 128 unless ``LOWLAT_MEGA_LM_HEAD_CONFIG`` says otherwise), C = CANDIDATES.
 
     Raises:
         PluginBuildError: a ``block_v`` below CANDIDATES (a tile must hold the sampler's candidate list)."""
     from lowlat_nvidia_mega.specs import CANDIDATES
 
-    block_v = default_lm_head_config().block_v
     if block_v < CANDIDATES:
         raise PluginBuildError(f"{LM_HEAD_CONFIG_ENV}: block_v={block_v} is below the sampler's {CANDIDATES} "
                                f"candidates per tile; use block_v >= {CANDIDATES}")
