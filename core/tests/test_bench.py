@@ -112,6 +112,10 @@ def test_per_layer_figure_only_for_a_positive_slope_above_the_noise(bench_run, f
     assert cells["us/layer"] == "-" and cells["layer roofline us"] == "100.0"
     md = render_markdown(doctored)
     assert "No per-layer figure (us/layer -):" in md
+    # a ratio too small for its decimals (an interpreter run) keeps two significant figures, never "0.00"
+    tiny = {**results, "rows": [{**row, "speedup_vs_general": 0.00047, "pct_of_roofline": 0.012}]}
+    cells = dict(zip(HEADERS, table_rows(tiny)[0]))
+    assert (cells["x general"], cells["% roofline"], cells["x hf"]) == ("0.00047", "0.012", "-")
     assert f"- tiny-llama general (decode b=1): {row['per_layer_note']}" in md
 
 

@@ -32,6 +32,14 @@ def _f(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _ratio(x: float | None, digits: int) -> str:
+    """A ratio or percentage: ``digits`` decimals, or two significant figures where those would print 0 (an
+    interpreter run is thousands of times slower than the general path; "0.00" would read as no figure)."""
+    if x is not None and 0 < abs(x) < 10 ** -digits:
+        return f"{x:.2g}"
+    return _f(x, digits)
+
+
 def step_label(row: dict[str, Any]) -> str:
     """"decode b=4" or "verify b=1 x6"."""
     extra = f" x{row['tokens_per_req']}" if row["mode"] == "VERIFY" else ""
@@ -53,9 +61,9 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
         out.append(head[:1] + [r["path"] + ran, head[2]] + [
             _f(s["median"], 4), f"{s['p10']:.4f}-{s['p90']:.4f}", _f(r["repeat_ms"]["median"], 4),
             _f(r["replay_ms"]["median"], 4) if r.get("replay_ms") else "-", _f(r["tokens_per_s_per_req"], 1),
-            _f(r.get("roofline_ms"), 4), _f(r.get("pct_of_roofline"), 1), _f(r.get("per_layer_us"), 1),
+            _f(r.get("roofline_ms"), 4), _ratio(r.get("pct_of_roofline"), 1), _f(r.get("per_layer_us"), 1),
             _f(r.get("layer_roofline_us"), 1), _f(r.get("launches_per_layer"), 1),
-            _f(r.get("speedup_vs_general"), 2), _f(r.get("speedup_vs_hf"), 2),
+            _ratio(r.get("speedup_vs_general"), 2), _ratio(r.get("speedup_vs_hf"), 2),
         ])
     return out
 
