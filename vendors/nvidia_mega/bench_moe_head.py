@@ -313,8 +313,7 @@ def main() -> None:
         # the one-row down without the split over slots (row1_down_loop): (columns per program, I chunk, warps)
         # beside the default, at 1 row, checked against the reference first
         loop_sweep = [dict(row1_down_loop=True, row1_down_block_n=bn, row1_down_block_i=bi, row1_down_warps=wp)
-                      for bn, bi, wp in ((16, 1024, 8), (8, 1024, 4), (16, 1024, 4), (8, 1024, 8), (4, 1024, 4),
-                                         (32, 256, 8), (16, 256, 4), (8, 512, 4))]
+                      for bn, bi, wp in ((16, 1024, 8), (8, 1024, 4), (4, 1024, 4), (32, 256, 8))]
         sec, floor = bench_moe(layers, 1, True, args.reps, gen, bw, moe_cfg)
         table.append(("moe_forward (per layer)", 1, True, "default (split down)", sec, floor))
         for kwargs in loop_sweep:
