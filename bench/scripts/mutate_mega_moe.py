@@ -1,7 +1,7 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
 (kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages, MoEKernelConfig and default_config
 in kernels/moe.py, its parser kernels/env_config.py, the build's check of LOWLAT_MEGA_MOE_CONFIG):
-the routing grid's one program per (router block, row);
+the routing grid's one program per (router block, row) and its selection over next_pow2(T) rows;
 break the code in one place, run the MoE tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
@@ -63,6 +63,10 @@ M = [  # (name, file, original text, mutated text)
     ("a NaN row's weight kept at the 2.0 stand-in", P,
      'tl.where(best > 1.0, float("nan"), best)[:, None]', "best[:, None]"),
     ("routing grid one row", S, 'moe_route_kernel[(rp["grid"], t)](', 'moe_route_kernel[(rp["grid"], 1)]('),
+    ("routing selection over one row", S, "SEL_ROWS=triton.next_power_of_2(t)", "SEL_ROWS=1"),
+    ("routing selection over all 8 rows again", S, "SEL_ROWS=triton.next_power_of_2(t)", "SEL_ROWS=ROWS"),
+    ("routing selection tile of 8 with SEL_ROWS rows", P, "rows = tl.arange(0, SEL_ROWS)",
+     "rows = tl.arange(0, ROWS_C)"),
     ("routing h stored by every program of row 0 only", P, "        tl.store(h_ptr + r * H + offs_h, h, mask=mask_h)",
      "        tl.store(h_ptr + offs_h, h, mask=mask_h & (r == 0))"),
     ("K sides below 16 accepted", S, 'for name in ("gate_up_block_k", "down_block_i"):', "for name in ():"),

@@ -155,8 +155,9 @@ def test_down_in_i_chunks_matches(rows: int, cfg: MoEKernelConfig, dtype: torch.
 
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which kernels and constants MoEStages launches: the one-row gate/up and the down kernel's ROW1 exactly at one
-    row with ``row1``; the down kernel's I chunk from ``down_block_i`` (capped at I rounded up to a power of two)."""
+    """Which kernels and constants MoEStages launches: the routing's selection over next_pow2(T) rows; the one-row
+    gate/up and the down kernel's ROW1 exactly at one row with ``row1``; the down kernel's I chunk from
+    ``down_block_i`` (capped at I rounded up to a power of two)."""
     from lowlat_nvidia_mega.kernels import moe
     from sm90_launch import LaunchRecorder
 
@@ -174,7 +175,9 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
             names = [n for n, *_ in log]
             assert names == ["moe_route_kernel", "_moe_gate_up_row1_kernel" if row1 else "_moe_gate_up_kernel",
                              "_moe_down_kernel"]
-            gate_up, down = ({"grid": grid, **kwargs} for _, grid, _, kwargs in log[1:])
+            route, gate_up, down = ({"grid": grid, **kwargs} for _, grid, _, kwargs in log)
+            # the routing's last arriver selects over the step's rows rounded up to a power of two, not all 8
+            assert route["SEL_ROWS"] == triton.next_power_of_2(rows) and route["ROWS_C"] == 8
             slots = min(E, rows * K)
             assert down["ROW1"] is row1 and down["BLOCK_I"] == want_i and down["grid"] == (H // cfg.down_block_n, slots)
             bn = cfg.row1_block_n if row1 else cfg.gate_up_block_n

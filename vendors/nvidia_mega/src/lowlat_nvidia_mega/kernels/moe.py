@@ -331,7 +331,8 @@ class MoEStages:
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
             t, hidden, ws.num_experts, float(self.eps), x.stride(0),
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
-            H_PAD=rp["H_PAD"], ROWS_C=ROWS, BITS=rp["BITS"], HAS_NORM=self.norm_w is not None,
+            H_PAD=rp["H_PAD"], ROWS_C=ROWS, SEL_ROWS=triton.next_power_of_2(t), BITS=rp["BITS"],
+            HAS_NORM=self.norm_w is not None,
             RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
     def gate_up(self) -> None:

@@ -17,12 +17,15 @@ for the step's row r.
    norm, the dot, the store) per row, 13.1 µs at 8 rows against 6.8 at 1 (bench/results/2026-12-02-h200-mega-moe,
    call 4); the router rows are read once per row, from L2 after the first.
 3. The last program to arrive (an atomic ticket, the CUDA "threadFenceReduction" pattern; the ticket resets itself
-   for the next launch) computes softmax and top-k over all ``E`` logits, marks each selected expert in a presence
-   mask, and gives every present expert a compact slot = the population count of present experts below it
-   (an exclusive prefix sum; no sort). A slot is one tile of all (at most 8) rows: ``slot_weight[slot, r]`` is
-   row r's routing weight for that expert, 0 for a row that did not select it. It also writes the presence bitmap
-   (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the combine), the
-   top-k ids and weights, and the number of slots.
+   for the next launch) computes softmax and top-k over all ``E`` logits of the step's rows (a tile of
+   ``SEL_ROWS = next_pow2(T)`` rows, not the workspace's 8: at one row the selection took 3.8 of the kernel's 7.1
+   µs alone in a chain on an H100, the 8-row tile 0.8 µs of that; bench/results/2026-12-07-h100-mega-route), marks
+   each selected expert in a presence mask, and gives every present expert a compact slot = the population count
+   of present experts below it (an exclusive prefix sum; no sort). A slot is one tile of all (at most 8) rows:
+   ``slot_weight[slot, r]`` is row r's routing weight for that expert, 0 for a row below ``SEL_ROWS`` that did not
+   select it (rows from ``SEL_ROWS`` on are not written; every reader masks rows at or past T). It also writes the
+   presence bitmap (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the
+   combine), the top-k ids and weights, and the number of slots.
 
 Memory ordering of the ticket: each program's stores, then a CTA barrier, then an ``acq_rel`` atomic (release for
 the stores, acquire for the last program's loads, which bypass L1 with ``.cg``).
@@ -46,7 +49,7 @@ def moe_route_kernel(
     slot_expert_ptr, slot_weight_ptr, num_slots_ptr, bitmap_ptr, counter_ptr,
     n_rows, H, E, eps, stride_x,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
-    H_PAD: tl.constexpr, ROWS_C: tl.constexpr, BITS: tl.constexpr,
+    H_PAD: tl.constexpr, ROWS_C: tl.constexpr, SEL_ROWS: tl.constexpr, BITS: tl.constexpr,
     HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -82,15 +85,15 @@ def moe_route_kernel(
         tl.atomic_xchg(counter_ptr, 0)
         _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                         num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
-                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, BITS, RENORM)
+                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, SEL_ROWS, BITS, RENORM)
 
 
 @triton.jit
 def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                     num_slots_ptr, bitmap_ptr, n_rows, E, dtype: tl.constexpr,
                     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS_C: tl.constexpr,
-                    BITS: tl.constexpr, RENORM: tl.constexpr):
-    rows = tl.arange(0, ROWS_C)
+                    SEL_ROWS: tl.constexpr, BITS: tl.constexpr, RENORM: tl.constexpr):
+    rows = tl.arange(0, SEL_ROWS)  # the step's rows rounded up to a power of two, not the workspace's 8
     ee = tl.arange(0, E_PAD)
     kk = tl.arange(0, TOPK_PAD)
     row_ok = rows < n_rows
@@ -105,10 +108,10 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     # and its output comes out NaN instead of the row being dropped.
     work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)
 
-    sel = tl.zeros([ROWS_C, E_PAD], dtype=tl.int32)
-    sel_w = tl.zeros([ROWS_C, E_PAD], dtype=tl.float32)
-    ids = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.int32)
-    wts = tl.zeros([ROWS_C, TOPK_PAD], dtype=tl.float32)
+    sel = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.int32)
+    sel_w = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.float32)
+    ids = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.int32)
+    wts = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         best = tl.max(work, axis=1)
         idx = tl.min(tl.where(work == best[:, None], ee[None, :], E_PAD), axis=1)
