@@ -239,7 +239,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="distinct MoE layers per graph (default 8)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays (median taken)")
-    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "lm_head", "down_loop"),
+    ap.add_argument("--sweep", nargs="?", const="all", choices=("all", "moe", "lm_head"),
                     help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value)")
     ap.add_argument("--stages", action="store_true",
                     help="also time the MoE's route / gate_up / down stages: chain prefixes and each alone")
@@ -309,22 +309,6 @@ def main() -> None:
             for rows in row_counts:
                 sec, floor = bench_moe(layers, rows, True, args.reps, gen, bw, cfg)
                 table.append(("moe_forward (per layer)", rows, True, label, sec, floor))
-    if args.sweep in ("all", "down_loop") and DEV == "cuda":
-        # the one-row down without the split over slots (row1_down_loop): (columns per program, I chunk, warps)
-        # beside the default, at 1 row, checked against the reference first
-        loop_sweep = [dict(row1_down_loop=True, row1_down_block_n=bn, row1_down_block_i=bi, row1_down_warps=wp)
-                      for bn, bi, wp in ((16, 1024, 8), (8, 1024, 4), (4, 1024, 4), (32, 256, 8))]
-        sec, floor = bench_moe(layers, 1, True, args.reps, gen, bw, moe_cfg)
-        table.append(("moe_forward (per layer)", 1, True, "default (split down)", sec, floor))
-        for kwargs in loop_sweep:
-            cfg = MoEKernelConfig(**kwargs)
-            label = f"loop {cfg.row1_down_block_n}x{cfg.row1_down_block_i} {cfg.row1_down_warps}w"
-            for note in check_moe(layers, gen, cfg, (1,), f" ({label})"):
-                print("check:", note)
-            sec, floor = bench_moe(layers, 1, True, args.reps, gen, bw, cfg)
-            table.append(("moe_forward (per layer)", 1, True, label, sec, floor))
-        for label, sec, floor in bench_moe_stages(layers, 1, args.reps, gen, bw, MoEKernelConfig(**loop_sweep[0])):
-            table.append((f"moe {label}", 1, True, "loop 16x1024 8w", sec, floor))
     if args.sweep in ("all", "lm_head") and DEV == "cuda":
         # the LM head's tiles: logits at 1 and 8 rows, greedy ids at 1 row (at the workspace's 128-token tiles);
         # min_rows=8 runs one row as 8 (on sm90 the dot then compiles to wgmma, as at 8 rows, not mma.sync)

@@ -1,7 +1,7 @@
 """Compile the MoE kernels for sm90 at Qwen3-30B-A3B's shapes, without a GPU (opt-in: LOWLAT_MEGA_COMPILE_CHECK=1,
 like ``test_compile_sm90.py``): the routing kernel, gate/up in both forms (``tl.dot`` and the one-row FMA loop of
-``moe_row1.py``) and down in its three forms (``tl.dot``, ``ROW1`` and ``row1_down_loop``), each launch captured
-from ``MoEStages`` itself, at 1 and 8 rows with PDL. Run without ``TRITON_INTERPRET``:
+``moe_row1.py``) and down in both forms (``tl.dot`` and ``ROW1``), each launch captured from ``MoEStages`` itself,
+at 1 and 8 rows with PDL. Run without ``TRITON_INTERPRET``:
 
     LOWLAT_MEGA_COMPILE_CHECK=1 PYTHONPATH=core/src:vendors/nvidia_mega/src \\
         python -m pytest vendors/nvidia_mega/tests/test_compile_sm90_moe.py -q
@@ -29,11 +29,9 @@ DT = torch.bfloat16
 TDOT = moe.MoEKernelConfig(row1=False)  # the tl.dot forms at one row too
 ROW1 = moe.MoEKernelConfig()  # production: the one-row FMA forms at one row
 CHUNKED = moe.MoEKernelConfig(down_block_n=64, down_block_i=128)  # down's I loop (software-pipelined)
-LOOP = moe.MoEKernelConfig(row1_down_loop=True)  # one-row down without the split over slots (moe_row1.py)
 # stage: (kernel name in moe.py, the MoEStages method that launches it)
 KERNELS = {"route": ("moe_route_kernel", "route"), "gate_up": ("_moe_gate_up_kernel", "gate_up"),
-           "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down"),
-           "down_loop": ("_moe_down_row1_kernel", "down")}
+           "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down")}
 ORIGINAL = {name: getattr(moe, name) for name, _ in KERNELS.values()}  # before a test swaps one for a recorder
 
 
@@ -49,9 +47,8 @@ def _stages(rows: int, cfg: moe.MoEKernelConfig, h: int = H, i: int = I, e: int 
 
 @pytest.mark.parametrize(("stage", "rows", "cfg"), [
     ("route", 1, ROW1), ("route", 8, ROW1), ("gate_up", 1, TDOT), ("gate_up", 8, ROW1), ("gate_up_row1", 1, ROW1),
-    ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED),
-    ("down_loop", 1, LOOP)],
-    ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked", id(LOOP): "loop"}.get(id(v), str(v)))
+    ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED)],
+    ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked"}.get(id(v), str(v)))
 def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelConfig,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     name, method = KERNELS[stage]
@@ -64,7 +61,7 @@ def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelC
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     if stage == "down" and cfg is CHUNKED and rows > 1:
         assert "cp.async" in ptx, "the I loop's weight and act tiles must be software-pipelined"
-    if stage in ("gate_up_row1", "down", "down_loop") and rows == 1 and cfg.row1:
+    if stage in ("gate_up_row1", "down") and rows == 1 and cfg.row1:
         assert "mma" not in ptx, "the one-row forms run on the FMA units"
     if stage != "route":  # expert weights stream as 16-byte loads
         assert any(("ld.global" in ln or "cp.async" in ln) and ("v4" in ln or "0x10" in ln)

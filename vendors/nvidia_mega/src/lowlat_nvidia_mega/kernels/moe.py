@@ -23,9 +23,7 @@ Kernels (the routing one is in ``moe_route.py``):
 
 One-row steps (``MoEKernelConfig.row1``, on): gate/up runs ``moe_row1._moe_gate_up_row1_kernel`` (the FMA loop of
 ``gemv.py``, ``h`` as a 1-D vector) and down its ``ROW1`` form (the products on the FMA units, no ``tl.dot`` layout
-conversion of the [BLOCK_N, I] tile); grids, ticket and roundings unchanged. With ``row1_down_loop`` (off by
-default, tp_size 1) down runs ``moe_row1._moe_down_row1_kernel`` instead: one program per output tile walks the
-row's experts, so no float32 partials and no ticket. On the H200 at Qwen3-30B-A3B's shapes
+conversion of the [BLOCK_N, I] tile); grids, ticket and roundings unchanged. On the H200 at Qwen3-30B-A3B's shapes
 they take a layer's MoE from 42.0 to 32.5 µs (bench/results/2026-12-02-h200-mega-moe/call2,
 ``bench_moe_head.py --sweep moe``). ``bench_moe_head.py --stages`` times route / gate_up / down (``MoEStages``).
 
@@ -51,7 +49,7 @@ import triton
 from lowlat_nvidia_mega.kernels.env_config import config_from_env, is_flag
 from lowlat_nvidia_mega.kernels.moe_experts import _moe_down_kernel, _moe_gate_up_kernel
 from lowlat_nvidia_mega.kernels.moe_route import ROWS, moe_route_kernel, route_launch_params
-from lowlat_nvidia_mega.kernels.moe_row1 import _moe_down_row1_kernel, _moe_gate_up_row1_kernel
+from lowlat_nvidia_mega.kernels.moe_row1 import _moe_gate_up_row1_kernel
 from lowlat_nvidia_mega.kernels.pdl import interpreting, launch_kwargs, pdl_supported
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args
 
@@ -82,14 +80,6 @@ class MoEKernelConfig:
     row1_block_k: int = 1024
     row1_warps: int = 4
     row1_stages: int = 3
-    # A one-row step's down without the split over slots (moe_row1._moe_down_row1_kernel): one program per
-    # row1_down_block_n output columns walks the row's top-k experts, I in row1_down_block_i chunks (capped at I
-    # rounded up to a power of two: 1024 is a whole expert at I = 768), the next chunk requested before the current
-    # one is multiplied; no partials, no ticket. Off until a step A/B on a GPU says it pays.
-    row1_down_loop: bool = False
-    row1_down_block_n: int = 16
-    row1_down_block_i: int = 1024
-    row1_down_warps: int = 8
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -356,18 +346,10 @@ class MoEStages:
             **launch_kwargs(self.pdl))
 
     def down(self) -> None:
-        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual; for
-        one row with ``row1_down_loop`` (tp_size 1), ``moe_row1._moe_down_row1_kernel`` without partials."""
+        """``_moe_down_kernel``: per-slot down partials, then the last arriver's fixed-order sum + residual."""
         ws, cfg, out = self.ws, self.cfg, self.out
         t, hidden = self.x.shape
         res = self.residual if self.residual is not None else out
-        if self.row1 and cfg.row1_down_loop and self.peer is None:
-            _moe_down_row1_kernel[(triton.cdiv(hidden, cfg.row1_down_block_n),)](
-                ws.act, self.w2, out, res, ws.slot_expert, ws.slot_weight, ws.row_slot, hidden,
-                INTER=ws.inter, TOP_K=self.top_k, ROWS_C=ROWS, BLOCK_N=cfg.row1_down_block_n,
-                BLOCK_I=k_chunk(cfg.row1_down_block_i, ws.inter), HAS_RESIDUAL=self.residual is not None,
-                USE_PDL=self.pdl, num_warps=cfg.row1_down_warps, **launch_kwargs(self.pdl))
-            return
         _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
