@@ -24,6 +24,7 @@ M = [  # (name, file, original text, mutated text)
     ("min_rows pads past T only when T is 1", H, "ROWS_C=max(triton.next_power_of_2(t), cfg.min_rows)",
      "ROWS_C=cfg.min_rows if t == 1 else triton.next_power_of_2(t)"),
     ("min_rows above 8 accepted", H, "if self.min_rows > ROWS:", "if False:"),
+    ("min_rows default back to one row", H, "    min_rows: int = 8\n", "    min_rows: int = 1\n"),
     ("min_rows not a power of two accepted", H, 'for name in ("block_v", "block_k", "num_warps", "min_rows"):',
      'for name in ("block_v", "block_k", "num_warps"):'),
     ("warps above 32 accepted", H, "if self.num_warps > 32:", "if False:"),

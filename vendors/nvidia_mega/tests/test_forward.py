@@ -210,8 +210,9 @@ def test_step_with_a_tuned_attention_plan(arch: str, dtype: torch.dtype, mode: F
 
 
 def test_lm_head_config_from_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``LOWLAT_MEGA_LM_HEAD_CONFIG`` (read once at build) reaches the step's LM head launch, and a one-row step with
-    its rows padded to 8 (``min_rows``) still matches the reference."""
+    """``LOWLAT_MEGA_LM_HEAD_CONFIG`` (read once at build) reaches the step's LM head launch, and a one-row step
+    matches the reference with its rows padded to 8 (``min_rows``, the default) and unpadded (``min_rows=1``, set
+    by the variable: a value other than the default, so a config that never reaches the launch is caught)."""
     seen = []
     real = forward_mod.lm_head_logits
 
@@ -219,9 +220,11 @@ def test_lm_head_config_from_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(kwargs["config"])
         return real(*args, **kwargs)
     monkeypatch.setattr(forward_mod, "lm_head_logits", spy)
-    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8")
-    _check_step("LlamaForCausalLM", torch.float32, ForwardMode.DECODE, [11], 1)
-    assert seen and all(c.min_rows == 8 for c in seen)
+    for value, want in (("", 8), ("min_rows=1", 1)):
+        seen.clear()
+        monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", value)
+        _check_step("LlamaForCausalLM", torch.float32, ForwardMode.DECODE, [11], 1)
+        assert seen and all(c.min_rows == want for c in seen)
 
 
 def _count_norm_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -377,9 +380,9 @@ def test_build_names_the_problem(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "block_v=32")  # below the sampler's candidates per tile
     with pytest.raises(PluginBuildError, match="block_v=32 is below the sampler's 64 candidates"):
         build(_binding(mc, torch.float32, params))
-    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=8,block_v=256")
+    monkeypatch.setenv("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=2,block_v=256")
     built = build(_binding(mc, torch.float32, params))
-    assert built.head_config.min_rows == 8 and built.ws.head.block_v == 256  # the sampler's tiles follow it
+    assert built.head_config.min_rows == 2 and built.ws.head.block_v == 256  # the sampler's tiles follow it
     monkeypatch.delenv("LOWLAT_MEGA_LM_HEAD_CONFIG")
     monkeypatch.setenv("LOWLAT_MEGA_PRENROM", "1")  # a misspelled switch is refused, with the right name
     with pytest.raises(PluginBuildError, match="LOWLAT_MEGA_PRENROM: did you mean LOWLAT_MEGA_PRENORM"):

@@ -354,6 +354,11 @@ def test_config_refuses_non_integer_stages() -> None:
         LMHeadConfig(num_stages=2.5)  # type: ignore[arg-type]
 
 
+def test_min_rows_default_is_the_eight_row_kernel() -> None:
+    """The default pads a 1-4-row launch to 8 rows: measured faster (bench/results/2026-12-07-h100-mega-route)."""
+    assert LMHeadConfig().min_rows == 8
+
+
 @pytest.mark.parametrize(("dtype", "rows"), [(torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 3)])
 def test_min_rows_pads_without_changing_results(dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``min_rows=8`` runs T rows as 8 (the padded rows masked): the logits match the reference as closely as at

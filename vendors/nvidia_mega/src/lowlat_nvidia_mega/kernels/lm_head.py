@@ -40,7 +40,10 @@ class LMHeadConfig:
     ``min_rows`` (a power of two, 1..8) pads the rows to at least that many: ``ROWS_C = max(next_pow2(T),
     min_rows)``. At one row 8 turns the tile's dot from ``mma.sync m16n8k16`` (N padded by Triton, the weight tile
     through registers) into sm90's ``wgmma m64n8k16`` (read from shared memory), as an 8-row launch compiles
-    (Triton 3.9's sm90 build, ``tests/test_compile_sm90_lm_head.py``).
+    (Triton 3.9's sm90 build, ``tests/test_compile_sm90_lm_head.py``). Default 8: the 8-row kernel is the faster
+    one at 151936 x 2048 (H200 logits 151.5 against 156.1 µs, greedy ids 157.0 against 174.5; H100 217.0 against
+    227.2 for greedy ids), and llama-3.2-1b's DECODE b=1 step took 1.0516 / 1.0534 -> 1.0481 / 1.0480 ms with it on
+    an H100 (A/B/A/B; b=4 and qwen3-30b-a3b b=1 within noise; bench/results/2026-12-07-h100-mega-route).
     Defaults measured on the H200 (``bench_moe_head.py --sweep lm_head``, 151936 x 2048 logits): K chunks of 128
     with 3 stages take 155.0 µs at 1 row and 150.9 at 8, against 177.6 and 163.7 for the earlier 64 / 4 stages
     (docs/kernels.md, "Launch plans"). ``LOWLAT_MEGA_LM_HEAD_CONFIG`` (``default_lm_head_config``) replaces fields
@@ -50,7 +53,7 @@ class LMHeadConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    min_rows: int = 1
+    min_rows: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block_v", "block_k", "num_warps", "min_rows", "num_stages"):
