@@ -29,6 +29,7 @@ DT = torch.bfloat16
 TDOT = moe.MoEKernelConfig(row1=False)  # the tl.dot forms at one row too
 ROW1 = moe.MoEKernelConfig()  # production: the one-row FMA forms at one row
 CHUNKED = moe.MoEKernelConfig(down_block_n=64, down_block_i=128)  # down's I loop (software-pipelined)
+GATHER = moe.MoEKernelConfig(route_gather=True)  # the routing's row_slot as a tl.gather
 # stage: (kernel name in moe.py, the MoEStages method that launches it)
 KERNELS = {"route": ("moe_route_kernel", "route"), "gate_up": ("_moe_gate_up_kernel", "gate_up"),
            "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down")}
@@ -47,8 +48,10 @@ def _stages(rows: int, cfg: moe.MoEKernelConfig, h: int = H, i: int = I, e: int 
 
 @pytest.mark.parametrize(("stage", "rows", "cfg"), [
     ("route", 1, ROW1), ("route", 8, ROW1), ("gate_up", 1, TDOT), ("gate_up", 8, ROW1), ("gate_up_row1", 1, ROW1),
-    ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED)],
-    ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked"}.get(id(v), str(v)))
+    ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED),
+    ("route", 1, GATHER), ("route", 8, GATHER)],
+    ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked", id(GATHER): "gather"}.get(id(v),
+                                                                                                           str(v)))
 def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelConfig,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     name, method = KERNELS[stage]

@@ -178,10 +178,33 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
             route, gate_up, down = ({"grid": grid, **kwargs} for _, grid, _, kwargs in log)
             # the routing's last arriver selects over the step's rows rounded up to a power of two, not all 8
             assert route["SEL_ROWS"] == triton.next_power_of_2(rows) and route["ROWS_C"] == 8
+            assert route["GATHER"] is cfg.route_gather is False
             slots = min(E, rows * K)
             assert down["ROW1"] is row1 and down["BLOCK_I"] == want_i and down["grid"] == (H // cfg.down_block_n, slots)
             bn = cfg.row1_block_n if row1 else cfg.gate_up_block_n
             assert gate_up["grid"] == (triton.cdiv(I, bn), slots) and gate_up["BLOCK_N"] == bn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_route_gather_matches(dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route_gather`` (off by default) builds ``row_slot`` with a ``tl.gather`` of the slot table: the routing
+    metadata is consistent, the launch passes it, and the output is bit-identical to the compare-and-sum's."""
+    from lowlat_nvidia_mega.kernels import moe
+
+    assert MoEKernelConfig().route_gather is False
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=31)
+    x, residual = make_x(rows, dtype, seed=32)
+    gather = dataclasses.replace(CFG_ROW1, route_gather=True)
+    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
+    seen: list = []
+    real = moe.moe_route_kernel
+    monkeypatch.setattr(moe, "moe_route_kernel", type("Spy", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (seen.append(kw["GATHER"]), real[grid](*a, **kw)))})())
+    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=gather)
+    assert seen == [True]
+    assert torch.equal(out, base)
+    check_routing_metadata(ws, rows)
 
 
 def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:

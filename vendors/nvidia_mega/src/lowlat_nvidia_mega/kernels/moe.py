@@ -80,6 +80,10 @@ class MoEKernelConfig:
     row1_block_k: int = 1024
     row1_warps: int = 4
     row1_stages: int = 3
+    # The routing's row_slot as a tl.gather of the slot table instead of a [rows, top_k, E] compare-and-sum (1.35 us
+    # of the one-row selection on an H100 before the selection tile shrank; bench/results/2026-12-07-h100-mega-route).
+    # Off until a step A/B on a GPU: AB_ENV=LOWLAT_MEGA_MOE_CONFIG=route_gather=1 python3 bench/gpu_jobs.py mega-ab.
+    route_gather: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -323,7 +327,8 @@ class MoEStages:
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, SEL_ROWS=triton.next_power_of_2(t), BITS=rp["BITS"],
             HAS_NORM=self.norm_w is not None,
-            RENORM=bool(self.renormalize), USE_PDL=self.pdl, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
+            RENORM=bool(self.renormalize), USE_PDL=self.pdl, GATHER=cfg.route_gather, num_warps=cfg.route_warps,
+            **launch_kwargs(self.pdl))
 
     def gate_up(self) -> None:
         """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``row1``):

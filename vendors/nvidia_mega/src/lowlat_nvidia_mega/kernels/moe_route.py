@@ -25,7 +25,9 @@ for the step's row r.
    ``slot_weight[slot, r]`` is row r's routing weight for that expert, 0 for a row below ``SEL_ROWS`` that did not
    select it (rows from ``SEL_ROWS`` on are not written; every reader masks rows at or past T). It also writes the
    presence bitmap (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the
-   combine), the top-k ids and weights, and the number of slots.
+   combine; a compare-and-sum over ``[SEL_ROWS, TOPK_PAD, E]``, 1.35 µs of the one-row selection on an H100 at the 8-row
+   tile, or with ``MoEKernelConfig.route_gather`` a ``tl.gather`` of the slot table, not yet timed), the top-k ids
+   and weights, and the number of slots.
 
 Memory ordering of the ticket: each program's stores, then a CTA barrier, then an ``acq_rel`` atomic (release for
 the stores, acquire for the last program's loads, which bypass L1 with ``.cg``).
@@ -50,7 +52,7 @@ def moe_route_kernel(
     n_rows, H, E, eps, stride_x,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
     H_PAD: tl.constexpr, ROWS_C: tl.constexpr, SEL_ROWS: tl.constexpr, BITS: tl.constexpr,
-    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr, GATHER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)  # the row this program normalizes and routes (grid axis 1: one per row of the step)
@@ -85,14 +87,14 @@ def moe_route_kernel(
         tl.atomic_xchg(counter_ptr, 0)
         _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                         num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
-                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, SEL_ROWS, BITS, RENORM)
+                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, SEL_ROWS, BITS, RENORM, GATHER)
 
 
 @triton.jit
 def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                     num_slots_ptr, bitmap_ptr, n_rows, E, dtype: tl.constexpr,
                     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS_C: tl.constexpr,
-                    SEL_ROWS: tl.constexpr, BITS: tl.constexpr, RENORM: tl.constexpr):
+                    SEL_ROWS: tl.constexpr, BITS: tl.constexpr, RENORM: tl.constexpr, GATHER: tl.constexpr):
     rows = tl.arange(0, SEL_ROWS)  # the step's rows rounded up to a power of two, not the workspace's 8
     ee = tl.arange(0, E_PAD)
     kk = tl.arange(0, TOPK_PAD)
@@ -141,7 +143,10 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     words = tl.sum(bits, axis=1)  # distinct powers of two: the sum is the bitwise OR
     tl.store(bitmap_ptr + tl.arange(0, E_PAD // BITS), words)
 
-    slot_rk = tl.sum(tl.where(ids[:, :, None] == ee[None, None, :], slot_of[None, None, :], 0), axis=2)
+    if GATHER:  # row_slot[r, k] = slot_of[ids[r, k]] as a gather (MoEKernelConfig.route_gather)
+        slot_rk = tl.gather(tl.broadcast_to(slot_of[None, :], [SEL_ROWS, E_PAD]), ids, axis=1)
+    else:  # the same as a [SEL_ROWS, TOPK_PAD, E_PAD] compare-and-sum
+        slot_rk = tl.sum(tl.where(ids[:, :, None] == ee[None, None, :], slot_of[None, None, :], 0), axis=2)
     out_mask = row_ok[:, None] & (kk < TOP_K)[None, :]
     out_offs = rows[:, None] * TOP_K + kk[None, :]
     tl.store(topk_ids_ptr + out_offs, ids, mask=out_mask)
