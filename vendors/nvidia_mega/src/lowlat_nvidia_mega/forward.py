@@ -117,14 +117,14 @@ class MegaForward:
         heads: (query heads, KV heads) of this rank (the config's at tp_size 1).
         tp: this rank's MegaTP at tp_size > 1 (dense models), else None.
         head_config: the LM head's launch config (the build's ``default_lm_head_config()``, which also sized
-            ``ws.head``'s tiles; default ``LMHeadConfig()``).
+            ``ws.head``'s tiles).
     """
 
     def __init__(self, *, config: ModelConfig, device: torch.device, dtype: torch.dtype, embed: torch.Tensor,
                  final_norm: torch.Tensor, lm_head: torch.Tensor, layers: list[LayerWeights], ws: Workspaces,
                  plans: dict[str, GemmPlan], attn_plans: dict[tuple[int, int], AttnPlan],
-                 prenorm_max_rows: int = 0, heads: tuple[int, int] | None = None, tp: MegaTP | None = None,
-                 head_config: LMHeadConfig | None = None) -> None:
+                 head_config: LMHeadConfig, prenorm_max_rows: int = 0, heads: tuple[int, int] | None = None,
+                 tp: MegaTP | None = None) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.heads = heads or (config.num_attention_heads, config.num_key_value_heads)
         self.tp = tp
@@ -134,7 +134,7 @@ class MegaForward:
         self.eps = config.rms_norm_eps
         self.sm_scale = config.head_dim ** -0.5
         self.moe_config = default_config()  # read once, so the MoE's launches and its TP reduce agree on its tiles
-        self.head_config = head_config or LMHeadConfig()  # the build's, which sized ws.head's tiles from it
+        self.head_config = head_config  # the build's, which sized ws.head's tiles from it
         self.k_buffers: list[torch.Tensor] | None = None
         self.v_buffers: list[torch.Tensor] | None = None
         self.req_to_token: torch.Tensor | None = None
