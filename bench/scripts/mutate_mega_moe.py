@@ -1,13 +1,14 @@
 """Mutation pass of nvidia_mega's MoE one-row forms, the down kernel's I chunks and the routing's NaN rule
 (kernels/moe_row1.py, kernels/moe_experts.py, kernels/moe_route.py, MoEStages, MoEKernelConfig and default_config
 in kernels/moe.py, its parser kernels/env_config.py, the build's check of LOWLAT_MEGA_MOE_CONFIG):
-the routing grid's one program per (router block, row) and its selection over next_pow2(T) rows;
+the routing grid's one program per (router block, row), its selection over next_pow2(T) rows and its top-k
+on int32 keys (``route_keys``);
 break the code in one place, run the MoE tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_moe.py   # from the root
 
-Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py and
-test_kernels_moe_edges.py run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
+Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_moe.py, test_kernels_moe_edges.py and
+test_kernels_moe_keys.py run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first
 failing test) or MISSED per mutation; exits 1 if any was missed. PDL, the 16-byte loads and the K-side padding to 16
 (``k_chunk(..., 16)``) are not visible on CPU: test_compile_sm90_moe.py checks the compiled PTX. Nor is a routing
 ticket that counts one row's programs only (``ticket == tl.num_programs(0) - 1``): the interpreter runs the programs
@@ -68,7 +69,25 @@ M = [  # (name, file, original text, mutated text)
     ("routing selection tile of 8 with SEL_ROWS rows", P, "rows = tl.arange(0, SEL_ROWS)",
      "rows = tl.arange(0, ROWS_C)"),
     ("route_gather ignored by the launch", S, "GATHER=cfg.route_gather", "GATHER=False"),
-    ("route_gather on by default", S, "route_gather: bool = False", "route_gather: bool = True"),
+    ("route_gather off by default", S, "route_gather: bool = True", "route_gather: bool = False"),
+    # the top-k on int32 keys (route_keys, moe_route._top_k_by_keys)
+    ("route_keys ignored by the launch", S, "KEYS=cfg.route_keys and x.element_size() == 2",
+     "KEYS=False"),
+    ("route_keys on float32 too", S, "KEYS=cfg.route_keys and x.element_size() == 2", "KEYS=cfg.route_keys"),
+    ("route_keys on by default", S, "route_keys: bool = False", "route_keys: bool = True"),
+    ("keys: -0 ranks below +0", P, "bits = tl.where(bits == -32768, 0, bits)  # -0 ranks as +0", "bits = bits"),
+    ("keys: NaN not ranked first", P, "order = tl.where(lg != lg, 32767, tl.where(",
+     "order = tl.where(lg != lg, 0, tl.where("),
+    ("keys: negatives in bit order", P, "tl.where(bits >= 0, bits, bits ^ 0x7FFF))", "bits)"),
+    ("keys: ties to the higher index", P, "(order << 16) | (0xFFFF - ee[None, :])", "(order << 16) | ee[None, :]"),
+    ("keys: the decoded logit keeps the index bits", P, "    o = best >> 16\n", "    o = best\n"),
+    ("keys: a non-finite max row picked by key", P, "idx = tl.where(bad, k, 0xFFFF - (best & 0xFFFF))",
+     "idx = 0xFFFF - (best & 0xFFFF)"),
+    ("keys: a picked expert stays in the search", P, "keys = tl.where(hit, -2147483648, keys)", "keys = keys"),
+    ("keys: padded k columns in the weights", P,
+     "wts = tl.where((kk < TOP_K)[None, :], tl.gather(p, ids, axis=1), 0.0)", "wts = tl.gather(p, ids, axis=1)"),
+    ("keys: the weights of the first expert", P, "tl.gather(p, ids, axis=1), 0.0)",
+     "tl.gather(p, ids * 0, axis=1), 0.0)"),
     ("the gather reads the expert ids, not the slot table", P,
      "tl.gather(tl.broadcast_to(slot_of[None, :], [SEL_ROWS, E_PAD]), ids, axis=1)",
      "tl.gather(tl.broadcast_to(ee[None, :], [SEL_ROWS, E_PAD]), ids, axis=1)"),
@@ -92,5 +111,6 @@ if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_moe.py", env,
                                  pytest_args=("vendors/nvidia_mega/tests/test_kernels_moe_edges.py",
+                                              "vendors/nvidia_mega/tests/test_kernels_moe_keys.py",
                                               "vendors/nvidia_mega/tests/test_forward.py", "-k",
                                               "not test_forward.py or names_the_problem")))

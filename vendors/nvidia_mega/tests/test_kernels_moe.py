@@ -166,8 +166,8 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
         monkeypatch.setattr(moe, name, LaunchRecorder(name, log))
     norm_w, gate_w, w13, w2 = make_weights(torch.float32)
     x, residual = make_x(rows, torch.float32)
-    gather = dataclasses.replace(CFG_ROW1, route_gather=True)
-    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False), (gather, rows == 1)):
+    scan = dataclasses.replace(CFG_ROW1, route_gather=False)
+    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False), (scan, rows == 1)):
         for block_i, want_i in ((16, 16), (1024, 32)):
             log.clear()
             ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV)
@@ -189,13 +189,13 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_route_gather_matches(dtype: torch.dtype, rows: int) -> None:
-    """``route_gather`` (off by default) builds ``row_slot`` with a ``tl.gather`` of the slot table: the routing
+    """``route_gather`` (on by default) builds ``row_slot`` with a ``tl.gather`` of the slot table: the routing
     metadata is consistent and the output is bit-identical to the compare-and-sum's (that the launch passes the
     flag: ``test_stages_launch_the_configured_forms``)."""
-    assert MoEKernelConfig().route_gather is False
+    assert MoEKernelConfig().route_gather is True
     norm_w, gate_w, w13, w2 = make_weights(dtype, seed=31)
     x, residual = make_x(rows, dtype, seed=32)
-    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
+    base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(CFG_ROW1, route_gather=False))
     out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(CFG_ROW1, route_gather=True))
     assert torch.equal(out, base)
     check_routing_metadata(ws, rows)

@@ -82,8 +82,14 @@ class MoEKernelConfig:
     row1_stages: int = 3
     # The routing's row_slot as a tl.gather of the slot table instead of a [rows, top_k, E] compare-and-sum (1.35 us
     # of the one-row selection on an H100 before the selection tile shrank; bench/results/2026-12-07-h100-mega-route).
-    # Off until a step A/B on a GPU: AB_ENV=LOWLAT_MEGA_MOE_CONFIG=route_gather=1 python3 bench/gpu_jobs.py mega-ab.
-    route_gather: bool = False
+    # On the H200 (bench/results/2026-12-07-h200-mega-keys, call 1, A/B/A/B): qwen3-30b-a3b DECODE b=1 2.4894 /
+    # 2.4914 -> 2.4793 / 2.4806 ms, VERIFY x6 7.3445 / 7.3446 -> 7.2584 / 7.2662.
+    route_gather: bool = True
+    # The routing's top-k on int32 keys (16-bit logit, then the lower index): one integer max per pick instead of a
+    # float max and an int min (moe_route._top_k_by_keys, which says where the picks can differ: equal float32
+    # probabilities of different logits). 16-bit activations only: a float32 logit does not fit the key, so a
+    # float32 model keeps the score search. Off until a step A/B on a GPU.
+    route_keys: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -327,8 +333,8 @@ class MoEStages:
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
             H_PAD=rp["H_PAD"], ROWS_C=ROWS, SEL_ROWS=triton.next_power_of_2(t), BITS=rp["BITS"],
             HAS_NORM=self.norm_w is not None,
-            RENORM=bool(self.renormalize), USE_PDL=self.pdl, GATHER=cfg.route_gather, num_warps=cfg.route_warps,
-            **launch_kwargs(self.pdl))
+            RENORM=bool(self.renormalize), USE_PDL=self.pdl, GATHER=cfg.route_gather,
+            KEYS=cfg.route_keys and x.element_size() == 2, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))
 
     def gate_up(self) -> None:
         """``_moe_gate_up_kernel`` (``moe_row1._moe_gate_up_row1_kernel`` for one row with ``row1``):

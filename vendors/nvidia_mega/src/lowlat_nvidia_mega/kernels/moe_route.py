@@ -25,9 +25,12 @@ for the step's row r.
    ``slot_weight[slot, r]`` is row r's routing weight for that expert, 0 for a row below ``SEL_ROWS`` that did not
    select it (rows from ``SEL_ROWS`` on are not written; every reader masks rows at or past T). It also writes the
    presence bitmap (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the
-   combine; a compare-and-sum over ``[SEL_ROWS, TOPK_PAD, E]``, 1.35 µs of the one-row selection on an H100 at the 8-row
-   tile, or with ``MoEKernelConfig.route_gather`` a ``tl.gather`` of the slot table, not yet timed), the top-k ids
-   and weights, and the number of slots.
+   combine; with ``MoEKernelConfig.route_gather``, the default, a ``tl.gather`` of the slot table, else a
+   compare-and-sum over ``[SEL_ROWS, TOPK_PAD, E]``, which took 1.35 µs of the one-row selection on an H100 at the
+   8-row tile), the top-k ids and weights, and the number of slots. The top-k is ``TOP_K`` sequential picks over
+   the tile: a float max and an int min over the tied indices each (``_top_k_by_scores``), or with
+   ``MoEKernelConfig.route_keys`` and 16-bit activations one int32 max of a (logit, index) key
+   (``_top_k_by_keys``).
 
 Memory ordering of the ticket: each program's stores, then a CTA barrier, then an ``acq_rel`` atomic (release for
 the stores, acquire for the last program's loads, which bypass L1 with ``.cg``).
@@ -53,6 +56,7 @@ def moe_route_kernel(
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_BLOCK: tl.constexpr, E_PAD: tl.constexpr,
     H_PAD: tl.constexpr, ROWS_C: tl.constexpr, SEL_ROWS: tl.constexpr, BITS: tl.constexpr,
     HAS_NORM: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr, GATHER: tl.constexpr,
+    KEYS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)  # the row this program normalizes and routes (grid axis 1: one per row of the step)
@@ -87,14 +91,15 @@ def moe_route_kernel(
         tl.atomic_xchg(counter_ptr, 0)
         _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                         num_slots_ptr, bitmap_ptr, n_rows, E, dtype,
-                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, SEL_ROWS, BITS, RENORM, GATHER)
+                        TOP_K, TOPK_PAD, E_PAD, ROWS_C, SEL_ROWS, BITS, RENORM, GATHER, KEYS)
 
 
 @triton.jit
 def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_expert_ptr, slot_weight_ptr,
                     num_slots_ptr, bitmap_ptr, n_rows, E, dtype: tl.constexpr,
                     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS_C: tl.constexpr,
-                    SEL_ROWS: tl.constexpr, BITS: tl.constexpr, RENORM: tl.constexpr, GATHER: tl.constexpr):
+                    SEL_ROWS: tl.constexpr, BITS: tl.constexpr, RENORM: tl.constexpr, GATHER: tl.constexpr,
+                    KEYS: tl.constexpr):
     rows = tl.arange(0, SEL_ROWS)  # the step's rows rounded up to a power of two, not the workspace's 8
     ee = tl.arange(0, E_PAD)
     kk = tl.arange(0, TOPK_PAD)
@@ -102,27 +107,10 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     valid = row_ok[:, None] & (ee < E)[None, :]
     lg = tl.load(logits_ptr + rows[:, None] * E + ee[None, :], mask=valid, other=float("-inf"),
                  cache_modifier=".cg")
-    mx = tl.where(row_ok, tl.max(lg, axis=1), 0.0)
-    p = tl.where(valid, tl.exp(lg - mx[:, None]), 0.0)
-    p = p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
-    # A NaN probability (a NaN or inf in the row) ranks above every other, as torch.topk ranks NaN: 2.0 stands for
-    # it in the search (a probability is at most 1) and is turned back into NaN as the weight, so the row is routed
-    # and its output comes out NaN instead of the row being dropped.
-    work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)
-
-    sel = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.int32)
-    sel_w = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.float32)
-    ids = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.int32)
-    wts = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(work, axis=1)
-        idx = tl.min(tl.where(work == best[:, None], ee[None, :], E_PAD), axis=1)
-        hit = ee[None, :] == idx[:, None]
-        sel = tl.where(hit, 1, sel)
-        sel_w = tl.where(hit, p, sel_w)
-        ids = tl.where(kk[None, :] == k, idx[:, None], ids)
-        wts = tl.where(kk[None, :] == k, tl.where(best > 1.0, float("nan"), best)[:, None], wts)
-        work = tl.where(hit, -2.0, work)
+    if KEYS:
+        sel, sel_w, ids, wts = _top_k_by_keys(lg, valid, row_ok, ee, kk, dtype, SEL_ROWS, E_PAD, TOPK_PAD, TOP_K)
+    else:
+        sel, sel_w, ids, wts = _top_k_by_scores(lg, valid, row_ok, ee, kk, SEL_ROWS, E_PAD, TOPK_PAD, TOP_K)
     if RENORM:
         denom = tl.where(row_ok, tl.sum(wts, axis=1), 1.0)
         wts = wts / denom[:, None]
@@ -152,6 +140,87 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     tl.store(topk_ids_ptr + out_offs, ids, mask=out_mask)
     tl.store(topk_w_ptr + out_offs, wts, mask=out_mask)
     tl.store(row_slot_ptr + out_offs, slot_rk, mask=out_mask)
+
+
+
+@triton.jit
+def _softmax(lg, valid, row_ok, mx):
+    """float32 softmax of each row of ``lg`` [SEL_ROWS, E_PAD] given its max ``mx`` [SEL_ROWS]; 0 where not valid."""
+    m = tl.where(row_ok, mx, 0.0)
+    p = tl.where(valid, tl.exp(lg - m[:, None]), 0.0)
+    return p / tl.where(row_ok, tl.sum(p, axis=1), 1.0)[:, None]
+
+
+@triton.jit
+def _top_k_by_scores(lg, valid, row_ok, ee, kk, SEL_ROWS: tl.constexpr, E_PAD: tl.constexpr,
+                     TOPK_PAD: tl.constexpr, TOP_K: tl.constexpr):
+    """Top-k of the softmax probabilities by ``TOP_K`` picks, each a float max and an int min over the tied
+    indices (the lower index wins). Returns (sel [SEL_ROWS, E_PAD] 0/1, sel_w: p where selected else 0, ids and
+    weights [SEL_ROWS, TOPK_PAD])."""
+    p = _softmax(lg, valid, row_ok, tl.max(lg, axis=1))
+    # A NaN probability (a NaN or inf in the row) ranks above every other, as torch.topk ranks NaN: 2.0 stands for
+    # it in the search (a probability is at most 1) and is turned back into NaN as the weight, so the row is routed
+    # and its output comes out NaN instead of the row being dropped.
+    work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)
+    sel = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.int32)
+    sel_w = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.float32)
+    ids = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.int32)
+    wts = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(work, axis=1)
+        idx = tl.min(tl.where(work == best[:, None], ee[None, :], E_PAD), axis=1)
+        hit = ee[None, :] == idx[:, None]
+        sel = tl.where(hit, 1, sel)
+        sel_w = tl.where(hit, p, sel_w)
+        ids = tl.where(kk[None, :] == k, idx[:, None], ids)
+        wts = tl.where(kk[None, :] == k, tl.where(best > 1.0, float("nan"), best)[:, None], wts)
+        work = tl.where(hit, -2.0, work)
+    return sel, sel_w, ids, wts
+
+
+@triton.jit
+def _key_logit(best, dtype: tl.constexpr):
+    """The float32 logit held in the high 16 bits of keys ``best`` (see ``_top_k_by_keys``)."""
+    o = best >> 16
+    bits = tl.where(o >= 0, o, o ^ 0x7FFF)
+    return bits.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _top_k_by_keys(lg, valid, row_ok, ee, kk, dtype: tl.constexpr, SEL_ROWS: tl.constexpr, E_PAD: tl.constexpr,
+                   TOPK_PAD: tl.constexpr, TOP_K: tl.constexpr):
+    """``_top_k_by_scores`` for 16-bit logits with one int32 max per pick (``MoEKernelConfig.route_keys``).
+
+    A logit of a 16-bit activation dtype fits 16 bits, so ``key = order(logit) << 16 | (0xFFFF - e)`` orders the
+    experts by logit, then by lower index, in one int32: ``order`` maps the float's bits to a signed integer in the
+    float's order (negative values' magnitude bits flipped, -0 as +0, NaN above +inf, as torch.topk ranks NaN).
+    The max of a key is one integer reduction (``redux.sync`` on sm80+) where the score search does a float max
+    and an int min. Softmax is monotonic, so the picks are the probabilities' top-k, except among equal float32
+    probabilities of different logits (logits closer than float32 resolves after subtracting the row's max, or
+    underflowing to 0), where the higher logit wins instead of the lower index. The row's max is the first pick's
+    logit; a row whose max is not finite (a NaN or inf in the row: all its probabilities are NaN) picks experts
+    0..k-1 with NaN weights, as the score search does."""
+    bits = lg.to(dtype).to(tl.int16, bitcast=True).to(tl.int32)  # exact: the logits are rounded to dtype
+    bits = tl.where(bits == -32768, 0, bits)  # -0 ranks as +0
+    order = tl.where(lg != lg, 32767, tl.where(bits >= 0, bits, bits ^ 0x7FFF))
+    keys = tl.where(valid, (order << 16) | (0xFFFF - ee[None, :]), -2147483648)
+    best = tl.max(keys, axis=1)
+    mx = _key_logit(best, dtype)
+    bad = (mx != mx) | (tl.abs(mx) == float("inf"))
+    p = _softmax(lg, valid, row_ok, mx)
+    sel = tl.zeros([SEL_ROWS, E_PAD], dtype=tl.int32)
+    ids = tl.zeros([SEL_ROWS, TOPK_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        if k > 0:
+            best = tl.max(keys, axis=1)
+        idx = tl.where(bad, k, 0xFFFF - (best & 0xFFFF))
+        hit = ee[None, :] == idx[:, None]
+        sel = tl.where(hit, 1, sel)
+        ids = tl.where(kk[None, :] == k, idx[:, None], ids)
+        keys = tl.where(hit, -2147483648, keys)
+    sel_w = tl.where(sel > 0, p, 0.0)
+    wts = tl.where((kk < TOP_K)[None, :], tl.gather(p, ids, axis=1), 0.0)  # padded k columns stay 0
+    return sel, sel_w, ids, wts
 
 
 def route_launch_params(hidden: int, num_experts: int, top_k: int, programs: int) -> dict[str, int]:
