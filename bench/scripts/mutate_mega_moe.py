@@ -74,7 +74,7 @@ M = [  # (name, file, original text, mutated text)
     ("route_keys ignored by the launch", S, "KEYS=cfg.route_keys and x.element_size() == 2",
      "KEYS=False"),
     ("route_keys on float32 too", S, "KEYS=cfg.route_keys and x.element_size() == 2", "KEYS=cfg.route_keys"),
-    ("route_keys on by default", S, "route_keys: bool = False", "route_keys: bool = True"),
+    ("route_keys off by default", S, "route_keys: bool = True", "route_keys: bool = False"),
     ("keys: -0 ranks below +0", P, "bits = tl.where(bits == -32768, 0, bits)  # -0 ranks as +0", "bits = bits"),
     ("keys: NaN not ranked first", P, "order = tl.where(lg != lg, 32767, tl.where(",
      "order = tl.where(lg != lg, 0, tl.where("),

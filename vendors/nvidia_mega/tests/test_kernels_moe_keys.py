@@ -167,13 +167,13 @@ def test_keys_signed_zero_and_a_nan_logit(rows: int) -> None:
     assert bool(res[1][1].topk_weights[:rows].isnan().all())
 
 
-def test_keys_off_by_default_and_launched_for_16_bit_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``route_keys`` stays off until a step A/B on a GPU shows it faster; on, the routing launch gets ``KEYS`` for
-    bf16 and fp16 activations and not for float32."""
+def test_keys_on_by_default_and_launched_for_16_bit_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``route_keys`` is on by default (measured faster in the step on an H100); on, the routing launch gets
+    ``KEYS`` for bf16 and fp16 activations and not for float32."""
     from lowlat_nvidia_mega.kernels import moe
     from sm90_launch import LaunchRecorder
 
-    assert MoEKernelConfig().route_keys is False
+    assert MoEKernelConfig().route_keys is True
     log: list = []
     for name in ("moe_route_kernel", "_moe_gate_up_kernel", "_moe_gate_up_row1_kernel", "_moe_down_kernel"):
         monkeypatch.setattr(moe, name, LaunchRecorder(name, log))

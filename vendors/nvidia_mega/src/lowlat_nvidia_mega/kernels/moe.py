@@ -88,8 +88,9 @@ class MoEKernelConfig:
     # The routing's top-k on int32 keys (16-bit logit, then the lower index): one integer max per pick instead of a
     # float max and an int min (moe_route._top_k_by_keys, which says where the picks can differ: equal float32
     # probabilities of different logits). 16-bit activations only: a float32 logit does not fit the key, so a
-    # float32 model keeps the score search. Off until a step A/B on a GPU.
-    route_keys: bool = False
+    # float32 model keeps the score search. On an H100 (bench/results/2026-12-07-h200-mega-keys, call 3, A/B/A/B):
+    # qwen3-30b-a3b DECODE b=1 3.0303 / 3.0260 -> 2.9755 / 2.9731 ms, VERIFY x6 8.9679 / 8.9452 -> 8.8957 / 8.8950.
+    route_keys: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -4,8 +4,9 @@ renormalization, expert presence bitmap and per-expert 8-row tiles.
 Routing semantics are HF ``Qwen3MoeSparseMoeBlock`` (and ``lowlat.layers.moe.route``): router logits are computed
 in the activation dtype (``F.linear`` output, then rounded), ``softmax`` over all experts in float32, ``topk``,
 division by the sum of the k weights when ``renormalize`` (``norm_topk_prob``), and a cast of the weights to the
-activation dtype. Among equal probabilities the lower expert index wins (first-occurrence order); a NaN probability
-ranks first (as in ``torch.topk``), so a row with a NaN or inf input is routed and comes out NaN.
+activation dtype. Among equal probabilities the lower expert index wins (first-occurrence order), except that with
+``route_keys`` (the default for 16-bit activations) equal float32 probabilities of different logits rank by logit; a
+NaN probability ranks first (as in ``torch.topk``), so a row with a NaN or inf input is routed and comes out NaN.
 
 One launch, grid ``(cdiv(E, E_BLOCK), T)``: program (i, r) serves router rows ``[i * E_BLOCK, (i + 1) * E_BLOCK)``
 for the step's row r.
