@@ -111,7 +111,8 @@ def mega_moe(o: Options) -> list[Step]:
                  "moe_stages.txt", r"check|^moe"),
             Step("moe tests", 180, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                     "vendors/nvidia_mega/tests/test_kernels_moe.py",
-                                    "vendors/nvidia_mega/tests/test_kernels_moe_edges.py"], "moe_tests.txt")]
+                                    "vendors/nvidia_mega/tests/test_kernels_moe_edges.py",
+                                    "vendors/nvidia_mega/tests/test_kernels_moe_keys.py"], "moe_tests.txt")]
 
 
 def mega_tune(o: Options) -> list[Step]:
