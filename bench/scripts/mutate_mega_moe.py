@@ -61,6 +61,8 @@ M = [  # (name, file, original text, mutated text)
      "_moe_gate_up_row1_kernel[(max(1, ws.inter // cfg.row1_block_n - 1),"),
     ("NaN probabilities not ranked first", P, "work = tl.where(valid, tl.where(p != p, 2.0, p), -1.0)",
      "work = tl.where(valid, p, -1.0)"),
+    ("a NaN row's renormalization spreads NaN to its other slots", P,
+     "sel_w = tl.where(sel > 0, sel_w / denom[:, None], 0.0)", "sel_w = sel_w / denom[:, None]"),
     ("a NaN row's weight kept at the 2.0 stand-in", P,
      'tl.where(best > 1.0, float("nan"), best)[:, None]', "best[:, None]"),
     ("routing grid one row", S, 'moe_route_kernel[(rp["grid"], t)](', 'moe_route_kernel[(rp["grid"], 1)]('),
@@ -70,6 +72,12 @@ M = [  # (name, file, original text, mutated text)
      "rows = tl.arange(0, ROWS_C)"),
     ("route_gather ignored by the launch", S, "GATHER=cfg.route_gather", "GATHER=False"),
     ("route_gather off by default", S, "route_gather: bool = True", "route_gather: bool = False"),
+    # the selection tile's fewest rows (route_min_rows)
+    ("route_min_rows ignored by the launch", S,
+     "return max(triton.next_power_of_2(self.x.shape[0]), self.cfg.route_min_rows)",
+     "return triton.next_power_of_2(self.x.shape[0])"),
+    ("route_min_rows above 8 accepted", S, "if self.route_min_rows > ROWS:", "if self.route_min_rows > 2 * ROWS:"),
+    ("route_min_rows 4 by default", S, "route_min_rows: int = 1", "route_min_rows: int = 4"),
     # the top-k on int32 keys (route_keys, moe_route._top_k_by_keys)
     ("route_keys ignored by the launch", S, "KEYS=cfg.route_keys and x.element_size() == 2",
      "KEYS=False"),

@@ -49,7 +49,8 @@ def reference(x, residual, norm_w, gate_w, w13, w2, renormalize, top_k=K):  # ty
     inter = w2.shape[2]
     h = rms_norm(x, norm_w) if norm_w is not None else x
     probs = torch.softmax(F.linear(h, gate_w), dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    # torch.topk orders exact ties arbitrarily; the kernels take the lower expert index (a stable descending sort)
+    weights, ids = (t[..., :top_k] for t in torch.sort(probs, dim=-1, descending=True, stable=True))
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(x.dtype)
@@ -167,7 +168,8 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
     norm_w, gate_w, w13, w2 = make_weights(torch.float32)
     x, residual = make_x(rows, torch.float32)
     scan = dataclasses.replace(CFG_ROW1, route_gather=False)
-    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False), (scan, rows == 1)):
+    four = dataclasses.replace(CFG_ROW1, route_min_rows=4)
+    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False), (scan, rows == 1), (four, rows == 1)):
         for block_i, want_i in ((16, 16), (1024, 32)):
             log.clear()
             ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV)
@@ -177,8 +179,9 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
             assert names == ["moe_route_kernel", "_moe_gate_up_row1_kernel" if row1 else "_moe_gate_up_kernel",
                              "_moe_down_kernel"]
             route, gate_up, down = ({"grid": grid, **kwargs} for _, grid, _, kwargs in log)
-            # the routing's last arriver selects over the step's rows rounded up to a power of two, not all 8
-            assert route["SEL_ROWS"] == triton.next_power_of_2(rows) and route["ROWS_C"] == 8
+            # the routing's last arriver selects over the step's rows rounded up to a power of two (or
+            # route_min_rows if more), not all 8
+            assert route["SEL_ROWS"] == max(triton.next_power_of_2(rows), cfg.route_min_rows) and route["ROWS_C"] == 8
             assert route["GATHER"] is cfg.route_gather
             slots = min(E, rows * K)
             assert down["ROW1"] is row1 and down["BLOCK_I"] == want_i and down["grid"] == (H // cfg.down_block_n, slots)
@@ -198,6 +201,22 @@ def test_route_gather_matches(dtype: torch.dtype, rows: int) -> None:
     base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(CFG_ROW1, route_gather=False))
     out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(CFG_ROW1, route_gather=True))
     assert torch.equal(out, base)
+    check_routing_metadata(ws, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("min_rows", [4, 8])
+def test_route_min_rows_matches(dtype: torch.dtype, rows: int, min_rows: int) -> None:
+    """A selection tile of more rows than the step has (``route_min_rows``; rows past T masked) routes the same
+    experts with the same weights and slots: the output is bit-identical. Off (1) until timed on a GPU."""
+    assert MoEKernelConfig().route_min_rows == 1
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=33)
+    x, residual = make_x(rows, dtype, seed=34)
+    base, ws0 = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
+    cfg = dataclasses.replace(CFG_ROW1, route_min_rows=min_rows)
+    out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=cfg)
+    assert torch.equal(out, base) and torch.equal(ws.topk_ids[:rows], ws0.topk_ids[:rows])
     check_routing_metadata(ws, rows)
 
 

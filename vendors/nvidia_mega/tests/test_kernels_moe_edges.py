@@ -174,7 +174,8 @@ def test_strided_and_aliased_activations(rows: int, cfg: MoEKernelConfig) -> Non
     ("down_block_i", 0), ("down_block_i", 48), ("row1_block_n", 3), ("row1_block_k", 0), ("gate_up_block_k", 96),
     ("gate_up_block_n", 12), ("down_block_n", 4), ("down_warps", 6), ("route_warps", 0), ("route_programs", 0),
     ("down_stages", 0), ("gate_up_stages", -1), ("down_block_i", 8), ("gate_up_block_k", 8), ("row1", "no"),
-    ("down_block_n", 16.0), ("down_warps", 64), ("row1_warps", 1024)])
+    ("down_block_n", 16.0), ("down_warps", 64), ("row1_warps", 1024), ("route_min_rows", 16),
+    ("route_min_rows", 3), ("route_min_rows", 0)])
 def test_config_rejects_bad_fields(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=field):
         MoEKernelConfig(**{field: value})
@@ -209,3 +210,26 @@ def test_nan_row_propagates_and_out_is_written(rows: int, cfg: MoEKernelConfig) 
         problems.append(f"the NaN row's weights are {ws.topk_weights[0].tolist()}")
     assert not problems, "; ".join(problems)
     assert int(ws.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])  # the score search and (bf16) the key search
+def test_nan_row_leaves_other_slots_zero_with_renormalize(dtype: torch.dtype) -> None:
+    """With ``renormalize`` a NaN row's denominator is NaN; it must scale only the row's own picks (experts 0..k-1,
+    NaN weights), so in every other expert's slot tile the row's weight stays 0 (found by helper-15, 2026-12-07: 0
+    / NaN made them NaN). Row 1 picks other experts and stays finite."""
+    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=62)
+    gate_w[:K] = -1.0  # row 1 (positive x, no norm) scores experts 0 and 1 lowest: it picks others
+    x, residual = make_x(2, dtype, seed=63)
+    x = x.abs() + 0.1
+    x[0, 3] = float("nan")
+    out, ws = run(x, residual, None, gate_w, w13, w2, True)
+    assert ws.topk_ids[0].tolist() == list(range(K)) and bool(ws.topk_weights[0].isnan().all())
+    assert not set(ws.topk_ids[1].tolist()) & set(range(K)) and bool(torch.isfinite(out[1]).all())
+    n = int(ws.num_slots)
+    experts = ws.slot_expert[:n].tolist()
+    row0 = ws.slot_weight[:n, 0].cpu()
+    for s, e in enumerate(experts):
+        if e < K:
+            assert bool(row0[s].isnan()), (e, float(row0[s]))
+        else:
+            assert float(row0[s]) == 0.0, (e, float(row0[s]))

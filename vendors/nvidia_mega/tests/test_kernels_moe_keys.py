@@ -36,7 +36,7 @@ E3, K3 = 8, 3  # crafted routers: 8 experts, top 3
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaN where the other has NaN (bit-level for floats)."""
+    """Equal values (-0 equals +0), NaN where the other has NaN."""
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
 
 

@@ -73,6 +73,11 @@ class MoEKernelConfig:
     down_stages: int = 3
     route_warps: int = 4
     route_programs: int = 32
+    # The fewest rows of the routing's selection tile (a power of two <= 8; the tile is next_pow2(T) rows or this).
+    # With as many rows as warps the compiler lays the tile out one row per warp, so each top-k pick reduces inside
+    # a warp; a 1- or 2-row tile spreads a row over the warps (sm90 build at one row: 41 bar.sync at 1 row, 29 at 4;
+    # at two rows 55 and 29). Not yet timed: AB_ENV=LOWLAT_MEGA_MOE_CONFIG=route_min_rows=4 ... mega-ab.
+    route_min_rows: int = 1
     # A one-row step's expert GEMMs on the FMA units: gate/up in moe_row1.py with the row1_* tile (rows per program,
     # K chunk, warps, stages), down in its kernel's ROW1 form with the down_* tile.
     row1: bool = True
@@ -113,6 +118,8 @@ class MoEKernelConfig:
         for name in ("gate_up_block_k", "down_block_i"):  # the K side of a tl.dot operand
             if getattr(self, name) < 16:
                 raise ValueError(f"MoEKernelConfig.{name}={getattr(self, name)} must be >= 16 (a tl.dot K side)")
+        if self.route_min_rows > ROWS:
+            raise ValueError(f"route_min_rows={self.route_min_rows} must be <= {ROWS} (the rows the kernels serve)")
         if self.down_block_n < 8:
             raise ValueError(f"down_block_n={self.down_block_n} must be >= 8 (the workspace counts H/8 tiles)")
 
@@ -312,6 +319,11 @@ class MoEStages:
         return min(self.ws.num_experts, self.x.shape[0] * self.top_k)
 
     @property
+    def sel_rows(self) -> int:
+        """Rows of the routing's selection tile: T rounded up to a power of two, at least ``route_min_rows``."""
+        return max(triton.next_power_of_2(self.x.shape[0]), self.cfg.route_min_rows)
+
+    @property
     def row1(self) -> bool:
         """Whether the step runs the one-row FMA forms: one row and ``MoEKernelConfig.row1``."""
         return self.x.shape[0] == 1 and self.cfg.row1
@@ -332,7 +344,7 @@ class MoEStages:
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.bitmap, ws.counters,
             t, hidden, ws.num_experts, float(self.eps), x.stride(0),
             TOP_K=self.top_k, TOPK_PAD=rp["TOPK_PAD"], E_BLOCK=rp["E_BLOCK"], E_PAD=rp["E_PAD"],
-            H_PAD=rp["H_PAD"], ROWS_C=ROWS, SEL_ROWS=triton.next_power_of_2(t), BITS=rp["BITS"],
+            H_PAD=rp["H_PAD"], ROWS_C=ROWS, SEL_ROWS=self.sel_rows, BITS=rp["BITS"],
             HAS_NORM=self.norm_w is not None,
             RENORM=bool(self.renormalize), USE_PDL=self.pdl, GATHER=cfg.route_gather,
             KEYS=cfg.route_keys and x.element_size() == 2, num_warps=cfg.route_warps, **launch_kwargs(self.pdl))

@@ -19,10 +19,11 @@ for the step's row r.
    call 4); the router rows are read once per row, from L2 after the first.
 3. The last program to arrive (an atomic ticket, the CUDA "threadFenceReduction" pattern; the ticket resets itself
    for the next launch) computes softmax and top-k over all ``E`` logits of the step's rows (a tile of
-   ``SEL_ROWS = next_pow2(T)`` rows, not the workspace's 8: at one row the selection took 3.8 of the kernel's 7.1
-   µs alone in a chain on an H100, the 8-row tile 0.8 µs of that; bench/results/2026-12-07-h100-mega-route), marks
-   each selected expert in a presence mask, and gives every present expert a compact slot = the population count
-   of present experts below it (an exclusive prefix sum; no sort). A slot is one tile of all (at most 8) rows:
+   ``SEL_ROWS = next_pow2(T)`` rows, or ``MoEKernelConfig.route_min_rows`` if more, not the workspace's 8: at one
+   row the selection took 3.8 of the kernel's 7.1 µs alone in a chain on an H100, the 8-row tile 0.8 µs of that;
+   bench/results/2026-12-07-h100-mega-route), marks each selected expert in a presence mask, and gives every
+   present expert a compact slot = the population count of present experts below it (an exclusive prefix sum; no
+   sort). A slot is one tile of all (at most 8) rows:
    ``slot_weight[slot, r]`` is row r's routing weight for that expert, 0 for a row below ``SEL_ROWS`` that did not
    select it (rows from ``SEL_ROWS`` on are not written; every reader masks rows at or past T). It also writes the
    presence bitmap (32 experts per int32 word), ``row_slot[r, k]`` (the slot of row r's k-th expert, used by the
@@ -115,7 +116,7 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     if RENORM:
         denom = tl.where(row_ok, tl.sum(wts, axis=1), 1.0)
         wts = wts / denom[:, None]
-        sel_w = sel_w / denom[:, None]
+        sel_w = tl.where(sel > 0, sel_w / denom[:, None], 0.0)  # a NaN row's denominator leaves the others 0
     # HF casts the routing weights to the activation dtype.
     wts = to_act(wts, dtype).to(tl.float32)
     sel_w = tl.where(row_ok[:, None], to_act(sel_w, dtype).to(tl.float32), 0.0)
@@ -198,7 +199,8 @@ def _top_k_by_keys(lg, valid, row_ok, ee, kk, dtype: tl.constexpr, SEL_ROWS: tl.
     The max of a key is one integer reduction (``redux.sync`` on sm80+) where the score search does a float max
     and an int min. Softmax is monotonic, so the picks are the probabilities' top-k, except among equal float32
     probabilities of different logits (logits closer than float32 resolves after subtracting the row's max, or
-    underflowing to 0), where the higher logit wins instead of the lower index. The row's max is the first pick's
+    underflowing to 0), where the higher logit wins instead of the lower index: the picks' weights are equal, and
+    where they are 0 (underflow) the slots may differ but the output cannot. The row's max is the first pick's
     logit; a row whose max is not finite (a NaN or inf in the row: all its probabilities are NaN) picks experts
     0..k-1 with NaN weights, as the score search does."""
     bits = lg.to(dtype).to(tl.int16, bitcast=True).to(tl.int32)  # exact: the logits are rounded to dtype
