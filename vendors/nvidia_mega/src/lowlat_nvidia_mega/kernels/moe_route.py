@@ -144,7 +144,6 @@ def _select_experts(logits_ptr, topk_ids_ptr, topk_w_ptr, row_slot_ptr, slot_exp
     tl.store(row_slot_ptr + out_offs, slot_rk, mask=out_mask)
 
 
-
 @triton.jit
 def _softmax(lg, valid, row_ok, mx):
     """float32 softmax of each row of ``lg`` [SEL_ROWS, E_PAD] given its max ``mx`` [SEL_ROWS]; 0 where not valid."""
