@@ -28,13 +28,12 @@ DISTRIBUTIONS = ["core", "vendors/nvidia_mega", "vendors/amd_mono", "contract_te
 def tests(session: nox.Session) -> None:
     """Every test on the CPU and the contract suite for each vendor, all at once; Triton runs under the interpreter.
 
-    The two cores stay busy throughout: the vendors' contract suites (one process each), ``contract_tests/tests``
-    (the mutation campaign and the broken plugins' runs) and ``vendors/nvidia_mega/tests`` start in the background
-    (``BACKGROUND_TEST_DIRS``), the other test directories run in the foreground meanwhile, then the background runs
-    are awaited and reported (``_start_background``). With arguments, only the tests they select run, as one pytest
-    in the foreground and nothing in the background: ``nox -s tests -- core/tests/test_runtime_cli.py`` or ``nox -s
-    tests -- -k overlap`` (a ``-k`` alone applies to every test directory). ``--install-only`` installs and runs
-    nothing.
+    The two cores stay busy throughout: the vendors' contract suites (one process each) and
+    ``contract_tests/tests`` (the mutation campaign and the broken plugins' runs) start in the background, the
+    other test directories run in the foreground meanwhile, then the background runs are awaited and reported
+    (``_start_background``). With arguments, only the tests they select run, as one pytest in the foreground and
+    nothing in the background: ``nox -s tests -- core/tests/test_runtime_cli.py`` or ``nox -s tests -- -k
+    overlap`` (a ``-k`` alone applies to every test directory). ``--install-only`` installs and runs nothing.
     """
     import pathlib
 
@@ -49,10 +48,10 @@ def tests(session: nox.Session) -> None:
     py = os.path.join(session.bin, "python")
     jobs = [(f"contract {p}", [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--pyargs", "lowlat_contract",
                                "--lowlat-plugin", p], f".nox/contract-{p}.log") for p in CONTRACT_PLUGINS]
-    for i, test_dir in enumerate(d for d in BACKGROUND_TEST_DIRS if d in existing):
-        existing.remove(test_dir)
-        jobs.insert(i, (test_dir, [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", test_dir],
-                        f".nox/{test_dir.replace('/', '-')}.log"))
+    if BACKGROUND_TEST_DIR in existing:
+        existing.remove(BACKGROUND_TEST_DIR)
+        jobs.insert(0, (BACKGROUND_TEST_DIR, [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", BACKGROUND_TEST_DIR],
+                        ".nox/contract_tests-tests.log"))
     running = _start_background(session, jobs, env)
     failed = []
     try:
@@ -70,10 +69,7 @@ def _install_only(session: nox.Session) -> bool:
     return bool(getattr(getattr(runner, "global_config", None), "install_only", False))
 
 
-# Each runs as its own pytest beside the foreground one (core/tests, vendors/amd_mono/tests): contract_tests/tests is
-# ~40% of the test CPU time; vendors/nvidia_mega/tests (216 s alone on 2 cores, 2026-12-07) moved here when the
-# foreground became the critical path (18:39 of a 20-minute session, the background done at 13:35).
-BACKGROUND_TEST_DIRS = ("contract_tests/tests", "vendors/nvidia_mega/tests")
+BACKGROUND_TEST_DIR = "contract_tests/tests"  # ~40% of the test CPU time: runs beside the foreground pytest
 
 
 def _start_background(session: nox.Session, jobs: list[tuple[str, list[str], str]], env: dict[str, str]) -> list:
