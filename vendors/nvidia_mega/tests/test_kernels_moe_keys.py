@@ -25,7 +25,6 @@ from test_kernels_moe import (  # noqa: E402
     check_routing_metadata,
     make_weights,
     make_x,
-    poisoned_alloc,
     reference,
     run,
 )
@@ -40,13 +39,10 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b).all())
 
 
-def both(x, residual, norm_w, gate_w, w13, w2, renormalize, rows, top_k):  # type: ignore[no-untyped-def]
-    """Run the score search and the key search on the same inputs; return their (out, workspace) pairs."""
-    def one(cfg: MoEKernelConfig):  # type: ignore[no-untyped-def]
-        e, hidden, inter = w2.shape
-        ws = MoEWorkspace.allocate(8, hidden, inter, e, top_k, x.dtype, DEV, alloc=poisoned_alloc)
-        return run(x, residual, norm_w, gate_w, w13, w2, renormalize, ws=ws, cfg=cfg, top_k=top_k)
-    return one(SCORES), one(KEYS)
+def both(x, residual, norm_w, gate_w, w13, w2, renormalize, top_k):  # type: ignore[no-untyped-def]
+    """Run the score search and the key search on the same inputs (each in its own poisoned workspace, as ``run``
+    allocates it); return their (out, workspace) pairs."""
+    return tuple(run(x, residual, norm_w, gate_w, w13, w2, renormalize, cfg=cfg, top_k=top_k) for cfg in (SCORES, KEYS))
 
 
 def assert_same_routing(a, b, rows: int, finite_rows: list[int] | None = None) -> None:  # type: ignore[no-untyped-def]
@@ -71,7 +67,7 @@ def test_keys_match_scores_on_random_routers(dtype: torch.dtype, rows: int, seed
     norm_w, gate_w, w13, w2 = make_weights(dtype, seed=70 + seed)
     x, residual = make_x(rows, dtype, seed=80 + seed)
     for renormalize in (True, False):
-        assert_same_routing(*both(x, residual, norm_w, gate_w, w13, w2, renormalize, rows, 2), rows)
+        assert_same_routing(*both(x, residual, norm_w, gate_w, w13, w2, renormalize, 2), rows)
 
 
 def crafted(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -107,7 +103,7 @@ def test_keys_match_scores_on_crafted_logits(dtype: torch.dtype, rows: int) -> N
     _, _, w13, w2 = make_weights(dtype, seed=90, e=E3)
     x, gate_w, finite = crafted(dtype)
     residual = torch.zeros(8, H, dtype=dtype)
-    res = both(x[:rows], residual[:rows], None, gate_w, w13, w2, True, rows, K3)
+    res = both(x[:rows], residual[:rows], None, gate_w, w13, w2, True, K3)
     assert_same_routing(*res, rows, finite_rows=[r for r in finite if r < rows and r != 2])
     ids = res[1][1].topk_ids[:rows].tolist()
     want = [[1, 2, 4], [0, 1, 4], [2, 0, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 2, 3], [6, 1, 3]][:rows]
@@ -129,7 +125,7 @@ def test_keys_rank_equal_probabilities_by_logit() -> None:
     gate_w[:, 0] = torch.tensor([10, 0, 1e-7, -1, -2, -3, -4, -5])
     gate_w = gate_w.to(dtype)
     assert float(gate_w[2, 0]) != 0.0
-    (_, ws_s), (_, ws_k) = both(x, None, None, gate_w, w13, w2, False, 1, 2)
+    (_, ws_s), (_, ws_k) = both(x, None, None, gate_w, w13, w2, False, 2)
     assert ws_s.topk_ids[0].tolist() == [0, 1] and ws_k.topk_ids[0].tolist() == [0, 2]
     assert torch.equal(ws_s.topk_weights[0], ws_k.topk_weights[0])
 
@@ -138,7 +134,7 @@ def test_keys_need_16_bit_activations() -> None:
     """float32 logits do not fit the key: a float32 launch keeps the score search (bit-identical output)."""
     norm_w, gate_w, w13, w2 = make_weights(torch.float32, seed=92)
     x, residual = make_x(3, torch.float32, seed=93)
-    (out_s, _), (out_k, ws_k) = both(x, residual, norm_w, gate_w, w13, w2, True, 3, 2)
+    (out_s, _), (out_k, ws_k) = both(x, residual, norm_w, gate_w, w13, w2, True, 2)
     assert torch.equal(out_s, out_k)
     assert torch.equal(ws_k.topk_ids[:3].long().cpu(), reference(x, residual, norm_w, gate_w, w13, w2, True)[1])
 
@@ -155,13 +151,13 @@ def test_keys_signed_zero_and_a_nan_logit(rows: int) -> None:
     gate_w = torch.zeros(E3, H)
     gate_w[:, 0] = torch.tensor([-3.0, -1.0, -1.0, 0.0, -1.0, -2.0, 0.0, -5.0]) * 2.0**60
     gate_w[[1, 4], 0] = -(2.0**-70)
-    res = both(x.to(dtype), None, None, gate_w.to(dtype), w13, w2, True, rows, K3)
+    res = both(x.to(dtype), None, None, gate_w.to(dtype), w13, w2, True, K3)
     assert_same_routing(*res, rows)
     logits = res[1][1].logits[:rows].cpu()
     assert str(float(logits[0, 1])) == "-0.0" and str(float(logits[0, 3])) == "0.0"  # the test's premise
     assert res[1][1].topk_ids[:rows].tolist() == [[1, 3, 4]] * rows
     gate_w[5, 7] = float("nan")
-    res = both(x.to(dtype), None, None, gate_w.to(dtype), w13, w2, True, rows, K3)
+    res = both(x.to(dtype), None, None, gate_w.to(dtype), w13, w2, True, K3)
     assert_same_routing(*res, rows, finite_rows=[])
     assert res[1][1].topk_ids[:rows].tolist() == [[0, 1, 2]] * rows
     assert bool(res[1][1].topk_weights[:rows].isnan().all())
