@@ -17,7 +17,7 @@ CPU = Platform("cpu", "cpu")
 CPU_INTERP = Platform("cpu", "cpu", triton_interpreter=True)
 
 
-def spec(**req) -> ModelSpec:
+def spec(check_environment=None, **req) -> ModelSpec:
     base = dict(
         platforms=(PlatformRequirement("cuda", min_capability=(9, 0)), PlatformRequirement("rocm", archs=("gfx942",)),
                    PlatformRequirement("cpu", triton_interpreter=True)),
@@ -29,6 +29,7 @@ def spec(**req) -> ModelSpec:
         requirements=Requirements(**base),
         coverage=Coverage(modes=frozenset({ForwardMode.DECODE}), max_tokens=8),
         build="x:build",
+        check_environment=check_environment,
     )
 
 
@@ -107,3 +108,40 @@ def test_dtype_auto_without_a_model_is_float32_on_a_cpu_and_unknown_on_a_gpu():
     fp32 = spec(dtypes=frozenset({"float32"}))
     assert result(evaluate("p", fp32, CPU_INTERP, EngineConfig()), "dtype").status == "pass"
     assert result(evaluate("p", spec(), H200, EngineConfig()), "dtype").status == "skip"  # the checkpoint's dtype
+
+
+CALLS: list[str] = []
+
+
+def env_ok() -> None:
+    CALLS.append("ok")
+
+
+def env_bad() -> None:
+    raise ValueError("LOWLAT_X_TILE: '3' must be a power of two; unset it or pass 4")
+
+
+def test_check_environment_runs_in_the_guard_and_a_refusal_fails_it_with_the_message():
+    CALLS.clear()
+    ok = evaluate("p", spec(check_environment=f"{__name__}:env_ok"), H200)
+    assert ok.passed and result(ok, "environment").status == "pass" and CALLS == ["ok"]
+    bad = evaluate("p", spec(check_environment=f"{__name__}:env_bad"), H200)
+    assert not bad.passed
+    want = "ValueError: LOWLAT_X_TILE: '3' must be a power of two; unset it or pass 4"
+    assert result(bad, "environment").reason == want
+    assert "environment: ValueError: LOWLAT_X_TILE" in bad.summary()
+
+
+def test_check_environment_that_cannot_import_fails_naming_the_path_and_is_skipped_without_its_libraries():
+    t = evaluate("p", spec(check_environment="no_such_module_xyz:check"), H200)
+    r = result(t, "environment")
+    assert r.status == "fail" and "cannot import no_such_module_xyz:check" in r.reason
+    t = evaluate("p", spec(check_environment=f"{__name__}:env_bad", libraries=(("no-such-dist", ">=1"),)), H200)
+    assert result(t, "environment").status == "skip"  # not run (it would fail) without its libraries
+    assert [r.requirement for r in t.failures] == ["library no-such-dist>=1"]
+
+
+def test_spec_without_check_environment_has_no_environment_row_and_a_bad_path_is_refused():
+    assert all(r.requirement != "environment" for r in evaluate("p", spec(), H200).results)
+    with pytest.raises(Exception, match="check_environment must be an import path"):
+        spec(check_environment="no_colon")

@@ -216,6 +216,9 @@ class ModelSpec:
         coverage: the steps the plugin's forward serves; others take the general path.
         build: lazy import path "package.module:function" of ``build(binding) -> PluginForward``.
         check_model: optional lazy path of ``check_model(binding) -> None`` run after load (raise to refuse).
+        check_environment: optional lazy path of ``check_environment() -> None`` that the guard runs before any
+            weight loads (and ``lowlat plugins`` runs too): it raises, naming the variable and the fix, when the
+            plugin's own environment switches hold a value its build would refuse (plugin API 4).
         retain_checkpoint: keep the original checkpoint tensors until build (released after).
         min_speedup: optional performance floor the contract suite enforces on a GPU
             (plugin step time must be at most general step time / min_speedup).
@@ -226,6 +229,7 @@ class ModelSpec:
     coverage: Coverage
     build: str
     check_model: str | None = None
+    check_environment: str | None = None
     retain_checkpoint: bool = False
     min_speedup: float | None = None
 
@@ -235,7 +239,7 @@ class ModelSpec:
                 f"architecture {self.architecture!r} is not one core runs; "
                 f"use one of {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for name in ("build", "check_model"):
+        for name in ("build", "check_model", "check_environment"):
             path = getattr(self, name)
             if path is not None and (not isinstance(path, str) or path.count(":") != 1):
                 raise SpecError(f"{name} must be an import path 'package.module:function', got {path!r}")

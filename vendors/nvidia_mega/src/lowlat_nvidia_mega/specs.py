@@ -45,6 +45,11 @@ COVERAGE = Coverage(modes=frozenset({ForwardMode.DECODE, ForwardMode.VERIFY}), m
                     sampling=SAMPLING)
 
 
+# The guard refuses a bad LOWLAT_MEGA_* switch before weights load (and `lowlat plugins` shows it) where core has
+# ModelSpec.check_environment (plugin API 4); on older cores build refuses it.
+_CHECK_ENV = ({"check_environment": "lowlat_nvidia_mega.build:check_switches"}
+              if "check_environment" in {f.name for f in fields(ModelSpec)} else {})
+
 # TP 2-8 with epilogue publishing (lowlat_nvidia_mega.tp) where core has plugin API 4 (binding.peer_buffers).
 TP_SIZES = frozenset({1, 2, 4, 8}) if PLUGIN_API_VERSION >= 4 else frozenset({1})
 
@@ -53,6 +58,6 @@ def model_specs() -> list[ModelSpec]:
     """One spec per architecture; ``build`` is imported only when an engine builds the plugin."""
     return [
         ModelSpec(architecture=a, coverage=COVERAGE, build="lowlat_nvidia_mega.build:build",
-                  requirements=replace(REQUIREMENTS, tp_sizes=TP_SIZES))
+                  requirements=replace(REQUIREMENTS, tp_sizes=TP_SIZES), **_CHECK_ENV)
         for a in ARCHITECTURES
     ]

@@ -64,7 +64,7 @@ def evaluate(
     model: ModelConfig | None = None,
     architecture: str | None = None,
 ) -> GuardTrace:
-    """Evaluate every requirement of ``spec``.
+    """Evaluate every requirement of ``spec``, and its ``check_environment`` where it names one.
 
     Args:
         plugin: the plugin's name, for the trace.
@@ -79,6 +79,9 @@ def evaluate(
     req = spec.requirements
     results = [_platform(req.platforms, platform)]
     results += [_library(name, rng) for name, rng in req.libraries]
+    if spec.check_environment is not None:
+        results.append(_environment(plugin, spec.check_environment, libraries_ok=all(r.status == PASS
+                                                                                     for r in results[1:])))
     arch = model.architecture if model is not None else architecture
     if arch is None:
         results.append(RequirementResult("architecture", SKIP, "no model given"))
@@ -132,6 +135,25 @@ def _library(name: str, rng: str) -> RequirementResult:
     if spec.contains(Version(have), prereleases=True):
         return RequirementResult(label, PASS, f"{name} {have}")
     return RequirementResult(label, FAIL, f"{name} {have} is installed; pip install '{name}{rng}'")
+
+
+def _environment(plugin: str, path: str, *, libraries_ok: bool) -> RequirementResult:
+    """Run the spec's ``check_environment`` (after its libraries are known to be installed: it may import them).
+
+    Any exception fails the requirement with its message, a missing or broken module included: the guard never
+    raises for a plugin's own check.
+    """
+    from lowlat.runtime.plugin_host.discovery import load_callable
+
+    if not libraries_ok:
+        return RequirementResult("environment", SKIP, "not checked: a required library is missing")
+    try:
+        load_callable(path, plugin)()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a plugin's check must not take the host down
+        return RequirementResult("environment", FAIL, f"{type(e).__name__}: {e}")
+    return RequirementResult("environment", PASS, f"{path} accepts the environment")
 
 
 def _engine(

@@ -1,0 +1,35 @@
+"""Mutation pass of the guard's environment check (``ModelSpec.check_environment``: core's guard.py and spec.py,
+nvidia_mega's specs.py): break it in one place, run core/tests/test_plugin_guard.py and
+vendors/nvidia_mega/tests/test_switch_guard.py, expect a failure.
+
+    TRITON_INTERPRET=1 .venv/bin/python bench/scripts/mutate_guard_env.py   # from the repository root
+
+Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was missed.
+"""
+
+import os
+import pathlib
+import sys
+
+import mutation_runner  # same directory
+
+G = pathlib.Path("core/src/lowlat/runtime/plugin_host/guard.py")
+S = pathlib.Path("core/src/lowlat/plugin/spec.py")
+V = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/specs.py")
+M = [  # (name, file, original text, mutated text)
+    ("the check never runs", G, "    if spec.check_environment is not None:\n", "    if False:\n"),
+    ("run without its libraries", G, "    if not libraries_ok:\n", "    if False:\n"),
+    ("skipped with its libraries", G, "    if not libraries_ok:\n", "    if libraries_ok:\n"),
+    ("a refusal passes", G, 'RequirementResult("environment", FAIL, f"{type(e).__name__}: {e}")',
+     'RequirementResult("environment", PASS, f"{type(e).__name__}: {e}")'),
+    ("the message dropped", G, 'RequirementResult("environment", FAIL, f"{type(e).__name__}: {e}")',
+     'RequirementResult("environment", FAIL, f"{type(e).__name__}")'),
+    ("only ValueError caught", G, "    except BaseException as e:  # noqa: BLE001", "    except ValueError as e:  # noqa"),
+    ("the path not validated", S, '("build", "check_model", "check_environment")', '("build", "check_model")'),
+    ("nvidia_mega's specs without it", V, "tp_sizes=TP_SIZES), **_CHECK_ENV)", "tp_sizes=TP_SIZES))"),
+]
+
+if __name__ == "__main__":
+    sys.exit(mutation_runner.run(
+        M, "core/tests/test_plugin_guard.py", {**os.environ, "TRITON_INTERPRET": "1"},
+        pytest_args=("vendors/nvidia_mega/tests/test_switch_guard.py",)))
