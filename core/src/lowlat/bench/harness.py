@@ -138,7 +138,7 @@ def _row(cfg: BenchConfig, model: str, path: str, shape: Shape, full: int, secon
         status="ok", reason=None, ran_on=m.ran_on, graphed=m.graphed, step_ms=m.step.as_dict(),
         repeat_ms=m.repeat.as_dict(), noise_pct=100.0 * abs(m.repeat.median - med) / med,
         replay_ms=m.replay.as_dict() if m.replay else None,
-        tokens_per_s_per_req=shape.tokens_per_req * 1e3 / med, compile_s=m.compile_s,
+        tokens_per_s_per_req=shape.tokens_per_req * 1e3 / med, compile_s=m.compile_s, inputs=m.inputs,
         pct_of_roofline=100.0 * roof["roofline_ms"] / med if roof["roofline_ms"] else None,
         launches={str(full): m.launches}, launches_how=m.launches_how, launches_error=m.launches_error,
         second_depth_ms=None, per_layer_us=None, per_layer_slope_us=None, pct_of_layer_roofline=None,

@@ -6,15 +6,15 @@ launches per layer.
 
 The runner is built as ``lowlat run`` builds it (EngineConfig with ``plugin="none"`` or the plugin's name,
 ``num_layers`` for the second depth), so its CUDA graphs, KV pool and plugin dispatch are the real ones. A
-timed step is ``ModelRunner.forward(batch)``: copy the inputs into the graph buffers and replay (on a CPU: the
-eager forward).
+timed step is ``ModelRunner.forward(batch)`` after the engine's input work (``input_sets``: one packed upload and
+one KV slot write), replaying the shape's graph (on a CPU: the eager forward).
 
 KV state: instead of prefilling ``context`` tokens per request, each request gets a ``req_to_token`` row and
 ``context`` slots from the KV pool, and every K/V buffer is filled with random values once. Latency does not
 depend on the values (docs/benchmarks.md says so); the slot layout is the one a real prefill gives.
 
-Input sets: ``input_sets`` batches per shape, each with its own requests (so its own KV pages), its own new-token
-slots and random token ids; the pool is sized for ``max_batch_size * input_sets`` requests.
+Input sets (``lowlat.bench.input_sets``): ``input_sets`` batches per shape, each with its own requests (so its own KV
+pages), its own new-token slots and random token ids; the pool is sized for ``max_batch_size * input_sets`` requests.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from lowlat.bench.config import GENERAL_VARIANTS, BenchConfig, Shape
+from lowlat.bench.input_sets import InputSets, free_rows, input_sets
 from lowlat.bench.measure import (
     DepthResult,
     Measurement,
@@ -63,50 +64,23 @@ def fill_kv_random(pool: object, seed: int) -> None:
         buf.normal_(generator=gen)
 
 
-def input_sets(runner: object, shape: Shape, cfg: BenchConfig, seed: int) -> tuple[list[ForwardBatch], list[int]]:
-    """``cfg.input_sets`` batches of ``shape`` on fresh requests holding ``context`` cached tokens each.
-
-    Returns:
-        (batches, request rows to free afterwards).
-    """
-    pool = runner.kv_pool  # type: ignore[attr-defined]
-    vocab = runner.model_config.vocab_size  # type: ignore[attr-defined]
-    gen = torch.Generator().manual_seed(seed)
-    batches, all_rows = [], []
-    for _ in range(cfg.input_sets):
-        rows = [pool.alloc_req() for _ in range(shape.batch_size)]
-        all_rows += rows
-        for r in rows:
-            pool.alloc_slots(r, cfg.context)
-        tokens = torch.randint(0, vocab, (shape.batch_size, shape.tokens_per_req), generator=gen).tolist()
-        batches.append(runner.prepare_batch(shape.mode, rows, [cfg.context] * shape.batch_size, tokens))  # type: ignore
-    return batches, all_rows
-
-
-def free_rows(runner: object, rows: list[int]) -> None:
-    """Return request rows (and their KV pages) to the runner's pool."""
-    for r in rows:
-        runner.kv_pool.free_req(r)  # type: ignore[attr-defined]
-
-
-def measure_shape(runner: object, batches: list[ForwardBatch], cfg: BenchConfig, device: torch.device
-                  ) -> Measurement:
-    """Time ``runner.forward`` over the rotated ``batches`` (twice) and the pure graph replay."""
-    n = len(batches)
+def measure_shape(runner: object, sets: InputSets, cfg: BenchConfig, device: torch.device) -> Measurement:
+    """Time ``runner.forward`` over the rotated input ``sets`` (twice) and the pure graph replay."""
     paths: set[str] = set()
 
     def run(i: int) -> object:
-        return runner.forward(batches[i % n])  # type: ignore[attr-defined]
+        return runner.forward(sets.step(i))  # type: ignore[attr-defined]
 
     run(0)  # learn the path and whether it replays a graph
     paths.add(runner.last_path)  # type: ignore[attr-defined]
     graphed = bool(runner.last_graphed)  # type: ignore[attr-defined]
     step, repeat = timed_twice(run, cfg, device)
     paths.add(runner.last_path)  # type: ignore[attr-defined]
-    m = Measurement(step=step, repeat=repeat, ran_on="+".join(sorted(paths, reverse=True)), graphed=graphed)
+    m = Measurement(step=step, repeat=repeat, ran_on="+".join(sorted(paths, reverse=True)), graphed=graphed,
+                    inputs=sets.fed)
     graph_runner = runner.graph_runner  # type: ignore[attr-defined]
     if graphed and graph_runner is not None:
-        graph = graph_runner.graphs[graph_runner.key_for(batches[0])]
+        graph = graph_runner.graphs[graph_runner.key_for(sets.batches[0])]
         run(0)  # fills the graph's input buffers
 
         def replay(i: int) -> None:
@@ -121,11 +95,11 @@ def measure_decode(runner: object, cfg: BenchConfig, batch: int, seed: int) -> M
     """``lowlat bench``'s DECODE measurement of ``batch`` requests in an existing runner (an Engine's): random KV
     (``fill_kv_random``), ``cfg.input_sets`` fresh input sets at ``cfg.context``, ``measure_shape``, rows freed."""
     fill_kv_random(runner.kv_pool, 0)  # type: ignore[attr-defined]
-    batches, rows = input_sets(runner, Shape(ForwardMode.DECODE, batch, 1), cfg, seed=seed)
+    sets = input_sets(runner, Shape(ForwardMode.DECODE, batch, 1), cfg, seed=seed)
     try:
-        return measure_shape(runner, batches, cfg, runner.device)  # type: ignore[attr-defined]
+        return measure_shape(runner, sets, cfg, runner.device)  # type: ignore[attr-defined]
     finally:
-        free_rows(runner, rows)
+        free_rows(runner, sets.rows)
 
 
 def eager_pass(runner: object, batches: list[ForwardBatch], device: torch.device, m: Measurement,
@@ -181,8 +155,9 @@ def run_lowlat_path(cfg: BenchConfig, model: str, path: str, depth: int, full_de
         for k, shape in enumerate(shapes):  # graphs first: no eager step runs between graph timings
             rows: list[int] = []
             try:
-                batches, rows = input_sets(runner, shape, cfg, seed=cfg.seed * 1000 + k)
-                res.rows[shape] = measure_shape(runner, batches, cfg, device)
+                sets = input_sets(runner, shape, cfg, seed=cfg.seed * 1000 + k)
+                rows = sets.rows
+                res.rows[shape] = measure_shape(runner, sets, cfg, device)
             except Exception as e:
                 res.rows[shape] = describe_error(e)
                 free_device_memory(device)
@@ -195,7 +170,8 @@ def run_lowlat_path(cfg: BenchConfig, model: str, path: str, depth: int, full_de
                 continue
             rows = []
             try:
-                batches, rows = input_sets(runner, shape, cfg, seed=cfg.seed * 1000 + k)  # the same token ids
+                sets = input_sets(runner, shape, cfg, seed=cfg.seed * 1000 + k)  # the same token ids
+                rows, batches = sets.rows, sets.batches
                 want = bool(routing_for) and shape in routing_for and runner.model_config.is_moe
                 union = eager_pass(runner, batches, device, m, want)
                 if union is not None:

@@ -30,6 +30,8 @@ class Measurement:
         launches: kernel launches of one eager step (see ``timing.count_launches``) and ``launches_how``;
             ``launches_error`` says why there is no count.
         compile_s: hf only: seconds from building the step to the end of warm-up (torch.compile and graph capture).
+        inputs: lowlat paths: how each step's inputs reached the runner ("built": the engine's path, one packed
+            upload and one KV slot write; "copied": field by field into the graph's buffers; ``input_sets``).
     """
 
     step: Stats
@@ -41,6 +43,7 @@ class Measurement:
     launches_how: str | None = None
     launches_error: str | None = None
     compile_s: float | None = None
+    inputs: str | None = None
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowlat.bench.lowlat_path import engine_config, fill_kv_random, free_rows, input_sets
+from lowlat.bench.input_sets import free_rows, input_sets
+from lowlat.bench.lowlat_path import engine_config, fill_kv_random
 from lowlat.bench.measure import describe_error, free_device_memory
 from lowlat.bench.timing import summarize, time_steps, warm_up
 from lowlat.bench.tp_allreduce import agree, barrier, measure_all_reduce
@@ -133,8 +134,9 @@ def _measure_depth(cfg: Any, row: Any, depth: int, ctx: Any, sync: Any, info: di
             rows: list[int] = []
             res: dict[str, Any] = {}
             try:
-                batches, rows = input_sets(runner, shape, bcfg, seed=cfg.seed * 1000 + k)  # the same on every rank
-                res = time_shape(lambda i, bs=batches: runner.forward(bs[i % len(bs)]), runner, cfg, ctx.device, sync)
+                sets = input_sets(runner, shape, bcfg, seed=cfg.seed * 1000 + k)  # the same on every rank
+                rows = sets.rows
+                res = time_shape(lambda i, s=sets: runner.forward(s.step(i)), runner, cfg, ctx.device, sync)
             except Exception as e:
                 res = {"error": describe_error(e)}
                 free_device_memory(ctx.device)
