@@ -79,7 +79,7 @@ M = [  # (name, file, original text, mutated text)
      "return max(triton.next_power_of_2(self.x.shape[0]), self.cfg.route_min_rows)",
      "return triton.next_power_of_2(self.x.shape[0])"),
     ("route_min_rows above 8 accepted", S, "if self.route_min_rows > ROWS:", "if self.route_min_rows > 2 * ROWS:"),
-    ("route_min_rows 4 by default", S, "route_min_rows: int = 1", "route_min_rows: int = 4"),
+    ("route_min_rows 1 by default", S, "route_min_rows: int = 4", "route_min_rows: int = 1"),
     # the top-k on int32 keys (route_keys, moe_route._top_k_by_keys)
     ("route_keys ignored by the launch", S, "KEYS=cfg.route_keys and x.element_size() == 2",
      "KEYS=False"),

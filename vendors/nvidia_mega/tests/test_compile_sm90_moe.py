@@ -31,7 +31,7 @@ ROW1 = moe.MoEKernelConfig()  # production: the one-row FMA forms at one row
 CHUNKED = moe.MoEKernelConfig(down_block_n=64, down_block_i=128)  # down's I loop (software-pipelined)
 SCAN = moe.MoEKernelConfig(route_gather=False)  # the routing's row_slot as a compare-and-sum
 KEYS = moe.MoEKernelConfig(route_keys=True)  # the routing's top-k on int32 keys
-MIN4 = moe.MoEKernelConfig(route_min_rows=4)  # a one-row step's selection on a 4-row tile (a row per warp)
+MIN1 = moe.MoEKernelConfig(route_min_rows=1)  # a one-row step's selection on its own 1-row tile (default: 4 rows)
 # stage: (kernel name in moe.py, the MoEStages method that launches it)
 KERNELS = {"route": ("moe_route_kernel", "route"), "gate_up": ("_moe_gate_up_kernel", "gate_up"),
            "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down")}
@@ -51,9 +51,9 @@ def _stages(rows: int, cfg: moe.MoEKernelConfig, h: int = H, i: int = I, e: int 
 @pytest.mark.parametrize(("stage", "rows", "cfg"), [
     ("route", 1, ROW1), ("route", 8, ROW1), ("gate_up", 1, TDOT), ("gate_up", 8, ROW1), ("gate_up_row1", 1, ROW1),
     ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED),
-    ("route", 1, SCAN), ("route", 8, SCAN), ("route", 1, KEYS), ("route", 8, KEYS), ("route", 1, MIN4)],
+    ("route", 1, SCAN), ("route", 8, SCAN), ("route", 1, KEYS), ("route", 8, KEYS), ("route", 1, MIN1)],
     ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked", id(SCAN): "scan",
-                   id(KEYS): "keys", id(MIN4): "min4"}.get(id(v), str(v)))
+                   id(KEYS): "keys", id(MIN1): "min1"}.get(id(v), str(v)))
 def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelConfig,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     name, method = KERNELS[stage]

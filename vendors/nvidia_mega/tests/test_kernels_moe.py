@@ -168,8 +168,8 @@ def test_stages_launch_the_configured_forms(rows: int, monkeypatch: pytest.Monke
     norm_w, gate_w, w13, w2 = make_weights(torch.float32)
     x, residual = make_x(rows, torch.float32)
     scan = dataclasses.replace(CFG_ROW1, route_gather=False)
-    four = dataclasses.replace(CFG_ROW1, route_min_rows=4)
-    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False), (scan, rows == 1), (four, rows == 1)):
+    one = dataclasses.replace(CFG_ROW1, route_min_rows=1)  # the default is 4
+    for cfg, row1 in ((CFG_ROW1, rows == 1), (CFG, False), (scan, rows == 1), (one, rows == 1)):
         for block_i, want_i in ((16, 16), (1024, 32)):
             log.clear()
             ws = MoEWorkspace.allocate(8, H, I, E, K, torch.float32, DEV)
@@ -206,14 +206,15 @@ def test_route_gather_matches(dtype: torch.dtype, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("min_rows", [4, 8])
+@pytest.mark.parametrize("min_rows", [2, 4, 8])
 def test_route_min_rows_matches(dtype: torch.dtype, rows: int, min_rows: int) -> None:
     """A selection tile of more rows than the step has (``route_min_rows``; rows past T masked) routes the same
-    experts with the same weights and slots: the output is bit-identical. Off (1) until timed on a GPU."""
-    assert MoEKernelConfig().route_min_rows == 1
+    experts with the same weights and slots as the step's own rows (1): the output is bit-identical. 4 by default,
+    after its A/B on an H100."""
+    assert MoEKernelConfig().route_min_rows == 4
     norm_w, gate_w, w13, w2 = make_weights(dtype, seed=33)
     x, residual = make_x(rows, dtype, seed=34)
-    base, ws0 = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=CFG_ROW1)
+    base, ws0 = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(CFG_ROW1, route_min_rows=1))
     cfg = dataclasses.replace(CFG_ROW1, route_min_rows=min_rows)
     out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=cfg)
     assert torch.equal(out, base) and torch.equal(ws.topk_ids[:rows], ws0.topk_ids[:rows])

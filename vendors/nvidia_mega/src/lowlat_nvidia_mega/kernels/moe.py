@@ -76,8 +76,10 @@ class MoEKernelConfig:
     # The fewest rows of the routing's selection tile (a power of two <= 8; the tile is next_pow2(T) rows or this).
     # With as many rows as warps the compiler lays the tile out one row per warp, so each top-k pick reduces inside
     # a warp; a 1- or 2-row tile spreads a row over the warps (sm90 build at one row: 41 bar.sync at 1 row, 29 at 4;
-    # at two rows 55 and 29). Not yet timed: AB_ENV=LOWLAT_MEGA_MOE_CONFIG=route_min_rows=4 ... mega-ab.
-    route_min_rows: int = 1
+    # at two rows 55 and 29). On an H100 (bench/results/2026-12-07-h100-mega-min-rows, A/B x3, 1 -> 4): qwen3-30b-a3b
+    # DECODE b=1 2.9411 / 2.9390 / 2.9392 -> 2.9316 / 2.9367 / 2.9377 ms, b=2 4.7803 / 4.7815 / 4.7807 -> 4.7560 /
+    # 4.7530 / 4.7494.
+    route_min_rows: int = 4
     # A one-row step's expert GEMMs on the FMA units: gate/up in moe_row1.py with the row1_* tile (rows per program,
     # K chunk, warps, stages), down in its kernel's ROW1 form with the down_* tile.
     row1: bool = True
