@@ -51,8 +51,9 @@ def main() -> int:
     runner = ModelRunner(engine_config(cfg, args.model, args.path, None), device=device, show_progress=False)
     try:
         fill_kv_random(runner.kv_pool, 0)
-        print(f"{args.model} {args.path} DECODE, context {args.context}, {args.iters} steps per run; plugin "
-              f"{runner.plugin_host.name}; medians in ms")
+        served = f"plugin {runner.plugin_host.name}" if runner.plugin_host.name else "the general path"
+        print(f"{args.model} {args.path} DECODE, context {args.context}, {args.iters} steps per run on {served}; "
+              f"medians in ms{' (on a CPU, run it with OMP_NUM_THREADS=1)' if device.type == 'cpu' else ''}")
         for k, b in enumerate(sizes):
             built = input_sets(runner, Shape(ForwardMode.DECODE, b, 1), cfg, seed=k)
             try:
@@ -61,7 +62,7 @@ def main() -> int:
                     a_ms.append(measure_shape(runner, copied(built), cfg, device).step.median)
                     b_ms.append(measure_shape(runner, built, cfg, device).step.median)
                 ratio = statistics.median(a_ms) / statistics.median(b_ms)
-                print(f"b={b}: copied {' '.join(f'{x:.4f}' for x in a_ms)} | built ({built.fed}) "
+                print(f"b={b}: copied {' '.join(f'{x:.4f}' for x in a_ms)} | {built.fed} "
                       f"{' '.join(f'{x:.4f}' for x in b_ms)} | copied / built {ratio:.3f}", flush=True)
             finally:
                 free_rows(runner, built.rows)

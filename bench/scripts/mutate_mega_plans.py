@@ -30,8 +30,8 @@ M = [  # (name, file, original text, mutated text)
      'return TUNED_PRENORM.get((device_name(device), kind, hidden, str(dtype).removeprefix("torch.")), 0)'),
     ("attention table never hit", T, 'hit = _lookup(TUNED_ATTN, ("attn",', 'hit = _lookup(TUNED_ATTN, ("attn_",'),
     ("the H200's chip misrecorded", T, '"NVIDIA H200": ((9, 0), 132),', '"NVIDIA H200": ((9, 0), 114),'),
-    ("a bad switch value passes the build", B, "for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch,",
-     "for switch in (prefetch_act_enabled, prenorm_switch,"),
+    ("a bad switch value passes the build", B, "prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode,",
+     "prefetch_act_enabled, prenorm_switch, tp_reduce_mode,"),
     ("the switch counted unknown", B, "SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV,",
      "SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV,"),
 ]

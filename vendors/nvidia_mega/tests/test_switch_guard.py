@@ -43,6 +43,10 @@ def test_every_spec_checks_the_switches_in_the_guard(monkeypatch: pytest.MonkeyP
     ("LOWLAT_MEGA_LM_HEAD_CONFIG", "min_rows=3", "LOWLAT_MEGA_LM_HEAD_CONFIG='min_rows=3'"),
     ("LOWLAT_MEGA_PRENORM", "maybe", "LOWLAT_MEGA_PRENORM='maybe'"),
     ("LOWLAT_MEGA_PRENROM", "1", "LOWLAT_MEGA_PRENROM: did you mean LOWLAT_MEGA_PRENORM"),
+    ("LOWLAT_MEGA_MOE_CONFIG", "route_kyes=1", "MoEKernelConfig field (did you mean route_keys?)"),
+    ("LOWLAT_MEGA_MOE_CONFIG", "route_min_rows=99999999999999999999", "more than 18 digits"),
+    ("LOWLAT_MEGA_MOE_CONFIG", "route_min_rows=1;down_warps=4", "separate items with ',' not ';'"),
+    ("LOWLAT_MEGA_PDL", "of", "LOWLAT_MEGA_PDL='of': use 1"),  # a typo of "off" used to leave PDL on
 ])
 def test_a_bad_switch_fails_the_guard_naming_it(monkeypatch: pytest.MonkeyPatch, var: str, value: str,
                                                says: str) -> None:
@@ -55,3 +59,10 @@ def test_an_explicit_plugin_stops_before_weights_load(monkeypatch: pytest.Monkey
     monkeypatch.setenv("LOWLAT_MEGA_MOE_CONFIG", "route_kyes=1")
     with pytest.raises(UnsupportedConfiguration, match="environment: PluginBuildError: LOWLAT_MEGA_MOE_CONFIG"):
         PluginHost.select(ENGINE, get_preset("tiny-llama"), CPU_INTERP)
+
+
+def test_an_unknown_name_far_from_every_switch_gets_no_guess(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOWLAT_MEGA_FOO", "1")  # the shared prefix alone once made it "close" to LOWLAT_MEGA_PDL
+    r = _env_result()
+    assert r.status == "fail" and "unknown nvidia_mega switch(es) LOWLAT_MEGA_FOO" in r.reason
+    assert "did you mean" not in r.reason and "rename or unset the unknown one(s)" in r.reason

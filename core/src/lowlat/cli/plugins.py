@@ -98,6 +98,7 @@ def _requirements(spec: Any) -> dict[str, Any]:
         "libraries": [f"{n}{v}" for n, v in r.libraries],
         "model": {k: list(v) for k, v in r.model},
         "made_for": list(made_for(spec)),
+        "environment": spec.check_environment,
     }
 
 
@@ -207,5 +208,7 @@ def _describe_requirements(req: dict[str, Any]) -> str:
     parts += req["libraries"]
     parts += [f"needs {f}" for f in req["features_required"]] + [f"refuses {f}" for f in req["features_refused"]]
     parts += [f"{k} in {v}" for k, v in req["model"].items()]
+    if req.get("environment"):
+        parts.append(f"environment checked by {req['environment']}")
     parts.append(f"made for {'/'.join(req['made_for'])} (--plugin auto takes it there only)")
     return "; ".join(parts)

@@ -25,6 +25,7 @@ from lowlat_nvidia_mega.kernels.moe import CONFIG_ENV as MOE_CONFIG_ENV
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, default_config
 from lowlat_nvidia_mega.kernels.norm_rows import PRENORM_ENV, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import ENV_SWITCH as PDL_ENV
+from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
 from lowlat_nvidia_mega.kernels.small_gemm import (
@@ -57,18 +58,20 @@ def check_switches() -> None:
     """Refuse, at build, what the switches read at each launch or step would refuse later, or would ignore: a
     ``LOWLAT_MEGA_*`` variable that names no switch (a misspelled switch would silently run, and measure, the
     default variant) and a value ``LOWLAT_MEGA_PREFETCH_ACT`` / ``LOWLAT_MEGA_PRENORM`` / ``LOWLAT_MEGA_TUNED`` does
-    not parse (``LOWLAT_MEGA_TP_REDUCE``, ``LOWLAT_MEGA_MOE_CONFIG`` and ``LOWLAT_MEGA_LM_HEAD_CONFIG`` too).
+    not parse (``LOWLAT_MEGA_PDL``, ``LOWLAT_MEGA_TP_REDUCE``, ``LOWLAT_MEGA_MOE_CONFIG`` and
+    ``LOWLAT_MEGA_LM_HEAD_CONFIG`` too).
 
     Raises:
         PluginBuildError: naming each unknown variable, the closest switch and the known ones, or the bad value.
     """
     unknown = sorted(k for k in os.environ if k.startswith("LOWLAT_MEGA_") and k not in SWITCHES + TEST_SWITCHES)
     if unknown:
-        hints = [f"{k}: did you mean {close[0]}?" for k in unknown
-                 if (close := difflib.get_close_matches(k, SWITCHES, n=1))]
+        stem = len("LOWLAT_MEGA_")  # match the part after the shared prefix, which would make any name "close"
+        hints = [f"{k}: did you mean {SWITCHES[[s[stem:] for s in SWITCHES].index(close[0])]}?" for k in unknown
+                 if (close := difflib.get_close_matches(k[stem:], [s[stem:] for s in SWITCHES], n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
-                               f"Known: {', '.join(SWITCHES)}; unset the others")
-    for switch in (prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode, default_config,
+                               f"Known: {', '.join(SWITCHES)}; rename or unset the unknown one(s)")
+    for switch in (pdl_enabled, prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode, default_config,
                    default_lm_head_config):
         try:
             switch()

@@ -8,6 +8,7 @@ change in whole steps beside the default (docs/kernels.md, "Launch plans").
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import Field, fields
@@ -48,13 +49,18 @@ def config_from_env(cls: type[C], env: str) -> C:
         if name in changes:
             raise ValueError(f"{env}={text!r} sets {name} twice: keep one")
         if not eq or name not in names:
-            raise ValueError(f"{env}: {shown} must be FIELD=INT with a {cls.__name__} field "
-                             f"({', '.join(names)})")
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"{env}: {shown} must be FIELD=INT with a {cls.__name__} field{hint}: "
+                             f"{', '.join(names)}")
         flag = is_flag(names[name])
         if flag and value not in ("0", "1"):
             raise ValueError(f"{env}: {shown}: {name} is 1 (on) or 0 (off)")
+        if re.fullmatch(r"-?[0-9]{19,}", value):
+            raise ValueError(f"{env}: {shown}: the value has more than 18 digits, far outside any field's range")
         if not re.fullmatch(r"-?[0-9]{1,18}", value):
-            raise ValueError(f"{env}: {shown}: the value must be a decimal integer such as 8")
+            sep = "; separate items with ',' not ';'" if ";" in value else ""
+            raise ValueError(f"{env}: {shown}: the value must be a decimal integer such as 8{sep}")
         number = int(value)
         changes[name] = bool(number) if flag else number
     try:

@@ -58,16 +58,19 @@ def pdl_enabled(device: torch.device | None = None) -> bool:
     """PDL on for launches on ``device``: supported there and not switched off by ``LOWLAT_MEGA_PDL=0``.
 
     Read at each call (cheap), so a benchmark can flip the variable between builds of a CUDA graph.
+
+    Raises:
+        ValueError: a value of ``LOWLAT_MEGA_PDL`` other than an on or off word (``env_switch``); the guard and the
+            build refuse it first (``build.check_switches``).
     """
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+    if not env_switch(ENV_SWITCH, True, "PDL where the GPU supports it"):
         return False
     return pdl_supported(device)
 
 
 def env_switch(name: str, default: bool | None, meaning: str) -> bool | None:
     """An on/off environment variable read now: 1/true/on/yes or 0/false/off/no; unset, empty or "default" gives
-    ``default`` (None: a third state the caller resolves, as ``norm_rows.prenorm_switch``). (``LOWLAT_MEGA_PDL``
-    keeps its older rule: anything but an off word is on.)
+    ``default`` (None: a third state the caller resolves, as ``norm_rows.prenorm_switch``).
 
     Raises:
         ValueError: any other value, naming the variable and what 1 means (a typo would measure the wrong variant).
