@@ -73,11 +73,17 @@ def test_tp2_gives_the_general_paths_tokens_with_decode_on_the_plugin(capsys, mo
 
 def test_a_rank_that_never_publishes_stops_the_run_naming_it(capsys, monkeypatch) -> None:
     """Rank 1's o_proj and down store their tiles but never release the flags: every rank's first reduce gives up
-    after half the 4 s step deadline, the engine raises PeerWaitTimeout naming this rank, peer 1 and call site 0
-    (layer 0's o_proj), and the run ends with an error instead of hanging."""
+    after half the step deadline, the engine raises PeerWaitTimeout naming this rank, peer 1 and call site 0
+    (layer 0's o_proj), and the run ends with an error instead of hanging.
+
+    On CPU the wait's half is counted in interpreter polls (``CPU_POLLS_PER_S``, a floor of 100/s; a few hundred
+    are usual), and the step's own work before the wait slows with the load as well: with a 4 s deadline, a CI run
+    of five processes on two cores had the step deadline fire first (StepDeadlineExceeded, not PeerWaitTimeout).
+    20 s leaves the step 10 s for that work even at the poll floor, for ~1.2 s more here (1000 polls). A wait
+    that never gives up still fails this test: the step deadline then ends the run, and its error names no site."""
     monkeypatch.setenv(FAULT_ENV, "1")
     start = time.monotonic()
-    rc, _, _, err = _run(capsys, "tiny-llama", "nvidia_mega", "--step-timeout", "4")
+    rc, _, _, err = _run(capsys, "tiny-llama", "nvidia_mega", "--step-timeout", "20")
     assert rc != 0
     assert "PeerWaitTimeout" in err and "rank 0" in err and "rank 1's push" in err and "site 0" in err, err
     assert time.monotonic() - start < 120
