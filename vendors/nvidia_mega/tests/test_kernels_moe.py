@@ -138,9 +138,14 @@ def test_row1_forms_match(dtype: torch.dtype, rows: int) -> None:
     check_routing_metadata(ws, rows)
 
 
+# (rows, config): the one-row forms at one row only; at 3 and 8 rows CFG_ROW1 launches what CFG launches, argument
+# for argument (row1 serves one row), so those cases would repeat the tl.dot ones
+DOWN_I_CASES = [(1, CFG), (1, CFG_ROW1), (3, CFG), (8, CFG)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", [CFG, CFG_ROW1], ids=["tl.dot", "row1"])
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows,cfg", DOWN_I_CASES,
+                         ids=[f"{r}-{'row1' if c.row1 else 'tl.dot'}" for r, c in DOWN_I_CASES])
 def test_down_in_i_chunks_matches(rows: int, cfg: MoEKernelConfig, dtype: torch.dtype) -> None:
     """down_block_i < I (here 16 of 32: two chunks, the second one inside the K loop) gives the one-chunk result
     up to the fp32 summation order, in both forms."""
@@ -204,9 +209,13 @@ def test_route_gather_matches(dtype: torch.dtype, rows: int) -> None:
     check_routing_metadata(ws, rows)
 
 
+# (route_min_rows, rows): each a different selection tile (max(next_pow2(rows), min_rows) rows: 2, 4 or 8) or a
+# different step; min_rows 4 at 3 rows is left out, its tile is min_rows 2's at 3 rows (4 rows), launch for launch
+MIN_ROWS_CASES = [(2, 1), (2, 2), (2, 3), (4, 1), (4, 2), (8, 1), (8, 2), (8, 3)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("min_rows", [2, 4, 8])
+@pytest.mark.parametrize("min_rows,rows", MIN_ROWS_CASES)
 def test_route_min_rows_matches(dtype: torch.dtype, rows: int, min_rows: int) -> None:
     """A selection tile of more rows than the step has (``route_min_rows``; rows past T masked) routes the same
     experts with the same weights and slots as the step's own rows (1): the output is bit-identical. 4 by default,
