@@ -414,7 +414,7 @@ def test_config_env(monkeypatch: pytest.MonkeyPatch) -> None:
                        ("min_rows=8,", "empty item"), ("min_rows=8,min_rows=4", "min_rows twice"),
                        ("block_v=x", "decimal integer"), ("min_rows=+8", "decimal integer"),
                        ("min_rows=\u0668", "decimal integer"), ("block_v=1_28", "decimal integer"),
-                       ("min_rows=0x8", "decimal integer"), ("block_v=" + "1" * 5000, "decimal integer"),
+                       ("min_rows=0x8", "decimal integer"), ("block_v=" + "1" * 5000, "more than 18 digits"),
                        ("block_v=4096,block_k=4096", "2**20")):
         monkeypatch.setenv(CONFIG_ENV, bad)
         with pytest.raises(ValueError, match=CONFIG_ENV) as err:
