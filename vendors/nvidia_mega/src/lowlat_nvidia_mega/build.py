@@ -49,6 +49,7 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+PREFIX = "LOWLAT_MEGA_"
 SWITCHES = (PDL_ENV, PREFETCH_ENV, PRENORM_ENV, TUNED_ENV, TP_REDUCE_ENV, MOE_CONFIG_ENV,  # README "Switches"
             LM_HEAD_CONFIG_ENV)
 TEST_SWITCHES = ("LOWLAT_MEGA_COMPILE_CHECK", FAULT_ENV)  # read by the test suite only (FAULT_ENV: fault injection)
@@ -64,11 +65,11 @@ def check_switches() -> None:
     Raises:
         PluginBuildError: naming each unknown variable, the closest switch and the known ones, or the bad value.
     """
-    unknown = sorted(k for k in os.environ if k.startswith("LOWLAT_MEGA_") and k not in SWITCHES + TEST_SWITCHES)
+    unknown = sorted(k for k in os.environ if k.startswith(PREFIX) and k not in SWITCHES + TEST_SWITCHES)
     if unknown:
-        stem = len("LOWLAT_MEGA_")  # match the part after the shared prefix, which would make any name "close"
-        hints = [f"{k}: did you mean {SWITCHES[[s[stem:] for s in SWITCHES].index(close[0])]}?" for k in unknown
-                 if (close := difflib.get_close_matches(k[stem:], [s[stem:] for s in SWITCHES], n=1))]
+        by_stem = {s[len(PREFIX):]: s for s in SWITCHES}  # matched after the shared prefix, which makes any name close
+        hints = [f"{k}: did you mean {by_stem[close[0]]}?" for k in unknown
+                 if (close := difflib.get_close_matches(k[len(PREFIX):], by_stem, n=1))]
         raise PluginBuildError(f"unknown nvidia_mega switch(es) {', '.join(unknown)}. {' '.join(hints)} "
                                f"Known: {', '.join(SWITCHES)}; rename or unset the unknown one(s)")
     for switch in (pdl_enabled, prefetch_act_enabled, prenorm_switch, tuned_switch, tp_reduce_mode, default_config,

@@ -78,10 +78,11 @@ def evaluate(
     """
     req = spec.requirements
     results = [_platform(req.platforms, platform)]
-    results += [_library(name, rng) for name, rng in req.libraries]
+    libraries = [_library(name, rng) for name, rng in req.libraries]
+    results += libraries
     if spec.check_environment is not None:
-        results.append(_environment(plugin, spec.check_environment, libraries_ok=all(r.status == PASS
-                                                                                     for r in results[1:])))
+        ok = all(r.status == PASS for r in libraries)
+        results.append(_environment(plugin, spec.check_environment, libraries_ok=ok))
     arch = model.architecture if model is not None else architecture
     if arch is None:
         results.append(RequirementResult("architecture", SKIP, "no model given"))
