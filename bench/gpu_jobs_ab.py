@@ -14,7 +14,8 @@ def mega_ab(o: Options) -> list[Step]:
     """nvidia_mega's step with one change (B) against the code as it is (A), A B A B per model in one call, each
     beside the general path: DECODE at ``BATCHES`` (default 1). B is one plan-table entry replaced
     (``bench/scripts/plan_ab.py``, ``AB_TABLE`` / ``AB_KEY`` / ``AB_VALUE``), or, with ``AB_ENV=NAME=VALUE``, the
-    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=down_warps=4``). ``AB_VALUE=none``
+    same command with that nvidia_mega switch set (e.g. ``LOWLAT_MEGA_MOE_CONFIG=down_warps=4``). ``AB_KEY`` and
+    ``AB_VALUE`` may hold several entries separated by ``;`` (pairs in order, replaced together). ``AB_VALUE=none``
     removes the entry instead; the default is that for llama-3.2-1b's qkv_rope in the row-pair form (in both chips'
     tables since bench/results/2026-12-06-h200-mega-ab), i.e. what the entry buys. ``AB_PATHS=nvidia_mega`` leaves
     the general path out (two engines of qwen3-30b-a3b do not fit an H100's 80 GB)."""
@@ -30,9 +31,13 @@ def mega_ab(o: Options) -> list[Step]:
     if "nvidia_mega" not in paths or not all(p.strip() for p in paths):
         raise SystemExit(f"AB_PATHS={','.join(paths)!r}: comma-separated paths without empty items, nvidia_mega "
                          "among them (the A/B is nvidia_mega's)")
+    keys = os.environ.get("AB_KEY", "qkv,3072,2048,bfloat16").split(";")
+    values = os.environ.get("AB_VALUE", "none").split(";")
+    if len(keys) != len(values):
+        raise SystemExit(f"AB_KEY has {len(keys)} entries and AB_VALUE {len(values)} (';'-separated): give one value "
+                         "per key")
     ab = ["--table", os.environ.get("AB_TABLE", "TUNED_ROW1"),
-          "--key", os.environ.get("AB_KEY", "qkv,3072,2048,bfloat16"),
-          "--value", os.environ.get("AB_VALUE", "none"), "--"]
+          *(a for k, v in zip(keys, values, strict=True) for a in ("--key", k, "--value", v)), "--"]
     b_cmd = LOWLAT if env_name else [PY, "bench/scripts/plan_ab.py", *ab]
     args = ["--paths", ",".join(paths),
             "--batch-sizes", os.environ.get("BATCHES", "1"), "--modes", "decode",

@@ -8,9 +8,11 @@ An entry goes into ``kernels/tuned_plans.py`` only after a side-by-side run show
     python3 bench/scripts/plan_ab.py --table TUNED_ROW1 --key qkv,3072,2048,bfloat16 --value 8,2048,8,1 -- \\
         bench --model llama-3.2-1b --paths general,nvidia_mega --batch-sizes 1 --modes decode --no-plot
 
-``--value none`` removes the entry instead, for this GPU's name and every name it reads, so B runs without it: the
-way to A/B an entry that is already in the table, or one this GPU reads from another GPU of its chip (the A side then
-has it). Prints the replaced entries first. Exit status: the CLI's.
+``--key`` / ``--value`` may repeat (pairs in order), replacing several entries at once: a plan family measured
+together, such as the GEMV's weight stream at o_proj, gate_up and down. ``--value none`` removes the entry instead,
+for this GPU's name and every name it reads, so B runs without it: the way to A/B an entry that is already in the
+table, or one this GPU reads from another GPU of its chip (the A side then has it). Prints the replaced entries
+first. Exit status: the CLI's.
 
 Raises:
     SystemExit: an unknown table; a key that no lookup could read (a kind the table does not have, a non-positive N
@@ -34,12 +36,16 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  usage="%(prog)s --table T --key K --value V -- LOWLAT_SUBCOMMAND [ARGS ...]")
     ap.add_argument("--table", choices=TABLES, required=True)
-    ap.add_argument("--key", required=True, help="kind,N,K,dtype, e.g. qkv,3072,2048,bfloat16")
-    ap.add_argument("--value", required=True, help="the plan's integers, comma-separated; 'none' removes the entry")
+    ap.add_argument("--key", required=True, action="append",
+                    help="kind,N,K,dtype, e.g. qkv,3072,2048,bfloat16 (repeat with --value for several entries)")
+    ap.add_argument("--value", required=True, action="append",
+                    help="the plan's integers, comma-separated; 'none' removes the entry")
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])  # -h / --help print the usage and exit here
     if cut == len(argv):
         ap.error("put the lowlat command after '--', e.g. -- bench --model llama-3.2-1b ...")
+    if len(args.key) != len(args.value):
+        raise SystemExit(f"plan_ab.py: give one --value per --key: {len(args.key)} keys, {len(args.value)} values")
     return args, argv[cut + 1:]
 
 
@@ -88,18 +94,20 @@ def main(argv: list[str] | None = None) -> int:
     from lowlat.cli import main as cli_main
     from lowlat_nvidia_mega.kernels import tuned_plans
 
-    key, value = _check(args.table, args.key, args.value, rest, tuned_plans)
+    pairs = [_check(args.table, k, v, rest, tuned_plans) for k, v in zip(args.key, args.value, strict=True)]
     table = getattr(tuned_plans, args.table)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = set(tuned_plans.plan_sources(dev)) or {tuned_plans.device_name(dev)}
-    if value is None and not any((name, *key) in table for name in names):
-        raise SystemExit(f"plan_ab.py: {args.table} has no entry {key} for {', '.join(sorted(names))} to remove, so "
-                         "B would run as A")
-    for name in sorted(names):
-        was = table.pop((name, *key), None)
-        print(f"plan_ab: {args.table}[{(name, *key)!r}] = {value!r} (was {was!r})", flush=True)
-        if value is not None:
-            table[(name, *key)] = value
+    for key, value in pairs:
+        if value is None and not any((name, *key) in table for name in names):
+            raise SystemExit(f"plan_ab.py: {args.table} has no entry {key} for {', '.join(sorted(names))} to remove, "
+                             "so B would run as A")
+    for key, value in pairs:
+        for name in sorted(names):
+            was = table.pop((name, *key), None)
+            print(f"plan_ab: {args.table}[{(name, *key)!r}] = {value!r} (was {was!r})", flush=True)
+            if value is not None:
+                table[(name, *key)] = value
     return cli_main(rest)
 
 

@@ -178,3 +178,11 @@ def test_mega_ab_env_side(jobs, monkeypatch):
             jobs.mega_ab(opts)
     monkeypatch.setenv("AB_PATHS", "nvidia_mega")
     assert all(s.argv[s.argv.index("--paths") + 1] == "nvidia_mega" for s in jobs.mega_ab(opts))
+    monkeypatch.setenv("AB_KEY", "gemm,2048,2048,bfloat16;gated,8192,2048,bfloat16")  # several entries, in pairs
+    monkeypatch.setenv("AB_VALUE", "8,2048,8,1,1,2;2,2048,4,1,1,4")
+    b = next(s for s in jobs.mega_ab(opts) if s.name[0] == "B").argv
+    pairs = [(b[i + 1], b[i + 3]) for i, a in enumerate(b) if a == "--key"]
+    assert pairs == [("gemm,2048,2048,bfloat16", "8,2048,8,1,1,2"), ("gated,8192,2048,bfloat16", "2,2048,4,1,1,4")]
+    monkeypatch.setenv("AB_VALUE", "8,2048,8,1,1,2")
+    with pytest.raises(SystemExit, match="one value per key"):
+        jobs.mega_ab(opts)

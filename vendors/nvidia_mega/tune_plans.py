@@ -239,6 +239,49 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
                 row1_all=[[dataclasses.asdict(p), us] for us, p in results])
 
 
+def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
+    """The one-row GEMV's weight stream (``GemvPlan.per_sm`` > 0) against the production one-row plan of
+    ``kernel`` (o_proj, gate_up or down) at 1 row: stage 1 over (rows per program, programs per SM) at the
+    production K chunk and warps, stage 2 over K chunk and warps around the two best, then stages 1/3 for the best.
+    Prints production, best and the ratio (> 1: the stream is faster) beside ``F.linear``; returns them."""
+    s = tuner.c.s
+    h, d = s["hidden"], s["head_dim"]
+    n = s["inter"] if kernel == "gate_up" else h
+    k = {"o_proj": s["heads"] * d, "gate_up": h, "down": s["inter"]}[kernel]
+    gated = kernel == "gate_up"
+    prod = gemm_plan(n, k, tuner.c.dt, tuner.c.dev, gated=gated)
+    results: dict[GemvPlan, float] = {}
+
+    def measure(r1: GemvPlan) -> float:
+        w_elems = r1.block_n * r1.block_k * (2 if gated else 1)
+        if r1 not in results and r1.block_k <= triton.next_power_of_2(k) and w_elems <= 4096 * r1.num_warps:
+            chain = tuner.gemm_chain(kernel, dataclasses.replace(prod, row1=r1))
+            results[r1] = tuner.time(chain) if chain is not None else float("inf")
+        return results.get(r1, float("inf"))
+
+    t_prod = tuner.time(tuner.gemm_chain(kernel, prod))
+    base = prod.row1 or GemvPlan(4, 1024, 4, 1)
+    for bn in ([2, 4] if smoke else [1, 2, 4, 8]):
+        for per_sm in ([1] if smoke else [1, 2, 4, 8]):
+            measure(dataclasses.replace(base, block_n=bn, per_sm=per_sm, split_k=1))
+    top2 = sorted(results, key=results.get)[:2]
+    for r1 in top2:
+        for bkk in ([32, 64] if smoke else [512, 1024, 2048]):
+            for nw in ([4] if smoke else [4, 8]):
+                measure(dataclasses.replace(r1, block_k=bkk, num_warps=nw))
+    best = min(results, key=results.get)
+    for ns in (1, 3):
+        measure(dataclasses.replace(best, num_stages=ns))
+    best = min(results, key=results.get)
+    t_best, t_cublas = results[best], tuner.time(tuner.cublas_chain(kernel))
+    print(f"  {kernel:9} rows 1: production {t_prod:7.2f} us {prod.row1} | stream best {t_best:7.2f} us bn"
+          f"{best.block_n} bk{best.block_k} w{best.num_warps} s{best.num_stages} per_sm{best.per_sm} "
+          f"({t_prod / t_best:.2f}x, {len(results)} plans) | F.linear {t_cublas:7.2f} us", flush=True)
+    return dict(kernel=kernel, rows=1, n=n, k=k, production=dataclasses.asdict(prod.row1) if prod.row1 else None,
+                production_us=t_prod, stream_best=dataclasses.asdict(best), stream_us=t_best, cublas_us=t_cublas,
+                stream_all=sorted(([dataclasses.asdict(p), us] for p, us in results.items()), key=lambda r: r[1]))
+
+
 def _fmt(p: GemmPlan) -> str:
     return f"bn{p.block_n} sk{p.split_k} bk{p.block_k} w{p.num_warps} s{p.num_stages} pre{p.pre_k}"
 
@@ -253,6 +296,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few plans, CPU interpreter")
     ap.add_argument("--row1-only", action="store_true",
                     help="only sweep the one-row GEMV against the production plan (at --rows 1)")
+    ap.add_argument("--stream", action="store_true",
+                    help="only sweep the one-row GEMV's weight stream (per_sm) against the production one-row plan "
+                         "(o_proj, gate_up, down; 1 row)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows_out = []
@@ -271,6 +317,10 @@ def main() -> None:
             print(f"{m}, {r} rows", flush=True)
             for kern in args.kernels.split(","):
                 if kern in ("gate_up", "down") and not case.s["inter"]:
+                    continue
+                if args.stream:
+                    if kern != "qkv_rope" and r == 1:
+                        rows_out.append(dict(model=m, **stream_sweep(tuner, kern, args.smoke)))
                     continue
                 rows_out.append(dict(model=m, **sweep(tuner, kern, args.smoke, args.row1_only)))
     if args.json:

@@ -14,6 +14,7 @@ entry, and ``default_row1`` at the sites above), with the constants its launcher
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -241,6 +242,7 @@ def test_attention_sweep_corners_compile_for_sm90(plan: AttnPlan) -> None:
 
 META = torch.device("meta")
 GEMV_KERNEL = gemv._gemv_kernel
+STREAM_KERNEL = gemv._gemv_stream_kernel
 
 
 def _gemm_sites(model: str) -> list[tuple[str, int, int, str, bool]]:
@@ -252,7 +254,7 @@ def _gemm_sites(model: str) -> list[tuple[str, int, int, str, bool]]:
 
 
 class _CaptureGemv:
-    """Stands in for ``_gemv_kernel``: records ``kernel[grid](*args, **kwargs)``."""
+    """Stands in for ``_gemv_kernel`` / ``_gemv_stream_kernel``: records ``kernel[grid](*args, **kwargs)``."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[tuple[int, ...], tuple[object, ...], dict[str, object]]] = []
@@ -262,13 +264,17 @@ class _CaptureGemv:
 
 
 def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue: str, norm: bool,
-                       plan: GemmPlan) -> None:
+                       plan: GemmPlan) -> str:
     """Launch ``gemv.gemm`` at one row as the call site does (meta tensors, PDL on), then compile the captured
-    launch (GEMV_SIG's types, the launcher's constants and warps / stages) and check its PTX: PDL, and the weight
-    tile loaded before the wait as 16-byte vectors only, one per 8 weight elements a thread holds."""
+    launch (GEMV_SIG's types, the launcher's constants and warps / stages) and check its PTX: PDL, the weight
+    tile loaded before the wait as 16-byte vectors only, one per 8 weight elements a thread holds, and (the weight
+    stream, ``per_sm`` > 0) no local memory. Returns the PTX."""
     gated = epilogue == "silu_mul"
+    row1 = plan.row1
+    assert row1 is not None
+    stream = row1.per_sm > 0
     cap = _CaptureGemv()
-    monkeypatch.setattr(gemv, "_gemv_kernel", cap)
+    monkeypatch.setattr(gemv, "_gemv_stream_kernel" if stream else "_gemv_kernel", cap)
     bf = dict(dtype=torch.bfloat16, device=META)
     out = torch.empty(1, n, **bf)
     ws = torch.empty(max(1, splitk_workspace_numel(plan, n, gated=gated, rows=1)), device=META)
@@ -277,12 +283,12 @@ def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue
               residual=out if epilogue == "residual" else None, workspace=ws,
               counters=torch.empty(plan.n_tiles(n), dtype=torch.int32, device=META), use_pdl=True)
     (grid, _, kwargs), = cap.calls
-    row1 = plan.row1
-    assert row1 is not None
-    assert grid == (triton.cdiv(n, row1.block_n),)
+    tiles = triton.cdiv(n, row1.block_n)
+    assert grid == ((gemv.stream_grid(row1, n, META),) if stream else (tiles,))
     assert kwargs["EPILOGUE"] == (1 if gated else 2) and kwargs["HAS_NORM"] is norm and kwargs["USE_PDL"] is True
-    consts = {name: kwargs[name] for name in GEMV_KERNEL.arg_names if name in kwargs}
-    ptx = _compile(GEMV_KERNEL, GEMV_SIG, consts, warps=kwargs["num_warps"], stages=kwargs["num_stages"])
+    fn = STREAM_KERNEL if stream else GEMV_KERNEL
+    consts = {name: kwargs[name] for name in fn.arg_names if name in kwargs}
+    ptx = _compile(fn, GEMV_SIG, consts, warps=kwargs["num_warps"], stages=kwargs["num_stages"])
     _assert_pdl(ptx)
     pre_wait = ptx[:ptx.index("griddepcontrol.launch_dependents")]
     loads = [ln.split()[1] for ln in pre_wait.splitlines() if "ld.global" in ln]
@@ -292,6 +298,9 @@ def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue
         f"weight loads must be 16-byte vectors, got {sorted(set(loads))}"
     assert len(loads) == tile // (per_vector * 32 * row1.num_warps), "each weight element loaded once per thread"
     assert ptx.count("ld.global.v4") >= 2 * len(loads), "the K loop's weight loads must be 16-byte vectors too"
+    if stream:
+        assert "ld.local" not in ptx and "st.local" not in ptx, "the weight stream's register ring spilled"
+    return ptx
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -305,6 +314,22 @@ def test_gemv_compiles_for_sm90(model: str, plans, monkeypatch: pytest.MonkeyPat
         assert plan.row1 == (GemvPlan(*plans.TUNED_ROW1[key]) if key in plans.TUNED_ROW1
                              else plans.default_row1(k, gated=gated))
         _compile_gemv_site(monkeypatch, n, k, epilogue, norm, plan)
+
+
+STREAM_PLANS = [  # (N, K, gated, weight-stream plan): llama-3.2-1b's and qwen3-8b's GEMMs at K chunks of one and more
+    (8192, 2048, True, GemvPlan(2, 2048, 4, 1, per_sm=4)), (2048, 8192, False, GemvPlan(2, 2048, 8, 1, per_sm=2)),
+    (2048, 2048, False, GemvPlan(4, 1024, 4, 3, per_sm=4)), (12288, 4096, True, GemvPlan(2, 1024, 4, 1, per_sm=8)),
+]
+
+
+@pytest.mark.parametrize("n,k,gated,row1", STREAM_PLANS, ids=lambda v: str(v) if isinstance(v, int) else None)
+def test_gemv_weight_stream_compiles_for_sm90(n: int, k: int, gated: bool, row1: GemvPlan,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight stream (``GemvPlan.per_sm``) at plans a ``tune_plans.py --stream`` sweep tries: PDL, the first
+    chunk before the wait in 16-byte vectors, and a register ring that does not spill."""
+    plan = dataclasses.replace(make_plan(k, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3,
+                                         weight_rows=64), row1=row1)
+    _compile_gemv_site(monkeypatch, n, k, "silu_mul" if gated else "residual", gated, plan)
 
 
 @pytest.mark.parametrize("plans", [True], ids=["tuned"], indirect=True)

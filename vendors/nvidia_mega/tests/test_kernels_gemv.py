@@ -46,49 +46,60 @@ def _guarded(t: torch.Tensor, pad: int = 512) -> torch.Tensor:
 
 
 def _run_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, plan: GemmPlan,
-              **kw: torch.Tensor | str | None) -> list[tuple[int, ...]]:
-    """``gemv.gemm(x, w, out, plan=plan, **kw)``; returns the grids ``_gemv_kernel`` was launched with."""
-    launched: list[tuple[int, ...]] = []
-    real = gemv_mod._gemv_kernel
+              **kw: torch.Tensor | str | None) -> list[tuple[str, tuple[int, ...]]]:
+    """``gemv.gemm(x, w, out, plan=plan, **kw)``; returns the (kernel, grid) pairs of the GEMV kernels it launched
+    ("tile": ``_gemv_kernel``, "stream": ``_gemv_stream_kernel``)."""
+    launched: list[tuple[str, tuple[int, ...]]] = []
+    reals = {"tile": gemv_mod._gemv_kernel, "stream": gemv_mod._gemv_stream_kernel}
 
     class _Spy:
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            launched.append(grid)
-            return real[grid]
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-    gemv_mod._gemv_kernel = _Spy()  # type: ignore[assignment]
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            launched.append((self.name, grid))
+            return reals[self.name][grid]
+
+    gemv_mod._gemv_kernel, gemv_mod._gemv_stream_kernel = _Spy("tile"), _Spy("stream")  # type: ignore[assignment]
     try:
         gemv_mod.gemm(x, w, out, plan=plan, eps=EPS, **kw)
     finally:
-        gemv_mod._gemv_kernel = real
+        gemv_mod._gemv_kernel, gemv_mod._gemv_stream_kernel = reals["tile"], reals["stream"]
     return launched
 
 
-def _row1_plan(n: int, k: int, dtype: torch.dtype, gated: bool, block_n: int, block_k: int) -> GemmPlan:
-    """A one-split ``small_gemm`` plan with the GEMV's ``row1`` (4 warps, 2 stages)."""
+def _row1_plan(n: int, k: int, dtype: torch.dtype, gated: bool, block_n: int, block_k: int,
+               per_sm: int = 0) -> GemmPlan:
+    """A one-split ``small_gemm`` plan with the GEMV's ``row1`` (4 warps, 2 stages; ``per_sm`` > 0: the weight
+    stream at that many programs per SM, 4 SMs on CPU)."""
     return dataclasses.replace(plan_gemm(n, k, dtype, 4, gated=gated, block_n=32, split_k=1),
-                               row1=GemvPlan(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2))
+                               row1=GemvPlan(block_n=block_n, block_k=block_k, num_warps=4, num_stages=2,
+                                             per_sm=per_sm))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("epilogue,with_norm,k,block_n,block_k", GEMV_CASES)
+@pytest.mark.parametrize("per_sm", [0, 3])
 def test_one_row_gemv_matches_torch(dtype: torch.dtype, epilogue: str, with_norm: bool, k: int, block_n: int,
-                                    block_k: int) -> None:
-    """``gemv.gemm`` at one row with ``plan.row1`` runs the GEMV kernel, against the same torch reference as
-    ``small_gemm``. N = 83 is a multiple of no BLOCK_N, so the last program's column mask is exercised; x, w and the
-    norm weight are followed in memory by NaNs, so nothing past K (or past the weight) may be read. The residual
-    epilogue runs in place (``residual=out``, as ``MegaForward`` calls it) and into a separate output."""
+                                    block_k: int, per_sm: int) -> None:
+    """``gemv.gemm`` at one row with ``plan.row1`` runs the GEMV kernel (``per_sm`` 0: a program per tile; 3: the
+    weight stream, 12 programs on CPU's 4 SMs, so some walk two tiles and, at 16 columns, the grid is the 6 tiles),
+    against the same torch reference as ``small_gemm``. N = 83 is a multiple of no BLOCK_N, so the last tile's
+    column mask is exercised; x, w and the norm weight are followed in memory by NaNs, so nothing past K (or past
+    the weight) may be read. The residual epilogue runs in place (``residual=out``, as ``MegaForward`` calls it)
+    and into a separate output."""
     n = 83
     gated = epilogue == "silu_mul"
     x = _guarded(_randn(1, k, dtype=dtype, seed=51))
     w = _guarded(_randn(2 * n if gated else n, k, dtype=dtype, seed=52, scale=0.1))
     nw = _guarded((torch.rand(k, generator=_gen(53)) + 0.5).to(dtype=dtype, device=DEV)) if with_norm else None
-    plan = _row1_plan(n, k, dtype, gated, block_n, block_k)
+    plan = _row1_plan(n, k, dtype, gated, block_n, block_k, per_sm)
     res = _guarded(_randn(1, n, dtype=dtype, seed=54))
     h = rms_norm(x, nw, EPS) if nw is not None else x
     y = F.linear(h, w)
     ref = F.silu(y[:, :n]) * y[:, n:] if gated else (res + y if epilogue == "residual" else y)
-    grid = [(triton.cdiv(n, block_n),)]
+    tiles = triton.cdiv(n, block_n)
+    grid = [("stream", (min(per_sm * 4, tiles),))] if per_sm else [("tile", (tiles,))]
     for in_place in ([True, False] if epilogue == "residual" else [False]):
         buf = torch.full((2, n), float("nan"), dtype=dtype, device=DEV)
         if in_place:
@@ -125,7 +136,28 @@ def test_one_row_gemv_rounds_as_torch(epilogue: str) -> None:
     differ = int((out != ref).sum())
     assert differ <= (0 if pdl.interpreting() else 2), f"{differ} of {n} outputs differ from torch's in bf16"
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dt))
-    assert launched == [(triton.cdiv(n, 8),)], "one row with plan.row1 must run the GEMV kernel"
+    assert launched == [("tile", (triton.cdiv(n, 8),))], "one row with plan.row1 must run the GEMV kernel"
+
+
+@pytest.mark.parametrize("k,block_k,per_sm", [(2048, 512, 1), (512, 512, 2), (520, 256, 1)])
+def test_weight_stream_is_the_per_tile_gemvs_bit_for_bit(k: int, block_k: int, per_sm: int) -> None:
+    """The weight stream reduces each chunk and adds the chunks in K order as ``_gemv_kernel`` does, so at the same
+    tiles the two agree bit for bit (bf16, SwiGLU with the norm prologue, and residual): K in four chunks, in one
+    (x normalized once per program), and in a partial third; 48 tiles of 4 rows over 4 or 8 programs."""
+    n, dt = 190, torch.bfloat16
+    x = _randn(1, k, dtype=dt, seed=80)
+    nw = (torch.rand(k, generator=_gen(81)) + 0.5).to(dtype=dt, device=DEV)
+    res = _randn(1, n, dtype=dt, seed=82)
+    for epilogue, gated in (("silu_mul", True), ("residual", False)):
+        w = _randn(2 * n if gated else n, k, dtype=dt, seed=83, scale=0.05)
+        outs = []
+        for ps in (0, per_sm):
+            out = torch.full((1, n), float("nan"), dtype=dt, device=DEV)
+            kw = dict(norm_weight=nw) if gated else dict(residual=res)
+            launched = _run_gemv(x, w, out, _row1_plan(n, k, dt, gated, 4, block_k, ps), epilogue=epilogue, **kw)
+            assert launched[0][0] == ("stream" if ps else "tile")
+            outs.append(out)
+        assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1]), epilogue
 
 
 def test_gemm_runs_small_gemm_unless_one_row_with_a_row1_plan(monkeypatch: pytest.MonkeyPatch) -> None:

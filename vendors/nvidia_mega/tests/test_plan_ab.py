@@ -40,6 +40,10 @@ GOOD = ["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "
     ([*GOOD, "serve"], "other processes"),
     ([*GOOD, "run", "--tp", "2"], "other processes"),
     ([*GOOD, "run", "--tp=4"], "other processes"),
+    (["--table", "TUNED_ROW1", "--key", "gemm,2048,2048,bfloat16", "--key", "gated,8192,2048,bfloat16",
+      "--value", "8,2048,8,1", "--", "plugins"], "one --value per --key"),
+    (["--table", "TUNED_ROW1", "--key", "gemm,2048,2048,bfloat16", "--value", "8,2048,8,1", "--key",
+      "gated,8192,2048,bfloat16", "--value", "2,2048,4,1,1,-1", "--", "plugins"], "not a TUNED_ROW1 plan"),
 ])
 def test_refuses_a_replacement_that_would_not_count(argv: list[str], match: str) -> None:
     with pytest.raises(SystemExit, match=match):
@@ -92,3 +96,21 @@ def test_value_none_removes_the_entry_for_this_gpus_names(monkeypatch: pytest.Mo
     assert plan_ab.main(["--table", "TUNED_ROW1", "--key", "qkv_late,6144,4096,bfloat16", "--value", "none", "--",
                          "plugins"]) == 0
     assert seen == {"present": False}
+
+
+def test_repeated_keys_set_every_entry_before_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--key`` / ``--value`` pairs in order: each entry is set (a weight-stream plan too) before the command runs,
+    and a bad second pair refuses the whole replacement (the test above)."""
+    seen = {}
+    keys = [("cpu", "gemm", 2048, 2048, "bfloat16"), ("cpu", "gated", 8192, 2048, "bfloat16")]
+
+    def fake_cli(rest: list[str]) -> int:
+        seen["entries"] = [tuned_plans.TUNED_ROW1.get(k) for k in keys]
+        return 0
+
+    import lowlat.cli
+    monkeypatch.setattr(lowlat.cli, "main", fake_cli)
+    monkeypatch.setattr(tuned_plans, "TUNED_ROW1", dict(tuned_plans.TUNED_ROW1))
+    assert plan_ab.main(["--table", "TUNED_ROW1", "--key", "gemm,2048,2048,bfloat16", "--value", "8,2048,8,1", "--key",
+                         "gated,8192,2048,bfloat16", "--value", "2,2048,4,1,1,4", "--", "plugins"]) == 0
+    assert seen == {"entries": [(8, 2048, 8, 1), (2, 2048, 4, 1, 1, 4)]}

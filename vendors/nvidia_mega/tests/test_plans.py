@@ -79,7 +79,7 @@ def test_qkv_late_entry_serves_only_a_qk_norm_model(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("kind,value", [("qkv", (8, 1024, 4)), ("qkv", (6, 1024, 4, 3)), ("qkv", ()),
                                         ("qkv", ("8", 1024, 4, 3)), ("qkv_late", (8.0, 1024, 4, 3)),
-                                        ("gemm", (8, 2048, 8))])
+                                        ("gemm", (8, 2048, 8)), ("gemm", (8, 2048, 8, 1, 1, -2))])
 def test_a_malformed_row1_entry_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, kind: str, value: tuple) -> None:
     """A TUNED_ROW1 value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K]) of powers of two fails naming the
     entry, for either model (a q/k-norm model used to skip some of them silently)."""
@@ -92,6 +92,16 @@ def test_a_malformed_row1_entry_is_refused_by_name(monkeypatch: pytest.MonkeyPat
             tuned_plans.gemm_plan(n, k, torch.bfloat16, cpu)
         else:
             tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True)
+
+
+@pytest.mark.parametrize("kind", ["qkv", "qkv_late"])
+def test_a_qkv_entry_with_a_weight_stream_is_refused(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """``per_sm`` is the GEMV's weight stream; qkv_rope's one-row loop has none, so a "qkv" entry asking for it is
+    refused by name at plan time, never dropped."""
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", kind, 3072, 2048, "bfloat16"), (8, 1024, 4, 3, 1, 2))
+    with pytest.raises(ValueError, match="no weight-stream form"):
+        tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=kind == "qkv_late")
 
 
 def test_every_shipped_entry_is_a_valid_plan() -> None:
@@ -211,6 +221,21 @@ def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:
         assert r["row1_best"]["split_k"] >= 1 and "cublas_us" in r and r["candidates"] >= 1
 
 
+def test_tune_plans_stream_smoke_sweeps_the_weight_stream(tmp_path: Path) -> None:
+    """``tune_plans.py --smoke --stream`` sweeps the GEMV's weight stream of the three GEMMs (not qkv_rope) against
+    the production one-row plan, every candidate a stream (per_sm >= 1), and writes its JSON."""
+    script = Path(__file__).resolve().parents[1] / "tune_plans.py"
+    out = tmp_path / "stream.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, str(script), "--smoke", "--stream", "--rows", "1", "--json", str(out)],
+                   check=True, env=env, capture_output=True, timeout=600)
+    rows = {r["kernel"]: r for r in json.loads(out.read_text()) if "kernel" in r}
+    assert set(rows) == {"o_proj", "gate_up", "down"}
+    for r in rows.values():
+        assert r["production"]["per_sm"] == 0 and r["stream_best"]["per_sm"] >= 1 and len(r["stream_all"]) >= 4
+        assert all(p["per_sm"] >= 1 for p, _ in r["stream_all"])
+
+
 @pytest.mark.parametrize("mode", [[], ["--in-layer"], ["--in-layer", "full"]], ids=["alone", "in-layer", "full"])
 def test_tune_attention_smoke_runs_the_sweep(tmp_path: Path, mode: list[str]) -> None:
     """``tune_attention.py --smoke`` (CPU interpreter, tiny shape) runs every stage of the attention plan sweep for
@@ -260,6 +285,9 @@ def test_gemv_plan_refuses_tiles_triton_cannot_build(fields: tuple[int, ...]) ->
     ((8, 1024, 4, 2.5), "num_stages must be an int"),
     ((8.0, 1024, 4, 1), "block_n must be an int"),
     ((8, 1024, True, 1), "num_warps must be an int"),
+    ((8, 1024, 4, 1, 1, -1), "per_sm must be 0"),
+    ((8, 1024, 4, 1, 2, 4), "per_sm 4 with split_k 2"),
+    ((8, 1024, 4, 1, 1, 2.0), "per_sm must be an int"),
 ])
 def test_gemv_plan_refuses_a_launch_it_cannot_make(fields: tuple, match: str) -> None:
     with pytest.raises(ValueError, match=match):

@@ -10,6 +10,20 @@ the weight tile's column layout, so no layout conversion runs per chunk (a [1, B
 1.3-2x slower on the H200). At 2-16 rows per program even a 2048-wide output gives 128-1024 programs: no
 split-K. When K fits one chunk the whole weight tile is loaded before ``gdc_wait``.
 
+Two forms, chosen by ``GemvPlan.per_sm``:
+
+- ``_gemv_kernel`` (``per_sm`` 0): one program per tile. Only the first resident wave loads weights before
+  ``gdc_wait``; a later program requests its first chunk when it starts, and each program its next chunk only
+  after it has read x, normalized it and multiplied the chunk before (Triton software-pipelines loads that feed
+  ``tl.dot``, not these). Every program recomputes the row statistics of x from L2.
+- ``_gemv_stream_kernel`` (``per_sm`` > 0): a persistent weight stream of ``per_sm x SMs`` programs (at most one
+  per tile). Each requests its first chunk before ``gdc_wait``, computes ``rstd`` once (and, with K in one chunk,
+  the normalized x once), then walks its (tile, K chunk) items, tiles ``pid, pid + grid, ...``, loading item
+  ``i + 1``'s weights into registers before it multiplies item ``i`` (a two-deep register ring).
+
+Both reduce each chunk and add the chunks in K order, so at the same ``BLOCK_N`` / ``BLOCK_K`` they are
+bit-identical.
+
 Same prologue (RMSNorm in HF's order), epilogues (none, SwiGLU, residual) and PDL rules as ``small_gemm``, with
 the same roundings: products of two bf16 values are exact in fp32, so only the fp32 summation order differs.
 Chosen per shape by ``GemmPlan.row1`` (``tuned_plans``: measured by ``tune_plans.py --row1-only``, else a default).
@@ -25,9 +39,11 @@ from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, laun
 from lowlat_nvidia_mega.kernels.small_gemm import (
     EPILOGUES,
     GemmPlan,
+    GemvPlan,
     _gemm_epilogue,
     check_gemm_args,
     load_tile,
+    num_sms,
     prefetch_act_enabled,
     rnd,
     small_gemm,
@@ -105,6 +121,70 @@ def _gemv_kernel(
         _gemm_epilogue(acc[None, :], acc_u[None, :], offs_m, offs_n, o_mask, out_ptr, 0, res_ptr, 0, EPILOGUE)
 
 
+@triton.jit
+def _stream_load(w_ptr, stride_wn, tile, chunk, N, K, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Item (``tile``, ``chunk``)'s weight tiles ``[BLOCK_N, BLOCK_K]``: W rows (and, ``GATED``, the up rows N
+    below them); rows past N (a tile past the last) are masked to zero."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    kl = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = w_ptr + offs_n[:, None] * stride_wn + kl[None, :]
+    w = load_tile(rows, offs_n < N, kl < K, EVEN_K)
+    wu = w
+    if GATED:
+        wu = load_tile(rows + N * stride_wn, offs_n < N, kl < K, EVEN_K)
+    return w, wu
+
+
+@triton.jit
+def _gemv_stream_kernel(
+    x_ptr, w_ptr, stride_wn, nw_ptr, res_ptr, out_ptr, N, K, eps,
+    data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
+    NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, EPILOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr, WORLD: tl.constexpr,
+):
+    GATED: tl.constexpr = EPILOGUE == 1
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    my_tiles = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, grid)
+    w_nx, wu_nx = _stream_load(w_ptr, stride_wn, pid, 0, N, K, GATED, BLOCK_N, BLOCK_K, EVEN_K)
+    gdc_launch_dependents(USE_PDL)
+    gdc_wait(USE_PDL)
+
+    ks = tl.arange(0, BLOCK_K)
+    rstd = 1.0
+    if HAS_NORM:
+        rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    x_once = one_row_x(x_ptr, ks, ks < K, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+    for t in range(0, my_tiles):
+        tile = pid + t * grid
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            w = w_nx
+            wu = wu_nx
+            if c + 1 < CHUNKS:  # the ring: request the next item before this one is multiplied
+                w_nx, wu_nx = _stream_load(w_ptr, stride_wn, tile, c + 1, N, K, GATED, BLOCK_N, BLOCK_K, EVEN_K)
+            else:
+                w_nx, wu_nx = _stream_load(w_ptr, stride_wn, tile + grid, 0, N, K, GATED, BLOCK_N, BLOCK_K, EVEN_K)
+            xk = x_once
+            if c > 0:
+                kl = c * BLOCK_K + ks
+                xk = one_row_x(x_ptr, kl, kl < K, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+            acc += tl.sum(w.to(tl.float32) * xk, 1)
+            if GATED:
+                acc_u += tl.sum(wu.to(tl.float32) * xk, 1)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, 1)
+        o_mask = (offs_n < N)[None, :]
+        if EPILOGUE == 3:
+            publish_epilogue(acc[None, :], offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs,
+                             flag_ptrs, tag_ptr, rank, cap, cap_tiles, tile, publish, WORLD)
+        else:
+            _gemm_epilogue(acc[None, :], acc_u[None, :], offs_m, offs_n, o_mask, out_ptr, 0, res_ptr, 0, EPILOGUE)
+
+
 def gemm(
     x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str = "none",
     norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
@@ -130,17 +210,26 @@ def gemm(
         prefetch_act_enabled()  # a bad LOWLAT_MEGA_PREFETCH_ACT is refused at every row count
     _, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
                                  residual=residual, workspace=workspace, counters=counters, split_k=False)
-    check_publish(peer, epilogue, out, triton.cdiv(n, row1.block_n))
+    n_tiles = triton.cdiv(n, row1.block_n)
+    check_publish(peer, epilogue, out, n_tiles)
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
-    _gemv_kernel[(triton.cdiv(n, row1.block_n),)](
-        x, w, w.stride(0), norm_weight if norm_weight is not None else out,
-        residual if residual is not None else out, out, n, k, eps, **peer_launch_args(peer, out),
-        NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 1024),
-        HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], BLOCK_N=row1.block_n,
-        BLOCK_K=row1.block_k, EVEN_K=k % row1.block_k == 0, USE_PDL=use_pdl,
-        num_warps=row1.num_warps, num_stages=row1.num_stages, **launch_kwargs(use_pdl),
-    )
+    args = (x, w, w.stride(0), norm_weight if norm_weight is not None else out,
+            residual if residual is not None else out, out, n, k, eps)
+    meta = dict(NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 1024),
+                HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], BLOCK_N=row1.block_n,
+                BLOCK_K=row1.block_k, EVEN_K=k % row1.block_k == 0, USE_PDL=use_pdl, num_warps=row1.num_warps,
+                num_stages=row1.num_stages, **peer_launch_args(peer, out), **launch_kwargs(use_pdl))
+    if row1.per_sm:
+        _gemv_stream_kernel[(stream_grid(row1, n, x.device),)](*args, CHUNKS=triton.cdiv(k, row1.block_k), **meta)
+    else:
+        _gemv_kernel[(n_tiles,)](*args, **meta)
     return out
+
+
+def stream_grid(plan: GemvPlan, n: int, device: torch.device) -> int:
+    """Programs of the streaming GEMV: ``plan.per_sm`` per SM of ``device`` (``small_gemm.num_sms``: 4 on CPU),
+    at most one per ``plan.block_n``-row tile of an ``n``-row output."""
+    return min(plan.per_sm * num_sms(device), triton.cdiv(n, plan.block_n))
 
 
 def publish_tile_n(plan: GemmPlan, rows: int) -> int:

@@ -85,8 +85,12 @@ def check_row1_rows(row1: GemvPlan, head_dim: int, qk_norm: bool, qk_late: bool 
         ValueError: a head_dim that is not a power of two; ``block_n`` neither the head dim nor an even number
             below it; the row-pair form with split-K, or for a model with q/k norm unless ``qk_late`` (the
             per-head norm needs the whole head in one program, so the attention kernel must finish q and k:
-            ``late_qk``); ``qk_late`` without q/k norm or without the row-pair form.
+            ``late_qk``); ``qk_late`` without q/k norm or without the row-pair form; ``per_sm`` set (the weight
+            stream is the GEMV's only).
     """
+    if row1.per_sm:
+        raise ValueError(f"qkv_rope's one-row loop has no weight-stream form: its plan must have per_sm 0, got "
+                         f"{row1.per_sm}")
     if head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError(f"qkv_rope's head_dim must be a power of two, got {head_dim}")
     bn = row1.block_n

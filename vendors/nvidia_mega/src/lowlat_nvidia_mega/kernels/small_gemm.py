@@ -242,11 +242,13 @@ def _small_gemm_kernel(
 class GemvPlan:
     """Launch configuration of a one-row kernel for one shape: the GEMV (``gemv.py``: rows per program, K chunk,
     never split) or qkv_rope's one-row loop (``block_n`` the head dim: a program owns one head, ``split_k`` splits
-    K; below it: the row-pair form, ``qk_late.check_row1_rows``).
+    K; below it: the row-pair form, ``qk_late.check_row1_rows``). ``per_sm`` (the GEMV only): 0 runs one program
+    per tile, ``n`` > 0 the persistent weight stream of ``n`` programs per SM (``gemv._gemv_stream_kernel``).
 
     Raises:
         ValueError: a field that is not an int; ``block_n`` / ``block_k`` not a power of two; ``num_warps`` not a
-            power of two in 1..32 (a CTA holds at most 1024 threads); ``num_stages`` or ``split_k`` below 1.
+            power of two in 1..32 (a CTA holds at most 1024 threads); ``num_stages`` or ``split_k`` below 1;
+            ``per_sm`` below 0, or above 0 with ``split_k`` above 1 (the stream never splits K).
     """
 
     block_n: int
@@ -254,9 +256,10 @@ class GemvPlan:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    per_sm: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps", "num_stages", "split_k"):
+        for name in ("block_n", "block_k", "num_warps", "num_stages", "split_k", "per_sm"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"GemvPlan.{name} must be an int, got {v!r}")
@@ -268,6 +271,9 @@ class GemvPlan:
         if self.num_stages < 1 or self.split_k < 1:
             raise ValueError(f"GemvPlan needs num_stages >= 1 and split_k >= 1, got {self.num_stages}, "
                              f"{self.split_k}")
+        if self.per_sm < 0 or (self.per_sm and self.split_k > 1):
+            raise ValueError(f"GemvPlan.per_sm must be 0 (a program per tile) or, with split_k 1, the programs per SM "
+                             f"of the GEMV's weight stream; got per_sm {self.per_sm} with split_k {self.split_k}")
 
 
 @dataclass(frozen=True)
