@@ -241,9 +241,10 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
 
 def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
     """The one-row GEMV's weight stream (``GemvPlan.per_sm`` > 0) against the production one-row plan of
-    ``kernel`` (o_proj, gate_up or down) at 1 row: stage 1 over (rows per program, programs per SM) at the
-    production K chunk and warps, stage 2 over K chunk and warps around the two best, then stages 1/3 for the best.
-    Prints production, best and the ratio (> 1: the stream is faster) beside ``F.linear``; returns them."""
+    ``kernel`` (o_proj, gate_up or down) at 1 row. Stage 1 sweeps (rows per program, programs per SM; 0 is the
+    per-tile kernel, so each form's best on this GPU is known) at the production K chunk and warps; stage 2 K chunk
+    and warps around the two best; then stages 1 / 3 for the best. Prints production, best (> 1: faster), the
+    per-tile best and ``F.linear``; returns them."""
     s = tuner.c.s
     h, d = s["hidden"], s["head_dim"]
     n = s["inter"] if kernel == "gate_up" else h
@@ -262,7 +263,7 @@ def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
     t_prod = tuner.time(tuner.gemm_chain(kernel, prod))
     base = prod.row1 or GemvPlan(4, 1024, 4, 1)
     for bn in ([2, 4] if smoke else [1, 2, 4, 8]):
-        for per_sm in ([1] if smoke else [1, 2, 4, 8]):
+        for per_sm in ([0, 1] if smoke else [0, 1, 2, 4, 8]):
             measure(dataclasses.replace(base, block_n=bn, per_sm=per_sm, split_k=1))
     top2 = sorted(results, key=results.get)[:2]
     for r1 in top2:
@@ -273,12 +274,16 @@ def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
     for ns in (1, 3):
         measure(dataclasses.replace(best, num_stages=ns))
     best = min(results, key=results.get)
+    tile_best = min((p for p in results if not p.per_sm), key=results.get)
     t_best, t_cublas = results[best], tuner.time(tuner.cublas_chain(kernel))
-    print(f"  {kernel:9} rows 1: production {t_prod:7.2f} us {prod.row1} | stream best {t_best:7.2f} us bn"
+    print(f"  {kernel:9} rows 1: production {t_prod:7.2f} us {prod.row1} | best {t_best:7.2f} us bn"
           f"{best.block_n} bk{best.block_k} w{best.num_warps} s{best.num_stages} per_sm{best.per_sm} "
-          f"({t_prod / t_best:.2f}x, {len(results)} plans) | F.linear {t_cublas:7.2f} us", flush=True)
+          f"({t_prod / t_best:.2f}x, {len(results)} plans) | per-tile best {results[tile_best]:7.2f} us bn"
+          f"{tile_best.block_n} bk{tile_best.block_k} w{tile_best.num_warps} s{tile_best.num_stages} | F.linear "
+          f"{t_cublas:7.2f} us", flush=True)
     return dict(kernel=kernel, rows=1, n=n, k=k, production=dataclasses.asdict(prod.row1) if prod.row1 else None,
                 production_us=t_prod, stream_best=dataclasses.asdict(best), stream_us=t_best, cublas_us=t_cublas,
+                tile_best=dataclasses.asdict(tile_best), tile_us=results[tile_best],
                 stream_all=sorted(([dataclasses.asdict(p), us] for p, us in results.items()), key=lambda r: r[1]))
 
 

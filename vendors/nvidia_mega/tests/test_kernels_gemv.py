@@ -17,6 +17,7 @@ from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels.small_gemm import (
     GemmPlan,
     GemvPlan,
+    num_sms,
     plan_gemm,
     small_gemm,
 )
@@ -83,7 +84,8 @@ def _row1_plan(n: int, k: int, dtype: torch.dtype, gated: bool, block_n: int, bl
 def test_one_row_gemv_matches_torch(dtype: torch.dtype, epilogue: str, with_norm: bool, k: int, block_n: int,
                                     block_k: int, per_sm: int) -> None:
     """``gemv.gemm`` at one row with ``plan.row1`` runs the GEMV kernel (``per_sm`` 0: a program per tile; 3: the
-    weight stream, 12 programs on CPU's 4 SMs, so some walk two tiles and, at 16 columns, the grid is the 6 tiles),
+    weight stream, 12 programs on CPU's 4 SMs, so some walk two tiles and, at 16 columns, the grid is the 6 tiles;
+    on a GPU one program per tile),
     against the same torch reference as ``small_gemm``. N = 83 is a multiple of no BLOCK_N, so the last tile's
     column mask is exercised; x, w and the norm weight are followed in memory by NaNs, so nothing past K (or past
     the weight) may be read. The residual epilogue runs in place (``residual=out``, as ``MegaForward`` calls it)
@@ -99,7 +101,7 @@ def test_one_row_gemv_matches_torch(dtype: torch.dtype, epilogue: str, with_norm
     y = F.linear(h, w)
     ref = F.silu(y[:, :n]) * y[:, n:] if gated else (res + y if epilogue == "residual" else y)
     tiles = triton.cdiv(n, block_n)
-    grid = [("stream", (min(per_sm * 4, tiles),))] if per_sm else [("tile", (tiles,))]
+    grid = [("stream", (min(per_sm * num_sms(DEV), tiles),))] if per_sm else [("tile", (tiles,))]
     for in_place in ([True, False] if epilogue == "residual" else [False]):
         buf = torch.full((2, n), float("nan"), dtype=dtype, device=DEV)
         if in_place:
