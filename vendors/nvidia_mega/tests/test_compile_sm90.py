@@ -50,10 +50,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 BF = "*bf16"
-NOT_DIVISIBLE = {"T", "eps", "max_pos", "scale_log2"}  # every other int and pointer is a multiple of 16 here
+NOT_DIVISIBLE = {"T", "eps", "max_pos", "scale_log2", "rank", "cap", "cap_tiles", "publish"}  # others: x16 here
+PEER_SIG = dict(data_ptrs="*i64", flag_ptrs="*i64", tag_ptr="*i32", rank="i32", cap="i32", cap_tiles="i32",
+                publish="i32")  # the "publish" epilogue's arguments (tp_epilogue.peer_launch_args), WORLD = 1 here
 GEMM_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, stride_rm="i32",
                 out_ptr=BF, stride_om="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32", N="i32", K="i32",
-                K_PER_SPLIT="i32", eps="fp32")
+                K_PER_SPLIT="i32", eps="fp32", **PEER_SIG)
 GEMV_SIG = dict(x_ptr=BF, w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, out_ptr=BF, N="i32", K="i32",
                 eps="fp32")
 QKV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, qn_ptr=BF, kn_ptr=BF,
@@ -104,7 +106,7 @@ def test_small_gemm_compiles_for_sm90(model: str, prefetch: bool, plans) -> None
             NORM_K=k if norm else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 512), PRE_K=plan.pre_k,
             HAS_NORM=norm, EPILOGUE=epilogue, NPART=2 if gated else 1, SPLIT_K=plan.split_k, EVEN_K=True,
             BLOCK_M=BLOCK_M, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-            PREFETCH_ACT=prefetch and norm), stages=plan.num_stages, warps=plan.num_warps)
+            PREFETCH_ACT=prefetch and norm, WORLD=1), stages=plan.num_stages, warps=plan.num_warps)
         _assert_pdl(ptx)
         assert "ld.global.v4" in ptx, "weight loads must be 16-byte vectors"
 
@@ -337,12 +339,13 @@ def test_gemv_weight_stream_compiles_for_sm90(n: int, k: int, gated: bool, row1:
                          ids=lambda key: f"{key[1]}-{key[2]}x{key[3]}")
 def test_gemv_tuned_row1_compiles_for_sm90(key: tuple[str, str, int, int, str], plans,  # type: ignore[no-untyped-def]
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every GEMV entry of ``TUNED_ROW1`` (qwen3-8b's too; "qkv" entries are qkv_rope's), through ``gemm_plan`` on the
-    H200, with its call site's epilogue: gated = gate_up (SwiGLU, norm prologue), gemm = o_proj / down (residual, no
-    norm)."""
-    _, kind, n, k, dtype = key
+    """Every GEMV entry of ``TUNED_ROW1`` (qwen3-8b's too; "qkv" entries are qkv_rope's), through ``gemm_plan`` on its
+    GPU (the H200, or the H100's weight stream), with its call site's epilogue: gated = gate_up (SwiGLU, norm
+    prologue), gemm = o_proj / down (residual, no norm)."""
+    gpu, kind, n, k, dtype = key
     assert dtype == "bfloat16"
     gated = kind == "gated"
+    monkeypatch.setattr(plans, "device_name", lambda dev: gpu)  # the entry's own GPU (an sm90 132-SM chip)
     plan = plans.gemm_plan(n, k, torch.bfloat16, CUDA, gated=gated)
     assert plan.row1 == GemvPlan(*plans.TUNED_ROW1[key])
     _compile_gemv_site(monkeypatch, n, k, "silu_mul" if gated else "residual", gated, plan)

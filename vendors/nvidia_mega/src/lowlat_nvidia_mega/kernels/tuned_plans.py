@@ -57,7 +57,8 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 }
 
 
-# The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K]); key as TUNED's.
+# The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]); key as
+# TUNED's.
 # "gemm" / "gated": the GEMV (kernels/gemv.py; a default_row1 plan where absent). "qkv": qkv_rope's one-row FMA
 # loop (BLOCK_N = head_dim: a head per program; BLOCK_N < head_dim: the row-pair form, models without q/k norm
 # only; the tl.dot loop where absent). "qkv_late": models with q/k norm, the row-pair form with late q/k
@@ -87,6 +88,12 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     # ms per step with the head-per-program "qkv" entry above (read through plan_sources) -> the row-pair form with
     # late q/k: 5.5526 / 5.5558 -> 5.5379 / 5.5384. An H200 reads it too (same chip) until it has its own.
     ("NVIDIA H100 80GB HBM3", "qkv_late", 6144, 4096, "bfloat16"): (8, 1024, 4, 3),  # qwen3-8b qkv, late q/k
+    # 2026-12-07, the GEMV's weight stream (per_sm, the sixth field) on an H100 SXM (bench/results/
+    # 2026-12-07-h100-mega-stream): `tune_plans.py --stream` found it 1.04-1.06x the production plan at llama-3.2-1b's
+    # gate_up alone; in the step (call 3, A/B/A/B, nvidia_mega alone) DECODE b=1 1.0112 / 1.0102 -> 0.9929 / 0.9903
+    # ms with this entry, 1.0010 / 1.0004 with o_proj's stream too, 1.0237 / 1.0247 with o_proj's alone. At qwen3-8b's
+    # gate_up (K 4096, two chunks) no stream paid (call 4: 5.4189 / 5.4178 against 5.4113-5.6683 ms).
+    ("NVIDIA H100 80GB HBM3", "gated", 8192, 2048, "bfloat16"): (1, 2048, 4, 3, 1, 8),  # llama gate_up, stream
 }
 
 
@@ -216,13 +223,14 @@ def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
     """A ``TUNED_ROW1`` value as a ``GemvPlan``.
 
     Raises:
-        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K]) of valid ints, naming the entry.
+        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]) of valid ints,
+            naming the entry.
     """
     try:
         return GemvPlan(*value)  # which checks every field
     except (TypeError, ValueError) as e:
         raise ValueError(f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r} is not (BLOCK_N, BLOCK_K, warps, "
-                         f"stages[, split-K]) of powers of two: {e}") from None
+                         f"stages[, split-K[, per_sm]]) of valid ints: {e}") from None
 
 
 def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
