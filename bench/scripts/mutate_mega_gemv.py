@@ -20,6 +20,7 @@ import mutation_runner  # same directory
 G = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemv.py")
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
 S = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/small_gemm.py")
+QL = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qk_late.py")
 M = [  # (name, file, original text, mutated text)
     # prologue: HF's RMSNorm, rounded where torch rounds
     ("RMSNorm: x * rstd not rounded to the activation dtype", G,
@@ -56,13 +57,14 @@ M = [  # (name, file, original text, mutated text)
      "offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)", "offs_n = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N)"),
     ("column mask dropped on the store", G, "o_mask = n_mask[None, :]", "o_mask = (offs_n >= 0)[None, :]"),
     ("gate and up swapped in the epilogue", G,
-     "_gemm_epilogue(acc[None, :], acc_u[None, :],", "_gemm_epilogue(acc_u[None, :], acc[None, :],"),
+     "    else:\n        _gemm_epilogue(acc[None, :], acc_u[None, :],",
+     "    else:\n        _gemm_epilogue(acc_u[None, :], acc[None, :],"),
     # launcher
     ("launcher: residual pointer is out when a residual is given", G,
-     "residual if residual is not None else out, out, n, k, eps,", "out, out, n, k, eps,"),
-    ("launcher: eps not passed", G, "out, n, k, eps,", "out, n, k, 0.0,"),
+     "residual if residual is not None else out, out, n, k, eps)", "out, out, n, k, eps)"),
+    ("launcher: eps not passed", G, "out, n, k, eps)", "out, n, k, 0.0)"),
     ("launcher: grid floored", G,
-     "_gemv_kernel[(triton.cdiv(n, row1.block_n),)]", "_gemv_kernel[(n // row1.block_n,)]"),
+     "n_tiles = triton.cdiv(n, row1.block_n)", "n_tiles = n // row1.block_n"),
     ("launcher: EVEN_K from BLOCK_N", G, "EVEN_K=k % row1.block_k == 0", "EVEN_K=k % row1.block_n == 0"),
     ("launcher: norm over one chunk", G,
      "NORM_K=k if norm_weight is not None else 0", "NORM_K=row1.block_k if norm_weight is not None else 0"),
@@ -78,6 +80,38 @@ M = [  # (name, file, original text, mutated text)
      "k, n = x.shape[1], out.shape[1]"),
     ("dispatcher: the GEMV asks for a split-K workspace", G, "counters=counters, split_k=False)",
      "counters=counters, split_k=True)"),
+    # the weight stream (_gemv_stream_kernel, GemvPlan.per_sm)
+    ("stream: the ring requests the same chunk again", G,
+     "_stream_load(w_ptr, stride_wn, tile, c + 1,", "_stream_load(w_ptr, stride_wn, tile, c,"),
+    ("stream: the ring's next tile is the neighbour, not the grid stride", G,
+     "_stream_load(w_ptr, stride_wn, tile + grid, 0,", "_stream_load(w_ptr, stride_wn, tile + 1, 0,"),
+    ("stream: tiles walked one apart", G, "tile = pid + t * grid", "tile = pid + t"),
+    ("stream: tiles per program floored", G,
+     "my_tiles = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, grid)", "my_tiles = tl.cdiv(N, BLOCK_N) // grid"),
+    ("stream: later chunks reuse chunk 0's x", G, "            if c > 0:\n", "            if False:\n"),
+    ("stream: later chunks not normalized", G,
+     "xk = one_row_x(x_ptr, kl, kl < K, rstd, nw_ptr, HAS_NORM)",
+     "xk = one_row_x(x_ptr, kl, kl < K, rstd, nw_ptr, False)"),
+    ("stream: x once without its K mask", G, "x_once = one_row_x(x_ptr, ks, ks < K,",
+     "x_once = one_row_x(x_ptr, ks, ks < BLOCK_K,"),
+    ("stream: up rows at BLOCK_N, not N", G,
+     "wu = load_tile(rows + N * stride_wn,", "wu = load_tile(rows + BLOCK_N * stride_wn,"),
+    ("stream: only a tile's last chunk summed", G,
+     "            acc += tl.sum(w.to(tl.float32) * xk, 1)", "            acc = tl.sum(w.to(tl.float32) * xk, 1)"),
+    ("stream: up from the gate rows", G,
+     "                acc_u += tl.sum(wu.to(tl.float32) * xk, 1)",
+     "                acc_u += tl.sum(w.to(tl.float32) * xk, 1)"),
+    ("stream: column mask dropped on the store", G,
+     "o_mask = (offs_n < N)[None, :]", "o_mask = (offs_n >= 0)[None, :]"),
+    ("stream: gate and up swapped in the epilogue", G,
+     "        else:\n            _gemm_epilogue(acc[None, :], acc_u[None, :],",
+     "        else:\n            _gemm_epilogue(acc_u[None, :], acc[None, :],"),
+    ("stream launcher: a partial last chunk dropped", G,
+     "CHUNKS=triton.cdiv(k, row1.block_k)", "CHUNKS=k // row1.block_k"),
+    ("stream launcher: never chosen", G, "    if row1.per_sm:\n", "    if False:\n"),
+    ("stream grid: more programs than tiles", G,
+     "return min(plan.per_sm * num_sms(device), triton.cdiv(n, plan.block_n))",
+     "return plan.per_sm * num_sms(device)"),
     # qkv_rope's one-row K loop (same helpers; its tests are test_qkv_rope_one_row_loop_*)
     ("qkv row1: loop accumulator overwritten", Q,
      "        lo += tl.sum(wl.to(tl.float32) * xl, 1)", "        lo = tl.sum(wl.to(tl.float32) * xl, 1)"),
@@ -99,8 +133,26 @@ M = [  # (name, file, original text, mutated text)
      "row1 = plan.row1.split_k * ncol if plan.row1 is not None and plan.row1.split_k > 1 else 0", "row1 = 0"),
 ]
 
+PLANS = [  # the plan checks of the stream (test_plans.py) and its TP publish (test_mega_kernels_tp.py)
+    ("GemvPlan: a negative per_sm accepted", S, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
+     "if self.per_sm and self.split_k > 1:"),
+    ("GemvPlan: per_sm with split-K accepted", S, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
+     "if self.per_sm < 0:"),
+    ("qkv_rope: a weight-stream plan accepted", QL, "    if row1.per_sm:\n        raise",
+     "    if False:\n        raise"),
+    ("stream: publishes its program id, not its tile", G,
+     "flag_ptrs, tag_ptr, rank, cap, cap_tiles, tile, publish, WORLD)",
+     "flag_ptrs, tag_ptr, rank, cap, cap_tiles, pid, publish, WORLD)"),
+]
+M += PLANS  # every anchor, for core/tests/test_mutation_anchors.py
+
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    sys.exit(mutation_runner.run(M, "vendors/nvidia_mega/tests/test_kernels_dense.py", env,
-                                 pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row",
-                                              "vendors/nvidia_mega/tests/test_kernels_gemv.py")))
+    failed = mutation_runner.run([m for m in M if m not in PLANS], "vendors/nvidia_mega/tests/test_kernels_dense.py",
+                                 env, pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row",
+                                                   "vendors/nvidia_mega/tests/test_kernels_gemv.py"))
+    failed |= mutation_runner.run(PLANS[:3], "vendors/nvidia_mega/tests/test_plans.py", env,
+                                  pytest_args=("-k", "not smoke"))
+    failed |= mutation_runner.run(PLANS[3:], "vendors/nvidia_mega/tests/test_mega_kernels_tp.py", env,
+                                  pytest_args=("-k", "publish or roundings"))
+    sys.exit(failed)
