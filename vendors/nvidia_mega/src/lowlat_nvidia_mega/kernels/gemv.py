@@ -17,9 +17,11 @@ Two forms, chosen by ``GemvPlan.per_sm``:
   after it has read x, normalized it and multiplied the chunk before (Triton software-pipelines loads that feed
   ``tl.dot``, not these). Every program recomputes the row statistics of x from L2.
 - ``_gemv_stream_kernel`` (``per_sm`` > 0): a persistent weight stream of ``per_sm x SMs`` programs (at most one
-  per tile). Each requests its first chunk before ``gdc_wait``, computes ``rstd`` once (and, with K in one chunk,
-  the normalized x once), then walks its (tile, K chunk) items, tiles ``pid, pid + grid, ...``, loading item
-  ``i + 1``'s weights into registers before it multiplies item ``i`` (a two-deep register ring).
+  per tile). Each requests its first chunk before ``gdc_wait``, computes ``rstd`` and the normalized first K chunk
+  of x once (later chunks are re-read per tile), then walks its (tile, K chunk) items, tiles ``pid, pid + grid,
+  ...``, loading item ``i + 1``'s weights into registers before it multiplies item ``i`` (a two-deep register ring).
+  Measured: it pays where K is one chunk (llama-3.2-1b's gate_up on an H100), not at K 4096
+  (vendors/nvidia_mega/docs/kernels.md, "The GEMV's weight stream").
 
 Both reduce each chunk and add the chunks in K order, so at the same ``BLOCK_N`` / ``BLOCK_K`` they are
 bit-identical.
