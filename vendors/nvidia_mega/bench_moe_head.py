@@ -15,7 +15,6 @@ batch 1 (48 MoE layers + LM head).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -236,20 +235,6 @@ def bench_lm_head(ws_list, norms, rows, mode, pdl, reps, gen, bw, cfg):  # type:
     return sec, (V * H * 2 + rows * H * 2 + (rows * V * 4 if mode == "logits" else 0)) / bw
 
 
-def walk_sweep(layers: MoELayers, reps: int, gen: torch.Generator, bw: float, cfg: MoEKernelConfig,
-               table: list) -> None:  # type: ignore[type-arg]
-    """``--walk``: the MoE per layer and its stages at ``down_walk`` 0, 4, 8, 16, 32 (8 rows) and 0, 4 (1 row), PDL
-    on, rows appended to ``table`` as ``main`` prints them."""
-    for rows, walks in ((8, (0, 4, 8, 16, 32)), (1, (0, 4))):
-        for w in walks:
-            c = dataclasses.replace(cfg, down_walk=w)
-            sec, floor = bench_moe(layers, rows, DEV == "cuda", reps, gen, bw, c)
-            table.append(("moe_forward (per layer)", rows, DEV == "cuda", f"down_walk {w}", sec, floor))
-            for label, sec, floor in bench_moe_stages(layers, rows, reps, gen, bw, c):
-                if "down" in label:
-                    table.append((f"moe {label}", rows, DEV == "cuda", f"down_walk {w}", sec, floor))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8, help="distinct MoE layers per graph (default 8)")
@@ -258,9 +243,6 @@ def main() -> None:
                     help="also try other tile sizes (PDL on): the MoE's, the LM head's, or both (no value)")
     ap.add_argument("--stages", action="store_true",
                     help="also time the MoE's route / gate_up / down stages: chain prefixes and each alone")
-    ap.add_argument("--walk", action="store_true",
-                    help="only the MoE per layer (PDL on) at down_walk 0 (one down program per slot) against 4, 8, "
-                         "16 and 32 programs per H tile walking the slots, at 8 and 1 rows, each with its stages")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script itself: tiny shapes on the CPU with TRITON_INTERPRET=1, no timing")
     args = ap.parse_args()
@@ -286,14 +268,11 @@ def main() -> None:
         print("check:", note)
 
     table = []
-    if args.walk:
-        walk_sweep(layers, args.reps, gen, bw, moe_cfg, table)
-        args.sweep, args.stages = None, False
-    for rows in (1, 8) if not args.walk else ():
+    for rows in (1, 8):
         for pdl in pdl_modes:
             sec, floor = bench_moe(layers, rows, pdl, args.reps, gen, bw, moe_cfg)
             table.append(("moe_forward (per layer)", rows, pdl, "default", sec, floor))
-    for mode in ("logits", "greedy", "sample top-k 20 top-p 0.95") if not args.walk else ():
+    for mode in ("logits", "greedy", "sample top-k 20 top-p 0.95"):
         for rows in (1, 8):
             for pdl in pdl_modes:
                 sec, floor = bench_lm_head((lm_ws, lm_w), lm_norm, rows, mode, pdl, args.reps, gen, bw, lm_cfg)
@@ -349,8 +328,6 @@ def main() -> None:
     for name, rows, pdl, cfg_name, sec, floor in table:
         print(f"{name:34} {rows:>4} {'on' if pdl else 'off':>4} {cfg_name:>24} {sec * 1e6:>10.1f} "
               f"{floor * 1e6:>9.1f} {100 * floor / sec:>7.0f}%")
-    if args.walk:
-        return
     moe1 = next(s for n, r, p, c, s, f in table if n.startswith("moe") and r == 1 and p == pdl_modes[0])
     head1 = next(s for n, r, p, c, s, f in table if n == "lm_head greedy" and r == 1 and p == pdl_modes[0])
     print(f"\nqwen3-30b-a3b batch 1, MoE part of a step: 48 x {moe1 * 1e6:.1f} us + greedy LM head "

@@ -32,7 +32,6 @@ CHUNKED = moe.MoEKernelConfig(down_block_n=64, down_block_i=128)  # down's I loo
 SCAN = moe.MoEKernelConfig(route_gather=False)  # the routing's row_slot as a compare-and-sum
 KEYS = moe.MoEKernelConfig(route_keys=True)  # the routing's top-k on int32 keys
 MIN1 = moe.MoEKernelConfig(route_min_rows=1)  # a one-row step's selection on its own 1-row tile (default: 4 rows)
-WALK = moe.MoEKernelConfig(down_walk=4)  # down's programs walk the slots (4 per H tile; 64 static slots at 8 rows)
 # stage: (kernel name in moe.py, the MoEStages method that launches it)
 KERNELS = {"route": ("moe_route_kernel", "route"), "gate_up": ("_moe_gate_up_kernel", "gate_up"),
            "gate_up_row1": ("_moe_gate_up_row1_kernel", "gate_up"), "down": ("_moe_down_kernel", "down")}
@@ -52,10 +51,9 @@ def _stages(rows: int, cfg: moe.MoEKernelConfig, h: int = H, i: int = I, e: int 
 @pytest.mark.parametrize(("stage", "rows", "cfg"), [
     ("route", 1, ROW1), ("route", 8, ROW1), ("gate_up", 1, TDOT), ("gate_up", 8, ROW1), ("gate_up_row1", 1, ROW1),
     ("down", 1, TDOT), ("down", 8, ROW1), ("down", 1, ROW1), ("down", 8, CHUNKED), ("down", 1, CHUNKED),
-    ("route", 1, SCAN), ("route", 8, SCAN), ("route", 1, KEYS), ("route", 8, KEYS), ("route", 1, MIN1),
-    ("down", 8, WALK), ("down", 1, WALK)],
+    ("route", 1, SCAN), ("route", 8, SCAN), ("route", 1, KEYS), ("route", 8, KEYS), ("route", 1, MIN1)],
     ids=lambda v: {id(ROW1): "row1", id(TDOT): "tl.dot", id(CHUNKED): "chunked", id(SCAN): "scan",
-                   id(KEYS): "keys", id(MIN1): "min1", id(WALK): "walk"}.get(id(v), str(v)))
+                   id(KEYS): "keys", id(MIN1): "min1"}.get(id(v), str(v)))
 def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelConfig,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     name, method = KERNELS[stage]
@@ -64,14 +62,11 @@ def test_moe_kernels_compile_for_sm90(stage: str, rows: int, cfg: moe.MoEKernelC
     bound, options = capture(monkeypatch, moe, name, getattr(stages, method))
     if stage == "down":
         assert bound["ROW1"] is (rows == 1 and cfg.row1)
-        assert bound["WALK"] is (0 < cfg.down_walk < min(E, rows * K))
     ptx = compile_ptx(ORIGINAL[name], bound, options)
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     if stage == "route":  # the key search's picks are integer maxima: one redux.sync per warp
         assert bound["KEYS"] is cfg.route_keys and ("redux.sync.max.s32" in ptx) is cfg.route_keys
         assert bound["SEL_ROWS"] == max(rows, cfg.route_min_rows)
-    if stage == "down" and cfg.down_walk and rows > 1:
-        assert "ld.local" not in ptx and "st.local" not in ptx, "the walk's register ring spilled"
     if stage == "down" and cfg is CHUNKED and rows > 1:
         assert "cp.async" in ptx, "the I loop's weight and act tiles must be software-pipelined"
     if stage in ("gate_up_row1", "down") and rows == 1 and cfg.row1:

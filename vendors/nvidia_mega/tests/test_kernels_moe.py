@@ -230,42 +230,6 @@ def test_route_min_rows_matches(dtype: torch.dtype, rows: int, min_rows: int) ->
     check_routing_metadata(ws, rows)
 
 
-# (rows, down_walk): programs per H tile walking the slots (static slots min(E, rows * K): 2 at 1 row, 6 at 3, 8 at
-# 8; the experts chosen, num_slots, are at most those); 1 walks every slot in one program, 2 and 3 leave uneven
-# walks, 7 at 3 rows is past the static slot count (one program per slot, WALK off)
-WALK_CASES = [(1, 1), (3, 2), (8, 3), (8, 1), (3, 7)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,walk", WALK_CASES)
-def test_down_walk_is_bit_identical(dtype: torch.dtype, rows: int, walk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``down_walk``: fewer down programs per H tile, each walking slots with the next one's first I chunk loaded
-    ahead, compute each (slot, tile) partial as one program per slot does, and the ticket's last arriver sums them in
-    the same fixed order: bit-identical output, every ticket counter reset, and the grid it asks for."""
-    from lowlat_nvidia_mega.kernels import moe as moe_mod
-
-    norm_w, gate_w, w13, w2 = make_weights(dtype, seed=41)
-    x, residual = make_x(rows, dtype, seed=42)
-    real = moe_mod._moe_down_kernel
-    grids: list[tuple[int, ...]] = []
-
-    class _Spy:
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            grids.append(grid)
-            return real[grid]
-
-    slots = min(E, rows * K)
-    for cfg in (CFG, CFG_ROW1) if rows == 1 else (CFG,):
-        base, _ = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=cfg)
-        grids.clear()
-        monkeypatch.setattr(moe_mod, "_moe_down_kernel", _Spy())
-        out, ws = run(x, residual, norm_w, gate_w, w13, w2, True, cfg=dataclasses.replace(cfg, down_walk=walk))
-        monkeypatch.setattr(moe_mod, "_moe_down_kernel", real)
-        assert grids == [(triton.cdiv(H, cfg.down_block_n), walk if walk < slots else slots)]
-        assert torch.equal(out, base), f"{rows} rows, down_walk {walk}"
-        check_routing_metadata(ws, rows)
-
-
 def check_routing_metadata(ws: MoEWorkspace, rows: int) -> None:
     """Slots, presence bitmap and the (row, k) -> slot map agree with the top-k ids; tickets are reset."""
     ids = ws.topk_ids[:rows].long().cpu()

@@ -71,10 +71,6 @@ class MoEKernelConfig:
     down_block_i: int = 256
     down_warps: int = 8
     down_stages: int = 3
-    # down with its slots walked (``_moe_down_kernel``'s WALK): this many programs per H tile, each walking slots
-    # p, p + P, ... with the next slot's first I chunk loaded before the current one is multiplied; 0 (or at least
-    # the step's static slot count) keeps one program per slot. Any int in 0..64.
-    down_walk: int = 0
     route_warps: int = 4
     route_programs: int = 32
     # The fewest rows of the routing's selection tile (a power of two <= 8; the tile is next_pow2(T) rows or this).
@@ -112,10 +108,10 @@ class MoEKernelConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v!r} must be an integer")
-            if f.name == "route_programs" or f.name.endswith("_stages") or f.name == "down_walk":
-                low, top = (0, 64) if f.name == "down_walk" else (1, 4096 if f.name == "route_programs" else 8)
-                if not low <= v <= top:  # (stages: more than shared memory ever holds)
-                    raise ValueError(f"MoEKernelConfig.{f.name}={v} must be in {low}..{top}")
+            if f.name == "route_programs" or f.name.endswith("_stages"):
+                top = 4096 if f.name == "route_programs" else 8  # more stages than shared memory ever holds
+                if not 1 <= v <= top:
+                    raise ValueError(f"MoEKernelConfig.{f.name}={v} must be in 1..{top}")
                 continue
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoEKernelConfig.{f.name}={v} must be a power of two >= 1")
@@ -380,13 +376,12 @@ class MoEStages:
         ws, cfg, out = self.ws, self.cfg, self.out
         t, hidden = self.x.shape
         res = self.residual if self.residual is not None else out
-        walk = 0 < cfg.down_walk < self.slots
-        _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), cfg.down_walk if walk else self.slots)](
+        _moe_down_kernel[(triton.cdiv(hidden, cfg.down_block_n), self.slots)](
             ws.act, self.w2, ws.partial, out, res,
             ws.slot_expert, ws.slot_weight, ws.num_slots, ws.row_slot, ws.counters[1:],
             t, hidden, ws.inter, out.stride(0), res.stride(0), **peer_launch_args(self.peer, out),
             TOP_K=self.top_k, TOPK_PAD=triton.next_power_of_2(self.top_k), ROWS_C=ROWS,
             BLOCK_N=cfg.down_block_n, BLOCK_I=k_chunk(cfg.down_block_i, ws.inter, 16),
             HAS_RESIDUAL=self.residual is not None, DOT_F32=self._dot_f32, ROW1=self.row1,
-            USE_PDL=self.pdl, PUBLISH=self.peer is not None, WALK=walk,
+            USE_PDL=self.pdl, PUBLISH=self.peer is not None,
             num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_kwargs(self.pdl))

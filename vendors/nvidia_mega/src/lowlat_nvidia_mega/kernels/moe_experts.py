@@ -57,79 +57,6 @@ def _moe_gate_up_kernel(
 
 
 @triton.jit
-def _down_item(act_ptr, w_rows, w, wrow, partial_ptr, out_ptr, residual_ptr, row_slot_ptr, counters_ptr, slot, num,
-               pid_n, rows, offs_n, nmask, offs_i, imask, n_rows, H, INTER, stride_out, stride_res,
-               data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
-               TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_I: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, ROW1: tl.constexpr,
-               PUBLISH: tl.constexpr, WORLD: tl.constexpr):
-    """One (column tile, slot) item of the down stage: its first I chunk ``w`` is in registers already; the rest of
-    I, the partial (scaled by the rows' routing weights ``wrow``), the ticket, and for the last arriver of the tile
-    the fixed-order sum over each row's top-k slots, the residual and the store (or the TP publish)."""
-    dtype = out_ptr.dtype.element_ty
-    rmask = (wrow != 0.0) & (rows < n_rows)
-    if ROW1:  # one row: the products on the FMA units, row 0's act as a 1-D vector
-        a_row = act_ptr + slot * ROWS_C * INTER
-        a0 = tl.load(a_row + offs_i, mask=imask, other=0.0).to(tl.float32)
-        d0 = tl.sum(w.to(tl.float32) * a0[None, :], 1)
-        for i0 in range(BLOCK_I, INTER, BLOCK_I):  # further I chunks
-            oi = i0 + offs_i
-            wi = tl.load(w_rows + oi[None, :], mask=nmask[:, None] & (oi < INTER)[None, :], other=0.0)
-            ai = tl.load(a_row + oi, mask=oi < INTER, other=0.0).to(tl.float32)
-            d0 += tl.sum(wi.to(tl.float32) * ai[None, :], 1)
-        d = tl.where((rmask & (rows == 0))[None, :], d0[:, None], 0.0)  # as the masked tile gives
-    else:
-        a_rows = act_ptr + (slot * ROWS_C + rows[None, :]) * INTER
-        a_t = tl.load(a_rows + offs_i[:, None], mask=imask[:, None] & rmask[None, :], other=0.0)
-        d = dot_acc(w, a_t, tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32), DOT_F32)
-        for i0 in range(BLOCK_I, INTER, BLOCK_I):  # further I chunks, software-pipelined (down_stages)
-            oi = i0 + offs_i
-            im = oi < INTER
-            wi = tl.load(w_rows + oi[None, :], mask=nmask[:, None] & im[None, :], other=0.0)
-            a_ti = tl.load(a_rows + oi[:, None], mask=im[:, None] & rmask[None, :], other=0.0)
-            d = dot_acc(wi, a_ti, d, DOT_F32)
-    d = to_act(d, dtype).to(tl.float32) * wrow[None, :]
-    tl.store(partial_ptr + (slot * ROWS_C + rows[None, :]) * H + offs_n[:, None], d, mask=nmask[:, None])
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel")
-    if ticket == num - 1:
-        tl.atomic_xchg(counters_ptr + pid_n, 0)
-        kk = tl.arange(0, TOPK_PAD)
-        row_ok = rows < n_rows
-        rk_mask = row_ok[:, None] & (kk < TOP_K)[None, :]
-        rs = tl.load(row_slot_ptr + rows[:, None] * TOP_K + kk[None, :], mask=rk_mask, other=0)
-        parts = tl.load(partial_ptr + (rs[:, :, None] * ROWS_C + rows[:, None, None]) * H
-                        + offs_n[None, None, :],
-                        mask=rk_mask[:, :, None] & nmask[None, None, :], other=0.0, cache_modifier=".cg")
-        acc = tl.sum(parts, axis=1)
-        omask = row_ok[:, None] & nmask[None, :]
-        if HAS_RESIDUAL:
-            acc += tl.load(residual_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=omask,
-                           other=0.0).to(tl.float32)
-        if PUBLISH:  # tp_size > 1: this rank's partial of the MoE output to every rank (tp_epilogue.py)
-            publish_epilogue(acc, rows, offs_n, omask, H, dtype, data_ptrs, flag_ptrs, tag_ptr, rank, cap,
-                             cap_tiles, pid_n, publish, WORLD)
-        else:
-            tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], to_act(acc, dtype), mask=omask)
-
-
-@triton.jit
-def _slot_load(w2_ptr, slot_expert_ptr, slot_weight_ptr, slot, num, rows, offs_n, offs_i, imask, H, INTER,
-               ROWS_C: tl.constexpr):
-    """Slot ``slot``'s routing and the first I chunk of its expert's down rows ``offs_n`` (everything masked to
-    zero when ``slot >= num``: padding of the static grid, or past the last slot of a walking program).
-    Returns (weight row pointers [BLOCK_N, 1], first chunk [BLOCK_N, BLOCK_I], routing weights [ROWS_C])."""
-    active = slot < num
-    e = tl.load(slot_expert_ptr + slot, mask=active, other=0, cache_modifier=".cg").to(tl.int64)
-    n_lim = tl.where(active, H, 0)  # (a scalar & tensor mask breaks the interpreter; limit the range instead)
-    w_rows = w2_ptr + e * (H * INTER) + offs_n[:, None] * INTER
-    w = tl.load(w_rows + offs_i[None, :], mask=(offs_n < n_lim)[:, None] & imask[None, :], other=0.0)
-    wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows, mask=rows < tl.where(active, ROWS_C, 0), other=0.0,
-                   cache_modifier=".cg")
-    return w_rows, w, wrow
-
-
-@triton.jit
 def _moe_down_kernel(
     act_ptr, w2_ptr, partial_ptr, out_ptr, residual_ptr,
     slot_expert_ptr, slot_weight_ptr, num_slots_ptr, row_slot_ptr, counters_ptr,
@@ -137,38 +64,69 @@ def _moe_down_kernel(
     data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROWS_C: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_I: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DOT_F32: tl.constexpr, ROW1: tl.constexpr,
-    USE_PDL: tl.constexpr, PUBLISH: tl.constexpr, WORLD: tl.constexpr, WALK: tl.constexpr,
+    USE_PDL: tl.constexpr, PUBLISH: tl.constexpr, WORLD: tl.constexpr,
 ):
-    """Grid (H tiles, P). ``WALK`` False: P is the static slot count, program (n, s) serves slot s. ``WALK`` True:
-    program (n, p) walks slots ``p, p + P, ...`` below ``num_slots``, loading the next slot's routing and first I
-    chunk into registers before it multiplies the current one (a two-deep ring, as ``gemv._gemv_stream_kernel``),
-    so fewer programs each keep a chunk in flight across items."""
     pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    slot = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
     rows = tl.arange(0, ROWS_C)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < H
     offs_i = tl.arange(0, BLOCK_I)  # the first I chunk (the whole of I unless BLOCK_I < I)
     imask = offs_i < INTER
     # Pre-wait: the routing (written by the kernel before the previous one, complete once the previous kernel
-    # released us: slot count, expert, row weights) and this program's first slot's first chunk of down weights.
+    # released us: slot count, expert, row weights) and this slot's first chunk of down weights.
     num = tl.load(num_slots_ptr, cache_modifier=".cg")
-    w_rows, w, wrow = _slot_load(w2_ptr, slot_expert_ptr, slot_weight_ptr, pid_s, num, rows, offs_n, offs_i, imask,
-                                 H, INTER, ROWS_C)
+    active = slot < num
+    e = tl.load(slot_expert_ptr + slot, cache_modifier=".cg").to(tl.int64)  # slot < S: beside num; masked below
+    n_lim = tl.where(active, H, 0)  # (a scalar & tensor mask breaks the interpreter; limit the range instead)
+    w_rows = w2_ptr + e * (H * INTER) + offs_n[:, None] * INTER
+    w = tl.load(w_rows + offs_i[None, :], mask=(offs_n < n_lim)[:, None] & imask[None, :], other=0.0)
+    wrow = tl.load(slot_weight_ptr + slot * ROWS_C + rows, cache_modifier=".cg")
     gdc_wait(USE_PDL)
     gdc_launch_dependents(USE_PDL)
-    if WALK:
-        step = tl.num_programs(1)
-        for slot in range(pid_s, num, step):
-            w_rows_n, w_n, wrow_n = _slot_load(w2_ptr, slot_expert_ptr, slot_weight_ptr, slot + step, num, rows,
-                                               offs_n, offs_i, imask, H, INTER, ROWS_C)
-            _down_item(act_ptr, w_rows, w, wrow, partial_ptr, out_ptr, residual_ptr, row_slot_ptr, counters_ptr,
-                       slot, num, pid_n, rows, offs_n, nmask, offs_i, imask, n_rows, H, INTER, stride_out,
-                       stride_res, data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish, TOP_K, TOPK_PAD,
-                       ROWS_C, BLOCK_N, BLOCK_I, HAS_RESIDUAL, DOT_F32, ROW1, PUBLISH, WORLD)
-            w_rows, w, wrow = w_rows_n, w_n, wrow_n
-    elif pid_s < num:
-        _down_item(act_ptr, w_rows, w, wrow, partial_ptr, out_ptr, residual_ptr, row_slot_ptr, counters_ptr,
-                   pid_s, num, pid_n, rows, offs_n, nmask, offs_i, imask, n_rows, H, INTER, stride_out, stride_res,
-                   data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish, TOP_K, TOPK_PAD, ROWS_C, BLOCK_N,
-                   BLOCK_I, HAS_RESIDUAL, DOT_F32, ROW1, PUBLISH, WORLD)
+    if active:
+        rmask = (wrow != 0.0) & (rows < n_rows)
+        if ROW1:  # one row: the products on the FMA units, row 0's act as a 1-D vector
+            a_row = act_ptr + slot * ROWS_C * INTER
+            a0 = tl.load(a_row + offs_i, mask=imask, other=0.0).to(tl.float32)
+            d0 = tl.sum(w.to(tl.float32) * a0[None, :], 1)
+            for i0 in range(BLOCK_I, INTER, BLOCK_I):  # further I chunks
+                oi = i0 + offs_i
+                wi = tl.load(w_rows + oi[None, :], mask=nmask[:, None] & (oi < INTER)[None, :], other=0.0)
+                ai = tl.load(a_row + oi, mask=oi < INTER, other=0.0).to(tl.float32)
+                d0 += tl.sum(wi.to(tl.float32) * ai[None, :], 1)
+            d = tl.where((rmask & (rows == 0))[None, :], d0[:, None], 0.0)  # as the masked tile gives
+        else:
+            a_rows = act_ptr + (slot * ROWS_C + rows[None, :]) * INTER
+            a_t = tl.load(a_rows + offs_i[:, None], mask=imask[:, None] & rmask[None, :], other=0.0)
+            d = dot_acc(w, a_t, tl.zeros([BLOCK_N, ROWS_C], dtype=tl.float32), DOT_F32)
+            for i0 in range(BLOCK_I, INTER, BLOCK_I):  # further I chunks, software-pipelined (down_stages)
+                oi = i0 + offs_i
+                im = oi < INTER
+                wi = tl.load(w_rows + oi[None, :], mask=nmask[:, None] & im[None, :], other=0.0)
+                a_ti = tl.load(a_rows + oi[:, None], mask=im[:, None] & rmask[None, :], other=0.0)
+                d = dot_acc(wi, a_ti, d, DOT_F32)
+        d = to_act(d, dtype).to(tl.float32) * wrow[None, :]
+        tl.store(partial_ptr + (slot * ROWS_C + rows[None, :]) * H + offs_n[:, None], d, mask=nmask[:, None])
+        tl.debug_barrier()
+        ticket = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == num - 1:
+            tl.atomic_xchg(counters_ptr + pid_n, 0)
+            kk = tl.arange(0, TOPK_PAD)
+            row_ok = rows < n_rows
+            rk_mask = row_ok[:, None] & (kk < TOP_K)[None, :]
+            rs = tl.load(row_slot_ptr + rows[:, None] * TOP_K + kk[None, :], mask=rk_mask, other=0)
+            parts = tl.load(partial_ptr + (rs[:, :, None] * ROWS_C + rows[:, None, None]) * H
+                            + offs_n[None, None, :],
+                            mask=rk_mask[:, :, None] & nmask[None, None, :], other=0.0, cache_modifier=".cg")
+            acc = tl.sum(parts, axis=1)
+            omask = row_ok[:, None] & nmask[None, :]
+            if HAS_RESIDUAL:
+                acc += tl.load(residual_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=omask,
+                               other=0.0).to(tl.float32)
+            if PUBLISH:  # tp_size > 1: this rank's partial of the MoE output to every rank (tp_epilogue.py)
+                publish_epilogue(acc, rows, offs_n, omask, H, dtype, data_ptrs, flag_ptrs, tag_ptr, rank, cap,
+                                 cap_tiles, pid_n, publish, WORLD)
+            else:
+                tl.store(out_ptr + rows[:, None] * stride_out + offs_n[None, :], to_act(acc, dtype), mask=omask)
