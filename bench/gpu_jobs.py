@@ -131,6 +131,16 @@ def mega_row1(o: Options) -> list[Step]:
             for m in o.models]
 
 
+def mega_stream(o: Options) -> list[Step]:
+    """nvidia_mega's one-row GEMV as a weight stream (``GemvPlan.per_sm``) beside the per-tile plans, at o_proj, gate_up
+    and down per model, against the production one-row plan (winners go to ``tuned_plans.TUNED_ROW1`` after a step
+    A/B: ``mega-ab`` with ``AB_KEY`` / ``AB_VALUE``)."""
+    out = os.environ.get("OUT", "/tmp/out")
+    return [Step(f"stream {m}", 240, [PY, "vendors/nvidia_mega/tune_plans.py", "--models", m, "--rows", "1",
+                                      "--stream", "--json", f"{out}/stream_{m}.json"], f"stream_{m}.txt", r"rows 1:")
+            for m in o.models]
+
+
 def mega_attn(o: Options) -> list[Step]:
     """nvidia_mega's attention launch-plan sweep (``AttnPlan``: splits, KV block, warps, stages) for the given models,
     DECODE at batch 1-8 and VERIFY 1 x 6 at context 1024 (winners go to ``tuned_plans.TUNED_ATTN``), each plan timed
@@ -286,6 +296,7 @@ def diag_alternating(o: Options) -> list[Step]:
 JOBS: dict[str, Callable[[Options], list[Step]]] = {
     "smoke": smoke, "gpu-tests": gpu_tests, "ids-path": ids_path, "contract": contract, "compare": compare,
     "bench": bench, "mega-kernels": mega_kernels, "mega-moe": mega_moe, "mega-tune": mega_tune, "mega-row1": mega_row1,
+    "mega-stream": mega_stream,
     "mega-prenorm": mega_prenorm, "mega-attn": mega_attn, "mega-plans": mega_plans, "mega-ab": mega_ab,
     "amd-layers": amd_layers,
     "diag-alternating": diag_alternating, "serve": serve, "spec": spec, "spec-ngram": spec_ngram, "mutants": mutants,
