@@ -11,7 +11,9 @@ none of the fusions) are timed as a reference. It prints the production plan (``
 measured table, this GPU's or a same-chip GPU's, else the heuristic), the best found and the ratio; ``--json``
 keeps every candidate's time. Add a winner to ``tuned_plans.TUNED`` only from such a run, with the GPU's
 ``MEASURED_ON`` line the first output line prints. ``--smoke`` runs a few candidates at tiny shapes on the
-CPU (``TRITON_INTERPRET=1``) to check the script. The attention's plans: ``tune_attention.py``.
+CPU (``TRITON_INTERPRET=1``) to check the script. ``--row1-only`` sweeps the one-row kernels alone, ``--stream``
+the one-row GEMV's weight stream (``GemvPlan.per_sm``) beside its per-tile plans. The attention's plans:
+``tune_attention.py``.
 """
 
 from __future__ import annotations
@@ -282,9 +284,9 @@ def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
           f"{tile_best.block_n} bk{tile_best.block_k} w{tile_best.num_warps} s{tile_best.num_stages} | F.linear "
           f"{t_cublas:7.2f} us", flush=True)
     return dict(kernel=kernel, rows=1, n=n, k=k, production=dataclasses.asdict(prod.row1) if prod.row1 else None,
-                production_us=t_prod, stream_best=dataclasses.asdict(best), stream_us=t_best, cublas_us=t_cublas,
+                production_us=t_prod, best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas,
                 tile_best=dataclasses.asdict(tile_best), tile_us=results[tile_best],
-                stream_all=sorted(([dataclasses.asdict(p), us] for p, us in results.items()), key=lambda r: r[1]))
+                all=sorted(([dataclasses.asdict(p), us] for p, us in results.items()), key=lambda r: r[1]))
 
 
 def _fmt(p: GemmPlan) -> str:
