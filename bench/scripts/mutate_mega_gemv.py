@@ -133,6 +133,20 @@ M = [  # (name, file, original text, mutated text)
      "row1 = plan.row1.split_k * ncol if plan.row1 is not None and plan.row1.split_k > 1 else 0", "row1 = 0"),
 ]
 
+ARGS = [  # the shared argument checks (small_gemm.check_gemm_args), run with test_kernels_gemv.py
+    ("args: an empty reduction launched", S, "    if k < 1 or n < 1:\n", "    if False:\n"),
+    ("args: integer tensors launched", S, "    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):\n",
+     "    if False:\n"),
+    ("args: out aliasing x accepted", S, "    if _overlaps(out, x) or _overlaps(out, w):", "    if _overlaps(out, w):"),
+    ("args: a norm weight on another device accepted", S,
+     "or not norm_weight.is_contiguous() or norm_weight.device != x.device):",
+     "or not norm_weight.is_contiguous()):"),
+    ("args: a residual on another device accepted", S, "        or residual.device != x.device:", "        or False:"),
+    ("args: adjacent spans counted as overlapping", S, "return a0 < b1 and b0 < a1", "return a0 <= b1 and b0 <= a1"),
+    ("args: a span ends before its last element", S, "t.data_ptr() + (last + 1) * size", "t.data_ptr() + last * size"),
+]
+M += ARGS
+
 PLANS = [  # the plan checks of the stream (test_plans.py) and its TP publish (test_mega_kernels_tp.py)
     ("GemvPlan: a negative per_sm accepted", S, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
      "if self.per_sm and self.split_k > 1:"),
@@ -148,9 +162,12 @@ M += PLANS  # every anchor, for core/tests/test_mutation_anchors.py
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    failed = mutation_runner.run([m for m in M if m not in PLANS], "vendors/nvidia_mega/tests/test_kernels_dense.py",
+    failed = mutation_runner.run([m for m in M if m not in PLANS and m not in ARGS],
+                                 "vendors/nvidia_mega/tests/test_kernels_dense.py",
                                  env, pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row",
                                                    "vendors/nvidia_mega/tests/test_kernels_gemv.py"))
+    failed |= mutation_runner.run(ARGS, "vendors/nvidia_mega/tests/test_kernels_gemv.py", env,
+                                  pytest_args=("-k", "refused_by_name"))
     failed |= mutation_runner.run(PLANS[:3], "vendors/nvidia_mega/tests/test_plans.py", env,
                                   pytest_args=("-k", "not smoke"))
     failed |= mutation_runner.run(PLANS[3:], "vendors/nvidia_mega/tests/test_mega_kernels_tp.py", env,

@@ -18,7 +18,7 @@ Raises:
     SystemExit: an unknown table; a key that no lookup could read (a kind the table does not have, a non-positive N
         or K, a dtype torch does not name); a value that is not a plan of that table; ``LOWLAT_MEGA_TUNED=0`` (no
         table is read, so B would be A); a command whose work runs in other processes (``serve``, ``bench serve``,
-        ``--tp`` above 1), which would never see the replaced entry.
+        ``--tp`` above 1), which would never see the replaced entry; one entry named by two ``--key`` arguments.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--key", required=True, action="append",
                     help="kind,N,K,dtype, e.g. qkv,3072,2048,bfloat16 (repeat with --value for several entries)")
     ap.add_argument("--value", required=True, action="append",
-                    help="the plan's integers, comma-separated; 'none' removes the entry")
+                    help="the plan's integers, comma-separated; 'none' removes the entry (a value starting with '-' "
+                         "as --value=-1,...)")
     cut = argv.index("--") if "--" in argv else len(argv)
     args = ap.parse_args(argv[:cut])  # -h / --help print the usage and exit here
     if cut == len(argv):
@@ -52,8 +53,6 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plans) -> tuple[tuple, tuple | None]:  # type: ignore[no-untyped-def]
     """(key without the GPU name, value or None to remove) of a replacement the production lookups will read;
     SystemExit otherwise."""
-    from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
-
     try:
         kind, n, k, dtype = key_arg.split(",")
         key = (kind, int(n), int(k), dtype)
@@ -70,7 +69,7 @@ def _check(table: str, key_arg: str, value_arg: str, rest: list[str], tuned_plan
         if value is None:
             pass
         elif table == "TUNED_ROW1":
-            GemvPlan(*value)
+            tuned_plans._row1_entry(kind, key[1], key[2], value)  # the production lookups' own check
         elif len(value) != 5 or min(value) < 1:
             raise ValueError("TUNED takes five positive ints (BLOCK_N, BLOCK_K, split-K, warps, stages)")
     except (TypeError, ValueError) as e:
@@ -95,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     from lowlat_nvidia_mega.kernels import tuned_plans
 
     pairs = [_check(args.table, k, v, rest, tuned_plans) for k, v in zip(args.key, args.value, strict=True)]
+    seen: dict[tuple, str] = {}
+    for (key, _), arg in zip(pairs, args.key, strict=True):
+        if key in seen:
+            raise SystemExit(f"plan_ab.py: --key {arg!r} names the entry {key} that --key {seen[key]!r} named already: "
+                             "one value per entry")
+        seen[key] = arg
     table = getattr(tuned_plans, args.table)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = set(tuned_plans.plan_sources(dev)) or {tuned_plans.device_name(dev)}

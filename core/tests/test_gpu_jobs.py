@@ -186,3 +186,21 @@ def test_mega_ab_env_side(jobs, monkeypatch):
     monkeypatch.setenv("AB_VALUE", "8,2048,8,1,1,2")
     with pytest.raises(SystemExit, match="one value per key"):
         jobs.mega_ab(opts)
+    # items that only plan_ab.py on the device would refuse, after A had run: refused when the job is built
+    good_k, good_v = "gemm,2048,2048,bfloat16", "8,2048,8,1"
+    for key, value, match in [(f"{good_k};", f"{good_v};", "AB_KEY"), (f"{good_k}; gated,8192,2048,bfloat16",
+                                                                      f"{good_v};1,2048,4,3", "AB_KEY"),
+                              ("", "", "AB_KEY"), (f"{good_k};gemm,2048,02048,bfloat16", f"{good_v};none",
+                                                   "given already"),
+                              ("gemm,2048,bfloat16", good_v, "kind,N,K,dtype"), (good_k, "8,2048,x", "AB_VALUE"),
+                              (good_k, f" {good_v}", "AB_VALUE")]:
+        monkeypatch.setenv("AB_KEY", key)
+        monkeypatch.setenv("AB_VALUE", value)
+        with pytest.raises(SystemExit, match=match):
+            jobs.mega_ab(opts)
+    monkeypatch.setenv("AB_KEY", good_k)
+    monkeypatch.setenv("AB_VALUE", good_v)
+    for table in ("", "TUNED_ROW"):
+        monkeypatch.setenv("AB_TABLE", table)
+        with pytest.raises(SystemExit, match="AB_TABLE"):
+            jobs.mega_ab(opts)

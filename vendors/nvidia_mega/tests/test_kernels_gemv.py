@@ -162,6 +162,46 @@ def test_weight_stream_is_the_per_tile_gemvs_bit_for_bit(k: int, block_k: int, p
         assert not outs[1].isnan().any() and torch.equal(outs[0], outs[1]), epilogue
 
 
+@pytest.mark.parametrize("per_sm", [0, 2, None], ids=["tile", "stream", "small_gemm"])
+def test_inputs_no_kernel_can_take_are_refused_by_name(per_sm: int | None) -> None:
+    """Refused before any launch, on all three paths alike (found by an attack on the stream's checks, 2026-12-07):
+    an empty reduction (K = 0 crashed the interpreter), N = 0, integer tensors, ``out`` sharing memory with ``x``
+    (the kernels read x while they write out), and a norm weight or residual on another device."""
+    n, k = 32, 64
+    plan = plan_gemm(n, k, torch.float32, 4, split_k=1)
+    if per_sm is not None:
+        plan = dataclasses.replace(plan, row1=GemvPlan(block_n=4, block_k=64, num_warps=4, num_stages=1,
+                                                       per_sm=per_sm))
+    w = _randn(n, k, dtype=torch.float32, seed=90)
+    x = _randn(1, k, dtype=torch.float32, seed=91)
+    with pytest.raises(ValueError, match="K >= 1 and N >= 1"):
+        gemv_mod.gemm(x[:, :0], w[:, :0], torch.empty(1, n, device=DEV), plan=plan)
+    with pytest.raises(ValueError, match="K >= 1 and N >= 1"):
+        gemv_mod.gemm(x, w[:0], torch.empty(1, 0, device=DEV), plan=plan)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        gemv_mod.gemm(x.to(torch.int32), w.to(torch.int32), torch.empty(1, n, dtype=torch.int32, device=DEV),
+                      plan=plan)
+    buf = _randn(1, k, dtype=torch.float32, seed=92)  # N = K: out could alias x
+    w_sq = _randn(k, k, dtype=torch.float32, seed=93)
+    with pytest.raises(ValueError, match="shares memory with x"):
+        gemv_mod.gemm(buf, w_sq, buf, plan=plan_gemm(k, k, torch.float32, 4, split_k=1) if per_sm is None else
+                      dataclasses.replace(plan_gemm(k, k, torch.float32, 4, split_k=1), row1=plan.row1))
+    sq_plan = plan_gemm(k, k, torch.float32, 4, split_k=1)
+    if per_sm is not None:
+        sq_plan = dataclasses.replace(sq_plan, row1=plan.row1)
+    line = _randn(1, 2 * k, dtype=torch.float32, seed=94)
+    gemv_mod.gemm(line[:, :k], w_sq, line[:, k:], plan=sq_plan)  # adjacent, not overlapping: runs
+    torch.testing.assert_close(line[:, k:], F.linear(line[:, :k], w_sq), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shares memory with x"):  # one element in common
+        gemv_mod.gemm(line[:, :k], w_sq, line[:, k - 1:2 * k - 1], plan=sq_plan)
+    meta = torch.device("meta")
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        gemv_mod.gemm(x, w, torch.empty(1, n, device=DEV), plan=plan, norm_weight=torch.ones(k, device=meta))
+    out = torch.empty(1, n, device=DEV)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_mod.gemm(x, w, out, plan=plan, epilogue="residual", residual=torch.empty(1, n, device=meta))
+
+
 def test_gemm_runs_small_gemm_unless_one_row_with_a_row1_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """The choice is by shape alone: 2+ rows, or no ``row1``, run ``small_gemm``; bad input is refused the same
     way on both paths, and a ``row1`` that splits K (qkv_rope's kind of plan) by the GEMV."""

@@ -44,6 +44,12 @@ GOOD = ["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "
       "--value", "8,2048,8,1", "--", "plugins"], "one --value per --key"),
     (["--table", "TUNED_ROW1", "--key", "gemm,2048,2048,bfloat16", "--value", "8,2048,8,1", "--key",
       "gated,8192,2048,bfloat16", "--value", "2,2048,4,1,1,-1", "--", "plugins"], "not a TUNED_ROW1 plan"),
+    (["--table", "TUNED_ROW1", "--key", "qkv,3072,2048,bfloat16", "--value", "8,1024,4,3,1,2", "--", "plugins"],
+     "no weight-stream form"),
+    (["--table", "TUNED_ROW1", "--key", "gemm,2048,2048,bfloat16", "--value", "8,2048,8,1", "--key",
+      "gemm,2048,02048,bfloat16", "--value", "none", "--", "plugins"], "named already"),
+    (["--table", "TUNED_ROW1", "--key", "gemm,2048,2048,bfloat16", "--value", "8,2048,8,1,1,2,0", "--", "plugins"],
+     "has 7 fields"),
 ])
 def test_refuses_a_replacement_that_would_not_count(argv: list[str], match: str) -> None:
     with pytest.raises(SystemExit, match=match):

@@ -94,14 +94,26 @@ def test_a_malformed_row1_entry_is_refused_by_name(monkeypatch: pytest.MonkeyPat
             tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, cpu, qk_norm=True)
 
 
-@pytest.mark.parametrize("kind", ["qkv", "qkv_late"])
-def test_a_qkv_entry_with_a_weight_stream_is_refused(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+@pytest.mark.parametrize("kind,block_n,qk_norm", [("qkv", 8, False), ("qkv", 8, True), ("qkv", 64, True),
+                                                   ("qkv", 128, False), ("qkv", 128, True), ("qkv_late", 8, True)])
+def test_a_qkv_entry_with_a_weight_stream_is_refused(monkeypatch: pytest.MonkeyPatch, kind: str, block_n: int,
+                                                     qk_norm: bool) -> None:
     """``per_sm`` is the GEMV's weight stream; qkv_rope's one-row loop has none, so a "qkv" entry asking for it is
-    refused by name at plan time, never dropped."""
+    refused by name at plan time, for either model and whatever its block_n, never dropped for a default (an entry
+    a model would not take otherwise was dropped silently before the check)."""
     _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
-    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", kind, 3072, 2048, "bfloat16"), (8, 1024, 4, 3, 1, 2))
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", kind, 3072, 2048, "bfloat16"),
+                        (block_n, 1024, 4, 3, 1, 2))
     with pytest.raises(ValueError, match="no weight-stream form"):
-        tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=kind == "qkv_late")
+        tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=qk_norm)
+
+
+def test_a_row1_value_of_seven_fields_is_refused_by_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
+    monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"),
+                        (8, 2048, 8, 1, 1, 2, 0))
+    with pytest.raises(ValueError, match="has 7 fields; it takes 4 to 6"):
+        tuned_plans.gemm_plan(2048, 2048, torch.bfloat16, torch.device("cpu"))
 
 
 def test_every_shipped_entry_is_a_valid_plan() -> None:

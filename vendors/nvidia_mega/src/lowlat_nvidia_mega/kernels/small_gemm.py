@@ -419,6 +419,20 @@ def small_gemm(
     return out
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (same device) intersect: first to last element, conservatively.
+    Meta tensors (the compile checks' stand-ins) have no memory, so never."""
+    if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        size = t.element_size()
+        last = sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * size
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str,
                     norm_weight: torch.Tensor | None, residual: torch.Tensor | None, workspace: torch.Tensor | None,
                     counters: torch.Tensor | None, split_k: bool = True) -> tuple[int, int, int, bool]:
@@ -436,6 +450,10 @@ def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan
     _check_2d("out", out, unit_last=True)
     t, k = x.shape
     n = out.shape[1]
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if k < 1 or n < 1:
+        raise ValueError(f"small_gemm needs K >= 1 and N >= 1, got x {tuple(x.shape)} and out {tuple(out.shape)}")
     if not 1 <= t <= MAX_ROWS:
         raise ValueError(f"small_gemm serves 1..{MAX_ROWS} rows, got x with {t}; use a general GEMM for more")
     if w.shape != (2 * n if gated else n, k):
@@ -447,12 +465,17 @@ def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan
         if tns.dtype != x.dtype or tns.device != x.device:
             raise ValueError(f"{name} is {tns.dtype} on {tns.device}, x is {x.dtype} on {x.device}; they must match")
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype
-                                    or not norm_weight.is_contiguous()):
-        raise ValueError(f"norm_weight must be a contiguous [{k}] {x.dtype} tensor, got {tuple(norm_weight.shape)} "
-                         f"{norm_weight.dtype}")
+                                    or not norm_weight.is_contiguous() or norm_weight.device != x.device):
+        raise ValueError(f"norm_weight must be a contiguous [{k}] {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
+    if _overlaps(out, x) or _overlaps(out, w):
+        raise ValueError("out shares memory with x or w; the kernels read those while they write out (only residual "
+                         "may be out)")
     if epilogue == "residual":
-        if residual is None or residual.shape != out.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
-            raise ValueError(f"epilogue 'residual' needs residual [{t}, {n}] {x.dtype} with unit column stride")
+        if residual is None or residual.shape != out.shape or residual.dtype != x.dtype or residual.stride(1) != 1 \
+                or residual.device != x.device:
+            raise ValueError(f"epilogue 'residual' needs residual [{t}, {n}] {x.dtype} on {x.device} with unit column "
+                             "stride")
     elif residual is not None:
         raise ValueError(f"residual given but epilogue is {epilogue!r}; pass epilogue='residual'")
     if split_k and plan.split_k > 1:

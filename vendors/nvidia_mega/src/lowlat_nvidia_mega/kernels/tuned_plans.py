@@ -223,14 +223,23 @@ def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
     """A ``TUNED_ROW1`` value as a ``GemvPlan``.
 
     Raises:
-        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]) of valid ints,
-            naming the entry.
+        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]) of valid ints, or a
+            "qkv" / "qkv_late" value with a ``per_sm`` (qkv_rope's one-row loop has no weight-stream form), naming
+            the entry.
     """
+    head = f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r}"
+    if not 4 <= len(value) <= 6:
+        raise ValueError(f"{head} has {len(value)} fields; it takes 4 to 6: (BLOCK_N, BLOCK_K, warps, stages[, "
+                         "split-K[, per_sm]])")
     try:
-        return GemvPlan(*value)  # which checks every field
+        plan = GemvPlan(*value)  # which checks every field
     except (TypeError, ValueError) as e:
-        raise ValueError(f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r} is not (BLOCK_N, BLOCK_K, warps, "
-                         f"stages[, split-K[, per_sm]]) of valid ints: {e}") from None
+        raise ValueError(f"{head} is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]) of valid ints: {e}") \
+            from None
+    if kind.startswith("qkv") and plan.per_sm:
+        raise ValueError(f"{head}: qkv_rope's one-row loop has no weight-stream form, so a {kind!r} entry takes no "
+                         f"per_sm (got {plan.per_sm}); per_sm is the GEMV's ('gemm' / 'gated')")
+    return plan
 
 
 def gemm_plan(n: int, k: int, dtype: torch.dtype, device: torch.device, *, gated: bool = False) -> GemmPlan:
