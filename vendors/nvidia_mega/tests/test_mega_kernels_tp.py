@@ -198,7 +198,9 @@ def test_bad_arguments_are_refused_by_name() -> None:
         gemm(x, w, out, plan=plan, epilogue="publish")
     with pytest.raises(ValueError, match="epilogue 'publish' takes peer"):
         gemm(x, w, out, plan=plan, peer=PeerTarget(bufs[0]))
-    with pytest.raises(ValueError, match="needs peer buffers of that dtype"):
+    with pytest.raises(ValueError, match="needs peer buffers of that dtype"):  # float32 buffers, float16 GEMM
+        gemm(x.half(), w.half(), out.half(), plan=plan, epilogue="publish", peer=PeerTarget(bufs[0]))
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):  # no kernel serves float64 at all
         gemm(x.double(), w.double(), out.double(), plan=plan, epilogue="publish", peer=PeerTarget(bufs[0]))
     with pytest.raises(ValueError, match="tile_n must be a power of two"):
         reduce_rows(PeerTarget(bufs[0]), out, tile_n=12, site=0)
