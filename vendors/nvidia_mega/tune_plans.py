@@ -35,7 +35,7 @@ from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, laun
 from lowlat_nvidia_mega.kernels.qk_late import late_qk  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, plan_sources_line, qkv_plan  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import device_name, gemm_plan, plan_sources_line, qkv_plan  # noqa: E402
 
 
 @triton.jit
@@ -191,6 +191,8 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
                best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas, candidates=len(results), n=n, k=k,
                **r1,
                all=sorted(([_fmt(GemmPlan(*key)), us] for key, us in results.items()), key=lambda r: r[1]))
+    print(entry_line("TUNED", c.dev, kernel, n, k, c.dt, (best.block_n, best.block_k, best.split_k, best.num_warps,
+                                                          best.num_stages)), flush=True)
     print(f"  {kernel:9} rows {c.t}: default {t_default:7.2f} us {_fmt(default)} | best {t_best:7.2f} us "
           f"{_fmt(best)} ({t_default / t_best:.2f}x, {len(results)} plans) | torch F.linear alone {t_cublas:7.2f} us "
           f"(best / F.linear {t_best / t_cublas:.2f})", flush=True)
@@ -237,6 +239,9 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
     print(f"  {kernel:9} rows 1: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
           f"s{r1.num_stages} sk{r1.split_k} ({len(results)} plans) | tl.dot plan {t_best:7.2f} us "
           f"(FMA / tl.dot {t1 / t_best:.2f})", flush=True)
+    s = tuner.c.s
+    n = {"qkv_rope": (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"], "gate_up": s["inter"]}.get(kernel, s["hidden"])
+    print(entry_line("TUNED_ROW1", tuner.c.dev, kernel, n, k, tuner.c.dt, tuple(dataclasses.astuple(r1))), flush=True)
     return dict(row1_best=dataclasses.asdict(r1), row1_us=t1,
                 row1_all=[[dataclasses.asdict(p), us] for us, p in results])
 
@@ -283,10 +288,20 @@ def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
           f"({t_prod / t_best:.2f}x, {len(results)} plans) | per-tile best {results[tile_best]:7.2f} us bn"
           f"{tile_best.block_n} bk{tile_best.block_k} w{tile_best.num_warps} s{tile_best.num_stages} | F.linear "
           f"{t_cublas:7.2f} us", flush=True)
+    print(entry_line("TUNED_ROW1", tuner.c.dev, kernel, n, k, tuner.c.dt, tuple(dataclasses.astuple(best))), flush=True)
     return dict(kernel=kernel, rows=1, n=n, k=k, production=dataclasses.asdict(prod.row1) if prod.row1 else None,
                 production_us=t_prod, best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas,
                 tile_best=dataclasses.asdict(tile_best), tile_us=results[tile_best],
                 all=sorted(([dataclasses.asdict(p), us] for p, us in results.items()), key=lambda r: r[1]))
+
+
+def entry_line(table: str, dev: torch.device, kernel: str, n: int, k: int, dtype: torch.dtype,
+               value: tuple[int, ...]) -> str:
+    """A paste-ready ``tuned_plans`` line for ``table`` (``TUNED``: BLOCK_N, BLOCK_K, split-K, warps, stages;
+    ``TUNED_ROW1``: BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]), keyed as the lookups read it."""
+    kind = {"qkv_rope": "qkv", "gate_up": "gated"}.get(kernel, "gemm")
+    key = (device_name(dev), kind, n, k, str(dtype).removeprefix("torch."))
+    return f"    {table} entry: {key!r}: {value!r},"
 
 
 def _fmt(p: GemmPlan) -> str:
