@@ -125,6 +125,13 @@ class Tuner:
         return chain
 
 
+def gemm_shape(s: dict, kernel: str) -> tuple[int, int]:
+    """(N, K) of the GEMM ``kernel`` (o_proj, gate_up: N per half, down) of a preset's shapes ``s``."""
+    h = s["hidden"]
+    return (s["inter"] if kernel == "gate_up" else h,
+            {"o_proj": s["heads"] * s["head_dim"], "gate_up": h, "down": s["inter"]}[kernel])
+
+
 def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> dict:
     """Default plan vs the best of the two-stage sweep for one kernel; returns a result row. ``row1_only``: only
     the one-row GEMV's sweep against the production plan (no small_gemm sweep)."""
@@ -137,8 +144,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
         make = tuner.qkv_chain
         block_ns = [d]
     else:
-        n = s["inter"] if kernel == "gate_up" else h
-        k = {"o_proj": s["heads"] * d, "gate_up": h, "down": s["inter"]}[kernel]
+        n, k = gemm_shape(s, kernel)
         gated = kernel == "gate_up"
         rows_of = (lambda bn: 2 * bn) if gated else (lambda bn: bn)
         default = dataclasses.replace(gemm_plan(n, k, c.dt, c.dev, gated=gated), row1=None)  # small_gemm alone
@@ -157,7 +163,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     if row1_only:
         r1 = {}
         if c.t == 1:
-            r1 = row1_sweep(tuner, kernel, k, gated, default, t_default, smoke)
+            r1 = row1_sweep(tuner, kernel, n, k, gated, default, t_default, smoke)
         return dict(kernel=kernel, rows=c.t, n=n, k=k, default=dataclasses.asdict(default), default_us=t_default, **r1)
     splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
     stage1 = []
@@ -185,7 +191,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     best = GemmPlan(*best_key)
     r1 = {}
     if c.t == 1:
-        r1 = row1_sweep(tuner, kernel, k, gated, best, t_best, smoke)
+        r1 = row1_sweep(tuner, kernel, n, k, gated, best, t_best, smoke)
     t_cublas = tuner.time(tuner.cublas_chain(kernel))
     row = dict(kernel=kernel, rows=c.t, default=dataclasses.asdict(default), default_us=t_default,
                best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas, candidates=len(results), n=n, k=k,
@@ -199,7 +205,8 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
     return row
 
 
-def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t_best: float, smoke: bool) -> dict:
+def row1_sweep(tuner: Tuner, kernel: str, n: int, k: int, gated: bool, best: GemmPlan, t_best: float,
+               smoke: bool) -> dict:
     """The one-row GEMV (``GemmPlan.row1``) over rows per program, K chunk, warps and stages, against ``best``
     (small_gemm's best plan, ``t_best`` µs) at 1 row; prints the fastest and the ratio, returns them as a dict
     (empty when no candidate fits). ``best`` has no ``row1`` (every swept plan is small_gemm's alone)."""
@@ -239,8 +246,6 @@ def row1_sweep(tuner: Tuner, kernel: str, k: int, gated: bool, best: GemmPlan, t
     print(f"  {kernel:9} rows 1: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
           f"s{r1.num_stages} sk{r1.split_k} ({len(results)} plans) | tl.dot plan {t_best:7.2f} us "
           f"(FMA / tl.dot {t1 / t_best:.2f})", flush=True)
-    s = tuner.c.s
-    n = {"qkv_rope": (s["heads"] + 2 * s["kv_heads"]) * s["head_dim"], "gate_up": s["inter"]}.get(kernel, s["hidden"])
     print(entry_line("TUNED_ROW1", tuner.c.dev, kernel, n, k, tuner.c.dt, tuple(dataclasses.astuple(r1))), flush=True)
     return dict(row1_best=dataclasses.asdict(r1), row1_us=t1,
                 row1_all=[[dataclasses.asdict(p), us] for us, p in results])
@@ -252,10 +257,7 @@ def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
     per-tile kernel, so each form's best on this GPU is known) at the production K chunk and warps; stage 2 K chunk
     and warps around the two best; then stages 1 / 3 for the best. Prints production, best (> 1: faster), the
     per-tile best and ``F.linear``; returns them."""
-    s = tuner.c.s
-    h, d = s["hidden"], s["head_dim"]
-    n = s["inter"] if kernel == "gate_up" else h
-    k = {"o_proj": s["heads"] * d, "gate_up": h, "down": s["inter"]}[kernel]
+    n, k = gemm_shape(tuner.c.s, kernel)
     gated = kernel == "gate_up"
     prod = gemm_plan(n, k, tuner.c.dt, tuner.c.dev, gated=gated)
     results: dict[GemvPlan, float] = {}
