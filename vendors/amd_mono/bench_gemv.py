@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="3")
     ap.add_argument("--row1", default="", help="GEMV forms at one row: 1 the one-row FMA form, 0 tl.dot (e.g. 1,0)")
+    ap.add_argument("--which", default="gate_up,down", help="stages to time (comma-separated: gate_up, down)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gemv.py needs a GPU", file=sys.stderr)
@@ -53,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
           f"production tiles gate/up {fwd.plan.gu}, down {fwd.plan.down}")
     print(f"{'stage':8s} {'row1':>4s} {'grid':>5s} {'BN':>4s} {'BK':>4s} {'warps':>5s} {'stages':>6s} {'us':>8s} "
           f"{'floor us':>8s} {'% floor':>7s}")
+    which = set(args.which.split(","))
+    if not which <= {"gate_up", "down"}:
+        print(f"--which takes gate_up and/or down, got {args.which!r}", file=sys.stderr)
+        return 2
     for stage, name, keys, nbytes in ((5, "gate_up", ("BN_GU", "BK_GU"), 2 * c.intermediate_size * c.hidden_size * 2),
                                       (6, "down", ("BN_D", "BK_D"), c.intermediate_size * c.hidden_size * 2)):
+        if name not in which:
+            continue
         floor = nbytes / bw * 1e6
         for row1, grid, bn, bk, warps, st in itertools.product(forms, ints(args.grid), ints(args.bn), ints(args.bk),
                                                                ints(args.warps), ints(args.stages)):
