@@ -324,6 +324,23 @@ def test_gemv_prefetch_is_process_wide_and_a_disagreeing_extra_is_refused() -> N
         MonoOptions.resolve(torch.device("cpu"), {"amd_mono_gemv_prefetch": not on}, interpret=True)
 
 
+def test_gemv_bk_max_default_is_per_model_and_bad_values_are_refused() -> None:
+    from lowlat.loader.presets import get_preset
+
+    dense = P.Dims.from_config(get_preset("llama-3.2-1b"))
+    moe = P.Dims.from_config(get_preset("qwen3-30b-a3b"))
+    assert (P.default_bk_max(dense), P.default_bk_max(moe)) == (512, 256)
+    # llama's down (K 8192) takes 16 x 512 chunks by default, 16 x 256 when the option says 256
+    assert P.MonoPlan.build(dense, 132).down.bk == 512
+    assert P.MonoPlan.build(dense, 132, bk_max=256).down.bk == 256
+    assert P.MonoPlan.build(moe, 264).o.bk == 256
+    assert MonoOptions.resolve(torch.device("cpu"), interpret=True).gemv_bk_max == 0
+    assert MonoOptions.resolve(torch.device("cpu"), {"amd_mono_gemv_bk_max": "512"}, interpret=True).gemv_bk_max == 512
+    for bad in ("8", "-256"):
+        with pytest.raises(ValueError, match="gemv_bk_max 0 \\(auto\\) or >= 16"):
+            MonoOptions.resolve(torch.device("cpu"), {"amd_mono_gemv_bk_max": bad}, interpret=True)
+
+
 def test_options_force_staged_under_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MONO_DEADLINE_MS", "25")
     o = MonoOptions.resolve(torch.device("cpu"), {"amd_mono_programs_per_sm": "2"}, interpret=True)

@@ -71,7 +71,8 @@ class MonoOptions:
             one-row step compile with the constexpr ``ROW1``. Off by default: on the H200 it made a llama-3.2-1b
             step slower (1.385 -> 1.508 ms; its K2 kernel needs 248 registers against 196). Per instance.
         gemv_bk_max, gemv_tile_elems: the most weight columns / elements one pipelined weight load of a GEMV
-            stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program.
+            stage holds (``MonoPlan.build``); larger chunks keep more bytes in flight per program. ``gemv_bk_max``
+            0 (the default) picks ``plan.default_bk_max``: 512 for a model without MoE layers, 256 with them.
         num_warps, num_stages: Triton launch options of the layer kernels.
     Every field can be set by ``LOWLAT_MONO_<FIELD>`` in the environment or ``amd_mono_<field>`` in
     ``EngineConfig.extra`` (which wins).
@@ -88,7 +89,7 @@ class MonoOptions:
     stage_counters: bool = False
     gemv_prefetch: bool = True
     row1_fma: bool = False
-    gemv_bk_max: int = 256
+    gemv_bk_max: int = 0
     gemv_tile_elems: int = 16384
     num_warps: int = 4
     num_stages: int = 3
@@ -141,8 +142,8 @@ class MonoOptions:
             raise ValueError(f"amd_mono_gemv_prefetch={opts.gemv_prefetch} but the kernels were imported with "
                              f"LOWLAT_MONO_GEMV_PREFETCH={int(bool(PREFETCH_ACT.value))}: the switch is process-wide; "
                              "set the environment variable before lowlat_amd_mono is imported")
-        if opts.gemv_bk_max < 16 or opts.gemv_tile_elems < 256:
-            raise ValueError(f"amd_mono needs gemv_bk_max >= 16 and gemv_tile_elems >= 256, got {opts}")
+        if 0 < opts.gemv_bk_max < 16 or opts.gemv_bk_max < 0 or opts.gemv_tile_elems < 256:
+            raise ValueError(f"amd_mono needs gemv_bk_max 0 (auto) or >= 16 and gemv_tile_elems >= 256, got {opts}")
         if opts.deadline_ms <= 0 or opts.programs_per_sm < 0:
             raise ValueError(f"amd_mono needs deadline_ms > 0 and programs_per_sm >= 0 (0: auto), got {opts}")
         cuda = device.type == "cuda" and torch.version.hip is None and not interpret

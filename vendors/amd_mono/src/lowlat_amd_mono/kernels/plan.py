@@ -117,6 +117,17 @@ def _pick_gate_up(inter: int, hidden: int, nprog: int, interpret: bool, kw: dict
     return pick_tile(inter, hidden, nprog, rows_per_item=2, **kw)
 
 
+def default_bk_max(dims: Dims) -> int:
+    """The most weight columns per pipelined GEMV load when none is set: 512 for a model without MoE layers, 256
+    with them.
+
+    Measured on an H100 (bench/results/2026-12-07-h100-amd-gemv-chain, calls 5-6; ``lowlat bench``, A/B/A/B): 512
+    against 256 took llama-3.2-1b's DECODE step from 1.545 / 1.544 to 1.504 / 1.507 ms at batch 1 and 1.674 / 1.669 to
+    1.625 / 1.633 at batch 8, and qwen3-8b's from 7.81 / 7.68 to 7.67 / 7.61 (b=1) and 8.28 / 8.22 to 7.97 / 8.09
+    (b=8); it made qwen3-30b-a3b slower (6.71 / 6.75 -> 7.08 / 7.09 ms at b=1, 18.97 -> 19.56 at b=8)."""
+    return 256 if dims.any_moe else 512
+
+
 @dataclass(frozen=True)
 class Dims:
     """Model shapes the kernels are specialized on, of one TP rank (``from_config(cfg, tp)``): at tp_size > 1 its
@@ -210,10 +221,12 @@ class MonoPlan:
     head_bk: int
 
     @classmethod
-    def build(cls, dims: Dims, nprog: int, *, interpret: bool = False, bk_max: int = 256,
+    def build(cls, dims: Dims, nprog: int, *, interpret: bool = False, bk_max: int = 0,
               max_tile_elems: int = 16384) -> MonoPlan:
         """Tile every GEMV of ``dims`` for a persistent grid of ``nprog`` programs; a weight chunk (one pipelined
-        load) holds at most ``bk_max`` columns and ``max_tile_elems`` elements (per weight of a gate/up pair)."""
+        load) holds at most ``bk_max`` columns (0: ``default_bk_max(dims)``) and ``max_tile_elems`` elements (per
+        weight of a gate/up pair)."""
+        bk_max = bk_max or default_bk_max(dims)
         kw: dict = (dict(bn_choices=(16, 32, 64), bk_max=128) if interpret
                     else dict(bk_max=bk_max, max_tile_elems=max_tile_elems))
         h, d = dims.hidden, dims.head_dim
