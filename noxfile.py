@@ -30,7 +30,8 @@ def tests(session: nox.Session) -> None:
 
     The two cores stay busy throughout: the vendors' contract suites (one process each) and
     ``contract_tests/tests`` (the mutation campaign and the broken plugins' runs) start in the background, the
-    other test directories run in the foreground meanwhile, then the background runs are awaited and reported
+    other test directories run in the foreground meanwhile, then nvidia_mega's sm90 compile checks
+    (``COMPILE_CHECKS``, compiled rather than interpreted), then the background runs are awaited and reported
     (``_start_background``). With arguments, only the tests they select run, as one pytest in the foreground and
     nothing in the background: ``nox -s tests -- core/tests/test_runtime_cli.py`` or ``nox -s tests -- -k
     overlap`` (a ``-k`` alone applies to every test directory). ``--install-only`` installs and runs nothing.
@@ -58,6 +59,13 @@ def tests(session: nox.Session) -> None:
         session.run("python", "-m", "pytest", "-q", *existing, env=env)
     except nox.command.CommandFailed:
         failed.append(f"pytest {' '.join(existing)}")
+    checks = [p for p in COMPILE_CHECKS if pathlib.Path(p).exists()]
+    if checks:  # compiled, not interpreted: TRITON_INTERPRET is left out of this run's environment
+        try:
+            session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *checks,
+                        env={"LOWLAT_MEGA_COMPILE_CHECK": "1"})
+        except nox.command.CommandFailed:
+            failed.append(f"pytest {' '.join(checks)}")
     failed += _finish_background(running)
     if failed:
         session.error(f"failed: {'; '.join(failed)} (background logs in .nox/*.log)")
@@ -69,6 +77,10 @@ def _install_only(session: nox.Session) -> bool:
     return bool(getattr(getattr(runner, "global_config", None), "install_only", False))
 
 
+# nvidia_mega's kernels built for sm90 by Triton's compiler and ptxas, no GPU needed (the interpreter misses what only
+# the compiler rejects; these had rotted unseen while they were opt-in). Run in the foreground after the interpreted
+# tests, which end minutes before the background runs do, so they add no wall time when the machine is otherwise idle.
+COMPILE_CHECKS = [f"vendors/nvidia_mega/tests/test_compile_sm90{s}.py" for s in ("", "_lm_head", "_moe")]
 BACKGROUND_TEST_DIR = "contract_tests/tests"  # ~40% of the test CPU time: runs beside the foreground pytest
 # The background runs' scheduling priority (os.nice increment). The foreground pytest is one process, so it can use one
 # core at most: at equal priority the four processes got half a core each, the background ended at ~760 s and the
