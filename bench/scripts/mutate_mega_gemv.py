@@ -20,6 +20,7 @@ import mutation_runner  # same directory
 G = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemv.py")
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
 S = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/small_gemm.py")
+GP = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemm_plans.py")
 QL = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qk_late.py")
 M = [  # (name, file, original text, mutated text)
     # prologue: HF's RMSNorm, rounded where torch rounds
@@ -148,9 +149,9 @@ ARGS = [  # the shared argument checks (small_gemm.check_gemm_args), run with te
 M += ARGS
 
 PLANS = [  # the plan checks of the stream (test_plans.py) and its TP publish (test_mega_kernels_tp.py)
-    ("GemvPlan: a negative per_sm accepted", S, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
+    ("GemvPlan: a negative per_sm accepted", GP, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
      "if self.per_sm and self.split_k > 1:"),
-    ("GemvPlan: per_sm with split-K accepted", S, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
+    ("GemvPlan: per_sm with split-K accepted", GP, "if self.per_sm < 0 or (self.per_sm and self.split_k > 1):",
      "if self.per_sm < 0:"),
     ("qkv_rope: a weight-stream plan accepted", QL, "    if row1.per_sm:\n        raise",
      "    if False:\n        raise"),

@@ -22,7 +22,7 @@ L = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qk_late.py"
 A = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/attention.py")
 F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
 P = pathlib.Path("bench/scripts/plan_ab.py")
-S = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/small_gemm.py")
+GP = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemm_plans.py")
 T = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/tuned_plans.py")
 B = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py")
 M = [  # (name, file, original text, mutated text)
@@ -89,8 +89,8 @@ LATE = [  # late q/k: qkv_rope stores q/k raw, the attention finishes them (kern
      "            if True:\n                table["),
     ("plan_ab at TP", P, 'or tp != "1":', ":"),
     ("plan_ab with any kind", P, "if kind not in KINDS[table] or key[1] < 1", "if key[1] < 1"),
-    ("GemvPlan of any warps", S, 'or (name == "num_warps" and v > 32)', ""),
-    ("GemvPlan of floats", S, "if not isinstance(v, int) or isinstance(v, bool):", "if False:"),
+    ("GemvPlan of any warps", GP, 'or (name == "num_warps" and v > 32)', ""),
+    ("GemvPlan of floats", GP, "if not isinstance(v, int) or isinstance(v, bool):", "if False:"),
 ]
 M += LATE  # every anchor, for core/tests/test_mutation_anchors.py
 
@@ -103,7 +103,7 @@ if __name__ == "__main__":
                                   "vendors/nvidia_mega/tests/test_kernels_qk_late.py", env)
     failed |= mutation_runner.run([m for m in LATE if m[1] == F], "vendors/nvidia_mega/tests/test_forward.py", env,
                                   pytest_args=("-k", "one_row"))
-    failed |= mutation_runner.run([m for m in M if m[1] in (T, S)], "vendors/nvidia_mega/tests/test_plans.py", env,
+    failed |= mutation_runner.run([m for m in M if m[1] in (T, GP)], "vendors/nvidia_mega/tests/test_plans.py", env,
                                   pytest_args=("-k", "not smoke"))
     failed |= mutation_runner.run([m for m in pairs if m[1] == B], "vendors/nvidia_mega/tests/test_forward.py", env,
                                   pytest_args=("-k", "one_row"))

@@ -21,12 +21,12 @@ import bench_kernels as bk
 import torch
 from lowlat.layers.attention import decode_attention_torch
 from lowlat_nvidia_mega.kernels.attention import MAX_SPLITS, AttnPlan, paged_decode_attention, partial_numel
+from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.tuned_plans import gemm_plan, qkv_plan
 
 MODES = ("attn", "full")

@@ -32,12 +32,13 @@ import torch.nn.functional as F
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import apply_rotary
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
+from lowlat_nvidia_mega.kernels.gemm_plans import make_plan, num_sms, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import make_plan, num_sms, small_gemm, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.small_gemm import small_gemm
 from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, qkv_plan
 
 SHAPES = {  # shapes without a lowlat preset; a preset name maps through preset_shape

@@ -64,8 +64,8 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     partial_numel,
     split_cap,
 )
+from lowlat_nvidia_mega.kernels.gemm_plans import num_sms  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import num_sms  # noqa: E402
 from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, device_name, plan_sources_line  # noqa: E402
 
 

@@ -30,11 +30,11 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
+from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qk_late import late_qk  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.tuned_plans import device_name, gemm_plan, plan_sources_line, qkv_plan  # noqa: E402
 
 

@@ -35,17 +35,11 @@ from lowlat_nvidia_mega.kernels.attention import (  # noqa: E402
     _attn_split_kernel,
     attention_block_m,
 )
+from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.norm_rows import _norm_rows_kernel  # noqa: E402
 from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import _qkv_rope_kernel  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import (  # noqa: E402
-    BLOCK_M,
-    GemmPlan,
-    GemvPlan,
-    _small_gemm_kernel,
-    make_plan,
-    splitk_workspace_numel,
-)
+from lowlat_nvidia_mega.kernels.small_gemm import BLOCK_M, _small_gemm_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

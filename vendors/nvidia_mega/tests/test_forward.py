@@ -26,7 +26,7 @@ from lowlat_nvidia_mega import forward as forward_mod
 from lowlat_nvidia_mega.build import build
 from lowlat_nvidia_mega.kernels import pdl, tuned_plans
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, partial_numel
-from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
+from lowlat_nvidia_mega.kernels.gemm_plans import GemvPlan
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 

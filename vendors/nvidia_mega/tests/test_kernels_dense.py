@@ -17,14 +17,9 @@ from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels import qkv_rope as qkv_mod
 from lowlat_nvidia_mega.kernels import small_gemm as small_gemm_mod
+from lowlat_nvidia_mega.kernels.gemm_plans import GemvPlan, plan_gemm, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import (
-    GemvPlan,
-    plan_gemm,
-    prefetch_act_enabled,
-    small_gemm,
-    splitk_workspace_numel,
-)
+from lowlat_nvidia_mega.kernels.small_gemm import prefetch_act_enabled, small_gemm
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 

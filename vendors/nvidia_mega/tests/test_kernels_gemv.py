@@ -14,13 +14,8 @@ import triton
 from lowlat.layers.norm import rms_norm
 from lowlat_nvidia_mega.kernels import gemv as gemv_mod
 from lowlat_nvidia_mega.kernels import pdl
-from lowlat_nvidia_mega.kernels.small_gemm import (
-    GemmPlan,
-    GemvPlan,
-    num_sms,
-    plan_gemm,
-    small_gemm,
-)
+from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, num_sms, plan_gemm
+from lowlat_nvidia_mega.kernels.small_gemm import small_gemm
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 

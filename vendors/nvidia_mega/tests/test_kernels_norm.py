@@ -13,10 +13,10 @@ pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-
 if not pdl.interpreting() and not torch.cuda.is_available():
     pytest.skip("Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+from lowlat_nvidia_mega.kernels.gemm_plans import make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
 from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import make_plan, splitk_workspace_numel  # noqa: E402
 
 DEV = torch.device("cpu" if pdl.interpreting() else "cuda")
 EPS = 1e-6

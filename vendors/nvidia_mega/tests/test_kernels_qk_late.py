@@ -19,9 +19,9 @@ from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import RotaryEmbedding, apply_rotary
 from lowlat_nvidia_mega.kernels import pdl
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention, partial_numel
+from lowlat_nvidia_mega.kernels.gemm_plans import GemvPlan
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, check_row1_rows, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, rope_cos_sin
-from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan
 
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 

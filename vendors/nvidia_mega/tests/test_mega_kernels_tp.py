@@ -20,8 +20,8 @@ if not pdl.interpreting() and not torch.cuda.is_available():
 lowlat_peer = pytest.importorskip("lowlat.plugin.peer", reason="epilogue publishing needs lowlat plugin API 4")
 
 from lowlat.runtime.peer_buffers import PeerBuffers, PeerWaitTimeout  # noqa: E402
+from lowlat_nvidia_mega.kernels.gemm_plans import GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n  # noqa: E402
-from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget  # noqa: E402
 from lowlat_nvidia_mega.kernels.tp_reduce import reduce_rows  # noqa: E402
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from lowlat_nvidia_mega.kernels import tuned_plans
+from lowlat_nvidia_mega.kernels.gemm_plans import GemvPlan, plan_gemm
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
-from lowlat_nvidia_mega.kernels.small_gemm import GemvPlan, plan_gemm
 
 
 def test_tuned_entry_wins_on_its_gpu_and_heuristic_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:

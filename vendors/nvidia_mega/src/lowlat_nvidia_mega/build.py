@@ -19,6 +19,7 @@ from lowlat.plugin import PluginBuildError
 
 from lowlat_nvidia_mega.forward import LayerWeights, MegaForward, Workspaces
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, partial_numel
+from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, num_sms, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.lm_head import CONFIG_ENV as LM_HEAD_CONFIG_ENV
 from lowlat_nvidia_mega.kernels.lm_head import default_lm_head_config
 from lowlat_nvidia_mega.kernels.moe import CONFIG_ENV as MOE_CONFIG_ENV
@@ -28,13 +29,7 @@ from lowlat_nvidia_mega.kernels.pdl import ENV_SWITCH as PDL_ENV
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_workspace_numel
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace
-from lowlat_nvidia_mega.kernels.small_gemm import (
-    MAX_ROWS,
-    PREFETCH_ENV,
-    num_sms,
-    prefetch_act_enabled,
-    splitk_workspace_numel,
-)
+from lowlat_nvidia_mega.kernels.small_gemm import PREFETCH_ENV, prefetch_act_enabled
 from lowlat_nvidia_mega.kernels.tuned_plans import (
     TUNED_ENV,
     attn_plan,

@@ -35,6 +35,7 @@ import torch
 from lowlat.plugin import ForwardBatch, ForwardMode, ModelConfig
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, paged_decode_attention
+from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, GemmPlan
 from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n
 from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import default_config, moe_forward
@@ -42,7 +43,6 @@ from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, GemmPlan
 from lowlat_nvidia_mega.tp import MegaTP, tp_reduce_mode
 
 MODES = (ForwardMode.DECODE, ForwardMode.VERIFY)

@@ -37,15 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
+from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, num_sms
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.small_gemm import (
     EPILOGUES,
-    GemmPlan,
-    GemvPlan,
     _gemm_epilogue,
     check_gemm_args,
     load_tile,
-    num_sms,
     prefetch_act_enabled,
     rnd,
     small_gemm,
@@ -229,7 +227,7 @@ def gemm(
 
 
 def stream_grid(plan: GemvPlan, n: int, device: torch.device) -> int:
-    """Programs of the streaming GEMV: ``plan.per_sm`` per SM of ``device`` (``small_gemm.num_sms``: 4 on CPU),
+    """Programs of the streaming GEMV: ``plan.per_sm`` per SM of ``device`` (``gemm_plans.num_sms``: 4 on CPU),
     at most one per ``plan.block_n``-row tile of an ``n``-row output."""
     return min(plan.per_sm * num_sms(device), triton.cdiv(n, plan.block_n))
 

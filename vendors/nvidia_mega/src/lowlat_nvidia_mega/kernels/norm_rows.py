@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS
 from lowlat_nvidia_mega.kernels.pdl import env_switch, gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
-from lowlat_nvidia_mega.kernels.small_gemm import MAX_ROWS, load_rows, row_rstd
+from lowlat_nvidia_mega.kernels.small_gemm import load_rows, row_rstd
 
 ROWS = tl.constexpr(MAX_ROWS)  # rows of the statistics tile (T <= 8, masked)
 

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan
 from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan
 
 
 @dataclass(frozen=True)

@@ -33,21 +33,17 @@ import triton
 import triton.language as tl
 from lowlat.plugin import rope_tables
 
+from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, GemmPlan, default_block_k, grow_split, make_plan
 from lowlat_nvidia_mega.kernels.gemv import one_row_rstd, one_row_x
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows
 from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
-    MAX_ROWS,
-    GemmPlan,
-    default_block_k,
     dot_acc,
     dot_in_f32,
-    grow_split,
     load_rows,
     load_tile,
     load_x_nw,
-    make_plan,
     prefetch_act_enabled,
     prefetched_rows,
     rnd,

@@ -24,10 +24,10 @@ import torch
 import triton
 
 from lowlat_nvidia_mega.kernels.attention import AttnPlan, default_attn_plan, split_cap
+from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
 from lowlat_nvidia_mega.kernels.pdl import env_switch
 from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv
-from lowlat_nvidia_mega.kernels.small_gemm import GemmPlan, GemvPlan, make_plan, num_sms, plan_gemm
 
 # The GPUs the tables below were measured on, with their ``device_chip``: a GPU of the same chip whose own name has no
 # entry for a shape reads theirs (``plan_sources``). Every device name in the tables must be here.
