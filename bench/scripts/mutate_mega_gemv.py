@@ -22,6 +22,7 @@ Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py
 S = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/small_gemm.py")
 GP = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/gemm_plans.py")
 QL = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qk_late.py")
+MO = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/mem_overlap.py")
 M = [  # (name, file, original text, mutated text)
     # prologue: HF's RMSNorm, rounded where torch rounds
     ("RMSNorm: x * rstd not rounded to the activation dtype", G,
@@ -138,13 +139,20 @@ ARGS = [  # the shared argument checks (small_gemm.check_gemm_args), run with te
     ("args: an empty reduction launched", S, "    if k < 1 or n < 1:\n", "    if False:\n"),
     ("args: integer tensors launched", S, "    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):\n",
      "    if False:\n"),
-    ("args: out aliasing x accepted", S, "    if _overlaps(out, x) or _overlaps(out, w):", "    if _overlaps(out, w):"),
+    ("args: out aliasing x accepted", S, "    if overlaps(out, x) or overlaps(out, w):", "    if overlaps(out, w):"),
     ("args: a norm weight on another device accepted", S,
      "or not norm_weight.is_contiguous() or norm_weight.device != x.device):",
      "or not norm_weight.is_contiguous()):"),
     ("args: a residual on another device accepted", S, "        or residual.device != x.device:", "        or False:"),
-    ("args: adjacent spans counted as overlapping", S, "return a0 < b1 and b0 < a1", "return a0 <= b1 and b0 <= a1"),
-    ("args: a span ends before its last element", S, "t.data_ptr() + (last + 1) * size", "t.data_ptr() + last * size"),
+    ("args: adjacent rows counted as overlapping", MO, "j_lo = max(0, -(-(lo - lb + 1 - pb) // sb))",
+     "j_lo = max(0, -(-(lo - lb - pb) // sb))"),
+    ("args: a row's last byte left out", MO, "j_hi = min(mb - 1, (hi - 1 - pb) // sb)",
+     "j_hi = min(mb - 1, (hi - 2 - pb) // sb)"),
+    ("args: row-strided views never overlap", MO, "        if j_lo <= j_hi:\n            return True",
+     "        if j_lo < j_hi:\n            return True"),
+    ("args: interleaved views refused (span only)", MO, "    ra, rb = _row_intervals(a), _row_intervals(b)",
+     "    ra, rb = None, None"),
+    ("args: a span ends before its last element", MO, "t.data_ptr() + (last + 1) * size", "t.data_ptr() + last * size"),
 ]
 M += ARGS
 

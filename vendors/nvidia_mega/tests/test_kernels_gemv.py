@@ -189,6 +189,12 @@ def test_inputs_no_kernel_can_take_are_refused_by_name(per_sm: int | None) -> No
     torch.testing.assert_close(line[:, k:], F.linear(line[:, :k], w_sq), atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="shares memory with x"):  # one element in common
         gemv_mod.gemm(line[:, :k], w_sq, line[:, k - 1:2 * k - 1], plan=sq_plan)
+    two = _randn(2, 2 * k, dtype=torch.float32, seed=95)  # rows interleave: x = left half, out = right half
+    sq_small = plan_gemm(k, k, torch.float32, 4, split_k=1)
+    gemv_mod.gemm(two[:, :k], w_sq, two[:, k:], plan=sq_small)  # spans overlap, no element is shared: runs
+    torch.testing.assert_close(two[:, k:], F.linear(two[:, :k], w_sq), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="shares memory with x"):  # the last column of x's rows in common
+        gemv_mod.gemm(two[:, :k], w_sq, two[:, k - 1:2 * k - 1], plan=sq_small)
     meta = torch.device("meta")
     with pytest.raises(ValueError, match="norm_weight must be"):
         gemv_mod.gemm(x, w, torch.empty(1, n, device=DEV), plan=plan, norm_weight=torch.ones(k, device=meta))

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, GemmPlan, splitk_workspace_numel
+from lowlat_nvidia_mega.kernels.mem_overlap import overlaps
 from lowlat_nvidia_mega.kernels.pdl import (
     env_switch,
     gdc_launch_dependents,
@@ -289,20 +290,6 @@ def small_gemm(
     return out
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of ``a`` and ``b`` (same device) intersect: first to last element, conservatively.
-    Meta tensors (the compile checks' stand-ins) have no memory, so never."""
-    if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
-        return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        size = t.element_size()
-        last = sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * size
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan: GemmPlan, epilogue: str,
                     norm_weight: torch.Tensor | None, residual: torch.Tensor | None, workspace: torch.Tensor | None,
                     counters: torch.Tensor | None, split_k: bool = True) -> tuple[int, int, int, bool]:
@@ -338,7 +325,7 @@ def check_gemm_args(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, plan
                                     or not norm_weight.is_contiguous() or norm_weight.device != x.device):
         raise ValueError(f"norm_weight must be a contiguous [{k}] {x.dtype} tensor on {x.device}, got "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype} on {norm_weight.device}")
-    if _overlaps(out, x) or _overlaps(out, w):
+    if overlaps(out, x) or overlaps(out, w):
         raise ValueError("out shares memory with x or w; the kernels read those while they write out (only residual "
                          "may be out)")
     if epilogue == "residual":
