@@ -135,7 +135,8 @@ M = [  # (name, file, original text, mutated text)
      "row1 = plan.row1.split_k * ncol if plan.row1 is not None and plan.row1.split_k > 1 else 0", "row1 = 0"),
 ]
 
-ARGS = [  # the shared argument checks (small_gemm.check_gemm_args), run with test_kernels_gemv.py
+ARGS = [  # the shared argument checks (small_gemm.check_gemm_args) with test_kernels_gemv.py; mem_overlap's with
+    # test_mem_overlap.py
     ("args: an empty reduction launched", S, "    if k < 1 or n < 1:\n", "    if False:\n"),
     ("args: integer tensors launched", S, "    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):\n",
      "    if False:\n"),
@@ -175,8 +176,9 @@ if __name__ == "__main__":
                                  "vendors/nvidia_mega/tests/test_kernels_dense.py",
                                  env, pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row",
                                                    "vendors/nvidia_mega/tests/test_kernels_gemv.py"))
-    failed |= mutation_runner.run(ARGS, "vendors/nvidia_mega/tests/test_kernels_gemv.py", env,
-                                  pytest_args=("-k", "refused_by_name"))
+    failed |= mutation_runner.run([a for a in ARGS if a[1] != MO], "vendors/nvidia_mega/tests/test_kernels_gemv.py",
+                                  env, pytest_args=("-k", "refused_by_name"))
+    failed |= mutation_runner.run([a for a in ARGS if a[1] == MO], "vendors/nvidia_mega/tests/test_mem_overlap.py", env)
     failed |= mutation_runner.run(PLANS[:3], "vendors/nvidia_mega/tests/test_plans.py", env,
                                   pytest_args=("-k", "not smoke"))
     failed |= mutation_runner.run(PLANS[3:], "vendors/nvidia_mega/tests/test_mega_kernels_tp.py", env,

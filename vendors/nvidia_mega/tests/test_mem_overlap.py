@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from lowlat_nvidia_mega.kernels.mem_overlap import overlaps
 
@@ -18,8 +19,9 @@ def test_row_interleaved_views_of_one_buffer() -> None:
     assert not overlaps(buf[0:2], buf[2:4])  # adjacent, no byte shared
 
 
-def test_every_pair_of_small_views_agrees_with_a_brute_force() -> None:
-    buf = torch.zeros(5, 7, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.uint8])  # uint8: a row's last byte can start another row
+def test_every_pair_of_small_views_agrees_with_a_brute_force(dtype: torch.dtype) -> None:
+    buf = torch.zeros(5, 7, dtype=dtype)
     marks = torch.arange(buf.numel()).view(5, 7)
     views = [(slice(r0, r1, rs), slice(c0, c1)) for r0 in range(3) for r1 in (3, 5) for rs in (1, 2)
              for c0 in range(4) for c1 in (4, 7) if c0 < c1]
