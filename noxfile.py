@@ -26,15 +26,17 @@ DISTRIBUTIONS = ["core", "vendors/nvidia_mega", "vendors/amd_mono", "contract_te
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """Every test on the CPU and the contract suite for each vendor, all at once; Triton runs under the interpreter.
+    """Every test on the CPU and the contract suite for each vendor, all at once; Triton runs under the interpreter,
+    then nvidia_mega's sm90 compile checks (Triton's compiler and ptxas, no GPU).
 
     The two cores stay busy throughout: the vendors' contract suites (one process each) and
     ``contract_tests/tests`` (the mutation campaign and the broken plugins' runs) start in the background, the
     other test directories run in the foreground meanwhile, then nvidia_mega's sm90 compile checks
     (``COMPILE_CHECKS``, compiled rather than interpreted), then the background runs are awaited and reported
-    (``_start_background``). With arguments, only the tests they select run, as one pytest in the foreground and
-    nothing in the background: ``nox -s tests -- core/tests/test_runtime_cli.py`` or ``nox -s tests -- -k
-    overlap`` (a ``-k`` alone applies to every test directory). ``--install-only`` installs and runs nothing.
+    (``_start_background``). With arguments, only the tests they select run, in the foreground and nothing in the
+    background: ``nox -s tests -- core/tests/test_runtime_cli.py`` or ``nox -s tests -- -k overlap`` (a ``-k``
+    alone applies to every interpreted test directory); a compile check named by its file runs compiled, in its own
+    pytest. ``--install-only`` installs and runs nothing.
     """
     import pathlib
 
@@ -44,7 +46,14 @@ def tests(session: nox.Session) -> None:
     env = {"TRITON_INTERPRET": "1"}
     if session.posargs or _install_only(session):
         paths = [a for a in session.posargs if not a.startswith("-") and pathlib.Path(a.split("::")[0]).exists()]
-        session.run("python", "-m", "pytest", "-q", *([] if paths else existing), *session.posargs, env=env)
+        checks = [a for a in paths if a.split("::")[0] in COMPILE_CHECKS]  # named: run compiled, not interpreted
+        others = [a for a in paths if a not in checks]
+        flags = [a for a in session.posargs if a not in paths]
+        if checks:
+            session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *checks, *flags,
+                        env={"LOWLAT_MEGA_COMPILE_CHECK": "1"})
+        if others or not checks:
+            session.run("python", "-m", "pytest", "-q", *(others or existing), *flags, env=env)
         return
     py = os.path.join(session.bin, "python")
     jobs = [(f"contract {p}", [py, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--pyargs", "lowlat_contract",

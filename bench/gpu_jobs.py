@@ -46,9 +46,11 @@ def smoke(o: Options) -> list[Step]:
 
 
 def gpu_tests(o: Options) -> list[Step]:
-    """Every test marked ``gpu`` in core and the vendors (CUDA graphs, Triton kernels compiled for the GPU)."""
+    """Every test marked ``gpu`` in core and the vendors (CUDA graphs, Triton kernels compiled for the GPU), with
+    nvidia_mega's sm90 compile checks switched on (``LOWLAT_MEGA_COMPILE_CHECK=1``)."""
     return [Step("gpu tests", 420, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "core/tests",
-                                    "vendors/nvidia_mega/tests", "vendors/amd_mono/tests"], "gpu_tests.txt")]
+                                    "vendors/nvidia_mega/tests", "vendors/amd_mono/tests"], "gpu_tests.txt",
+                 env={"LOWLAT_MEGA_COMPILE_CHECK": "1"})]
 
 
 def ids_path(o: Options) -> list[Step]:

@@ -1,4 +1,5 @@
-"""Compile the dense kernels for sm90 at production shapes, without a GPU (opt-in: LOWLAT_MEGA_COMPILE_CHECK=1).
+"""Compile the dense kernels for sm90 at production shapes, without a GPU (LOWLAT_MEGA_COMPILE_CHECK=1, which
+``nox -s tests`` and the gpu-tests job set).
 
 The Triton interpreter runs kernels as Python, so it misses what only the compiler rejects (a loop-carried
 variable whose shape changes, a non-constexpr where one is needed). This compiles each kernel to a cubin for
@@ -25,7 +26,7 @@ from lowlat_nvidia_mega.kernels import pdl
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
 if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
-    pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
+    pytest.skip("sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
                 allow_module_level=True)
 
 from lowlat_nvidia_mega.kernels import gemv, tuned_plans  # noqa: E402

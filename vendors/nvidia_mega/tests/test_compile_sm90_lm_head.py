@@ -1,5 +1,5 @@
 """Compile the fused LM head + sampling kernel for sm90 at the launches the tests and benchmarks make, without a GPU
-(opt-in: LOWLAT_MEGA_COMPILE_CHECK=1, like ``test_compile_sm90.py``).
+(LOWLAT_MEGA_COMPILE_CHECK=1, which nox -s tests and the gpu-tests job set, like ``test_compile_sm90.py``).
 
 The launch is captured from ``lm_head_sample`` / ``lm_head_logits`` themselves (meta tensors, nothing allocated),
 and the signature is specialized as Triton's runtime does it (``native_specialize_impl``: an int equal to 1 becomes
@@ -25,7 +25,7 @@ from lowlat_nvidia_mega.kernels import pdl
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
 if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
-    pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
+    pytest.skip("sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
                 allow_module_level=True)
 
 from lowlat_nvidia_mega.kernels import lm_head  # noqa: E402

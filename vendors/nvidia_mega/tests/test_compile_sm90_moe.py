@@ -1,4 +1,5 @@
-"""Compile the MoE kernels for sm90 at Qwen3-30B-A3B's shapes, without a GPU (opt-in: LOWLAT_MEGA_COMPILE_CHECK=1,
+"""Compile the MoE kernels for sm90 at Qwen3-30B-A3B's shapes, without a GPU (LOWLAT_MEGA_COMPILE_CHECK=1, which
+``nox -s tests`` and the gpu-tests job set,
 like ``test_compile_sm90.py``): the routing kernel, gate/up in both forms (``tl.dot`` and the one-row FMA loop of
 ``moe_row1.py``) and down in both forms (``tl.dot`` and ``ROW1``), each launch captured from ``MoEStages`` itself,
 at 1 and 8 rows with PDL. Run without ``TRITON_INTERPRET``:
@@ -18,7 +19,7 @@ from lowlat_nvidia_mega.kernels import pdl
 pytestmark = pytest.mark.gpu  # also run on a GPU: python bench/gpu_jobs.py gpu-tests
 
 if pdl.interpreting() or os.environ.get("LOWLAT_MEGA_COMPILE_CHECK") != "1":
-    pytest.skip("opt-in sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
+    pytest.skip("sm90 compile check: set LOWLAT_MEGA_COMPILE_CHECK=1, unset TRITON_INTERPRET",
                 allow_module_level=True)
 
 from lowlat_nvidia_mega.kernels import moe  # noqa: E402
