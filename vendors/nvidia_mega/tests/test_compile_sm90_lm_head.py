@@ -1,5 +1,6 @@
 """Compile the fused LM head + sampling kernel for sm90 at the launches the tests and benchmarks make, without a GPU
-(LOWLAT_MEGA_COMPILE_CHECK=1, which nox -s tests and the gpu-tests job set, like ``test_compile_sm90.py``).
+(LOWLAT_MEGA_COMPILE_CHECK=1, which the gpu-tests job and ``nox -s tests -- <this file>`` set, like
+``test_compile_sm90.py``).
 
 The launch is captured from ``lm_head_sample`` / ``lm_head_logits`` themselves (meta tensors, nothing allocated),
 and the signature is specialized as Triton's runtime does it (``native_specialize_impl``: an int equal to 1 becomes

@@ -1,5 +1,5 @@
 """Compile the MoE kernels for sm90 at Qwen3-30B-A3B's shapes, without a GPU (LOWLAT_MEGA_COMPILE_CHECK=1, which
-``nox -s tests`` and the gpu-tests job set,
+the gpu-tests job and ``nox -s tests -- <this file>`` set,
 like ``test_compile_sm90.py``): the routing kernel, gate/up in both forms (``tl.dot`` and the one-row FMA loop of
 ``moe_row1.py``) and down in both forms (``tl.dot`` and ``ROW1``), each launch captured from ``MoEStages`` itself,
 at 1 and 8 rows with PDL. Run without ``TRITON_INTERPRET``:
