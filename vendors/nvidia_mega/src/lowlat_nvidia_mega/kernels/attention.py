@@ -35,7 +35,8 @@ import triton.language as tl
 from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_args, norm_rope_rows
-from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, dot_in_f32, to_act
+from lowlat_nvidia_mega.kernels.rounding import to_act
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, dot_in_f32
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64

@@ -39,15 +39,14 @@ import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, num_sms
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
+from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
 from lowlat_nvidia_mega.kernels.small_gemm import (
     EPILOGUES,
     _gemm_epilogue,
     check_gemm_args,
     load_tile,
     prefetch_act_enabled,
-    rnd,
     small_gemm,
-    to_act,
 )
 from lowlat_nvidia_mega.kernels.tp_epilogue import PeerTarget, check_publish, peer_launch_args, publish_epilogue
 

@@ -26,8 +26,9 @@ import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.env_config import config_from_env
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, interpreting, launch_kwargs, pdl_supported
+from lowlat_nvidia_mega.kernels.rounding import to_act
 from lowlat_nvidia_mega.kernels.sampling import LMHeadWorkspace, merge_records, pick_tokens, tile_record
-from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, prefetch_act_enabled, to_act
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, prefetch_act_enabled
 
 ROWS = 8
 

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait
-from lowlat_nvidia_mega.kernels.small_gemm import dot_acc, to_act
+from lowlat_nvidia_mega.kernels.rounding import to_act
+from lowlat_nvidia_mega.kernels.small_gemm import dot_acc
 from lowlat_nvidia_mega.kernels.tp_epilogue import publish_epilogue
 
 

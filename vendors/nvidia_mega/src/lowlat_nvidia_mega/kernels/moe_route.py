@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait
-from lowlat_nvidia_mega.kernels.small_gemm import to_act
+from lowlat_nvidia_mega.kernels.rounding import to_act
 
 ROWS = 8  # every MoE kernel is specialized for at most 8 rows
 

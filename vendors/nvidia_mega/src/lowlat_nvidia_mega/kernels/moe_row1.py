@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait
-from lowlat_nvidia_mega.kernels.small_gemm import load_tile, rnd, to_act
+from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
+from lowlat_nvidia_mega.kernels.small_gemm import load_tile
 
 
 @triton.jit

@@ -37,6 +37,7 @@ from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, GemmPlan, default_bl
 from lowlat_nvidia_mega.kernels.gemv import one_row_rstd, one_row_x
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows
+from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
 from lowlat_nvidia_mega.kernels.small_gemm import (
     BLOCK_M,
     dot_acc,
@@ -46,9 +47,7 @@ from lowlat_nvidia_mega.kernels.small_gemm import (
     load_x_nw,
     prefetch_act_enabled,
     prefetched_rows,
-    rnd,
     row_rstd,
-    to_act,
 )
 
 

@@ -23,9 +23,9 @@ Triton):
   loads the next raw x chunk and norm-weight chunk one iteration ahead and normalizes the previous one, the same
   arithmetic on the same values, so results are bit-identical to the plain loop.
 
-Shared device helpers (``to_act``, ``rnd``, ``load_tile``, ``row_rstd``, ``load_rows``, ``load_x_nw``,
-``norm_rows``, ``prefetched_rows``, ``dot_acc``) are reused by ``qkv_rope.py`` (``to_act`` and ``dot_acc`` by the
-other kernels too). The launch plans and their planners (``GemmPlan``, ``plan_gemm``, ``splitk_workspace_numel``)
+Shared device helpers (``load_tile``, ``row_rstd``, ``load_rows``, ``load_x_nw``, ``norm_rows``,
+``prefetched_rows``, ``dot_acc``) are reused by ``qkv_rope.py`` (``dot_acc`` by the other kernels too); the
+rounding helpers ``to_act`` / ``rnd`` live in ``rounding.py``, which every kernel imports directly. The launch plans and their planners (``GemmPlan``, ``plan_gemm``, ``splitk_workspace_numel``)
 are in ``gemm_plans.py``.
 """
 
