@@ -13,9 +13,14 @@ seeded random weights made on the GPU; each request has ``--ctx`` cached tokens.
 embedding launch (it bumps the step tag) plus the layers (the one-launch step, or every layer's K1 and K2 with
 ``one_launch=0``); another holds the embedding alone.
 Per layer = (median replay of the first - median of the second) / layers. The general path is the same cut
-model's decoder layers (lowlat.models) in a CUDA graph. "skip S" re-captures with stage S's compute skipped in
-every layer (it still publishes), so "full - skip S" is what stage S costs on the critical path. The roofline
-is the bytes a layer must read (weights it touches, K/V) over the measured device-copy bandwidth.
+model twice, each in a CUDA graph: its reference decoder layers (lowlat.models' modules, plain torch ops), and
+the path the engine runs on CUDA (``general_impl`` "fused", ``LayeredForward`` with core's Triton kernels: a whole
+step minus the step without its layers). "vs general" is against the second: until 2026-12-07 this script
+compared with the reference layers only, which are about 1.75x slower than the engine's on an H100, so the
+per-layer ratios in docs/design.md before that date overstate amd_mono against the engine. "skip S"
+re-captures with stage S's compute skipped in every layer (it still publishes), so "full - skip S" is what stage
+S costs on the critical path. The roofline is the bytes a layer must read (weights it touches, K/V) over the
+measured device-copy bandwidth.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from lowlat.kv_cache import KVPool
 from lowlat.loader.presets import get_preset, with_layers
 from lowlat.loader.synthetic import iter_synthetic_weights
 from lowlat.models import build_model
+from lowlat.models.general_impl import make_general_step
 from lowlat_amd_mono.forward import MonoForward
 from lowlat_amd_mono.kernels import plan as P
 from lowlat_amd_mono.kernels.launch import MonoOptions
@@ -138,6 +144,7 @@ class LayerBench:
         return us
 
     def general_layer_us(self) -> float:
+        """The reference general layers (``lowlat.models``' own modules, plain torch ops), µs per layer."""
         m, b = self.model, self.batch
         x = m.model.embed_tokens(b.input_ids)
         cos, sin = m.model.rotary_emb(b.positions, x.dtype)
@@ -148,6 +155,21 @@ class LayerBench:
                 y = layer(y, cos, sin, b, self.pool, None)
 
         return graph_median_us(layers) / self.cfg.num_hidden_layers
+
+    def engine_general_layer_us(self) -> float:
+        """The general path as the engine runs it on CUDA (``general_impl`` "auto" = "fused": core's Triton norm,
+        RoPE/KV-write and SwiGLU kernels around the same GEMMs and attention), µs per layer: a whole fused step
+        of the cut model minus the same step with its decoder layers removed (embedding, final norm, LM head)."""
+        m, b = self.model, self.batch
+        step = make_general_step(m, "fused")
+        full = graph_median_us(lambda: step(b, self.pool))
+        kept = m.model.layers
+        m.model.layers = torch.nn.ModuleList()
+        try:
+            bare = graph_median_us(lambda: step(b, self.pool))
+        finally:
+            m.model.layers = kept
+        return (full - bare) / self.cfg.num_hidden_layers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,18 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             lb = LayerBench(preset, args.layers or (2 if moe else 4), rows, args.ctx)
             roof = layer_bytes(lb.cfg, rows, args.ctx) / bw * 1e6
-            try:
-                general = lb.general_layer_us()
-            except Exception as e:  # the general path is only the reference here; keep timing amd_mono
-                print(f"{preset:16s} {rows:4d} general path not timed: {type(e).__name__}: {e}", flush=True)
-                general = float("nan")
+            timed = {}
+            for name, fn in (("reference", lb.general_layer_us), ("engine", lb.engine_general_layer_us)):
+                try:
+                    timed[name] = fn()
+                except Exception as e:  # the general path is only the comparison here; keep timing amd_mono
+                    print(f"{preset:16s} {rows:4d} general path ({name}) not timed: {type(e).__name__}: {e}",
+                          flush=True)
+                    timed[name] = float("nan")
+            general = timed["engine"]
 
             def row(variant: str, us: float, preset: str = preset, rows: int = rows, general: float = general,
                     roof: float = roof) -> None:
                 print(f"{preset:16s} {rows:4d} {variant:34s} {us:9.1f} {general / us:9.2f}x {100 * roof / us:9.0f}%",
                       flush=True)
 
-            row("general path (lowlat.models)", general)
+            row("general path, reference ops", timed["reference"])
+            row("general path as the engine runs it", general)
             print(f"{preset:16s} {rows:4d} {'roofline':34s} {roof:9.1f}")
             fwd = lb.mono()
             full = lb.mono_layer_us(fwd)
