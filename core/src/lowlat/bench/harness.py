@@ -27,7 +27,8 @@ from lowlat.bench.timing import CopyBandwidth, copy_bandwidth
 from lowlat.config import DTYPES, ModelConfig
 
 SCHEMA = "lowlat-bench/1"
-CPU_NOTE = ("CPU figures: wall-clock time of eager steps on a CPU, for checking the harness only; "
+CPU_NOTE = ("CPU figures: wall-clock time of eager steps on a CPU, for checking the harness only; a plugin row "
+            "runs its Triton kernels under the interpreter, so its ratios measure the interpreter, not the kernels; "
             "GPU figures need a GPU (CUDA-graph replays timed with CUDA events)")
 Log = Callable[[str], None]
 
