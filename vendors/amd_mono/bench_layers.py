@@ -16,7 +16,7 @@ Per layer = (median replay of the first - median of the second) / layers. The ge
 model twice, each in a CUDA graph: its reference decoder layers (lowlat.models' modules, plain torch ops), and
 the path the engine runs on CUDA (``general_impl`` "fused", ``LayeredForward`` with core's Triton kernels: a whole
 step minus the step without its layers). "vs general" is against the second: until 2026-12-07 this script
-compared with the reference layers only, which are about 1.75x slower than the engine's on an H100, so the
+compared with the reference layers only, which are 1.6-1.9x slower than the engine's on an H100, so the
 per-layer ratios in docs/design.md before that date overstate amd_mono against the engine. "skip S"
 re-captures with stage S's compute skipped in every layer (it still publishes), so "full - skip S" is what stage
 S costs on the critical path. The roofline is the bytes a layer must read (weights it touches, K/V) over the
