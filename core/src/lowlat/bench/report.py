@@ -132,7 +132,8 @@ def header_lines(results: dict[str, Any]) -> list[str]:
     lines = [
         f"{m.get('date', '?')}, {where}, driver {m.get('driver') or '-'}, commit {commit}; torch {m.get('torch')}, "
         f"triton {m.get('triton') or '-'}, transformers {m.get('transformers') or '-'}.",
-        f"Copy bandwidth (device-to-device, read + write, median of {s.get('copy_reps')}): "
+        f"Copy bandwidth ({'host memory' if m.get('figures') == 'cpu' else 'device-to-device'}, read + write, "
+        f"median of {s.get('copy_reps')}): "
         f"{_f(bw.get('gb_per_s'), 1)} GB/s at the start, {_f(bw_end.get('gb_per_s'), 1)} GB/s at the end.",
         f"Context {s['context']} tokens per request, {dtype_line(s['dtype'], m.get('figures') == 'cpu')}, "
         f"{s['input_sets']} input sets rotated, "
