@@ -129,13 +129,14 @@ def header_lines(results: dict[str, Any]) -> list[str]:
     bw, bw_end = results.get("copy_bandwidth") or {}, results.get("copy_bandwidth_end") or {}
     where = m.get("gpu") or f"CPU ({m.get('cpu') or 'unknown'})"
     commit = (m.get("commit") or "unknown")[:12] + (" (dirty)" if m.get("dirty") else "")
+    cpu = m.get("figures") == "cpu"
     lines = [
         f"{m.get('date', '?')}, {where}, driver {m.get('driver') or '-'}, commit {commit}; torch {m.get('torch')}, "
         f"triton {m.get('triton') or '-'}, transformers {m.get('transformers') or '-'}.",
-        f"Copy bandwidth ({'host memory' if m.get('figures') == 'cpu' else 'device-to-device'}, read + write, "
+        f"Copy bandwidth ({'host memory' if cpu else 'device-to-device'}, read + write, "
         f"median of {s.get('copy_reps')}): "
         f"{_f(bw.get('gb_per_s'), 1)} GB/s at the start, {_f(bw_end.get('gb_per_s'), 1)} GB/s at the end.",
-        f"Context {s['context']} tokens per request, {dtype_line(s['dtype'], m.get('figures') == 'cpu')}, "
+        f"Context {s['context']} tokens per request, {dtype_line(s['dtype'], cpu)}, "
         f"{s['input_sets']} input sets rotated, "
         f"{s['warmup']} warm-up + 2 x {s['iters']} timed steps per row; per-layer figures from the slope between "
         + ", ".join(f"{' and '.join(map(str, v['depths']))} layers ({k})" for k, v in results["models"].items())
