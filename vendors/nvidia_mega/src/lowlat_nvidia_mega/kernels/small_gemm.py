@@ -25,8 +25,8 @@ Triton):
 
 Shared device helpers (``load_tile``, ``row_rstd``, ``load_rows``, ``load_x_nw``, ``norm_rows``,
 ``prefetched_rows``, ``dot_acc``) are reused by ``qkv_rope.py`` (``dot_acc`` by the other kernels too); the
-rounding helpers ``to_act`` / ``rnd`` live in ``rounding.py``, which every kernel imports directly. The launch plans and their planners (``GemmPlan``, ``plan_gemm``, ``splitk_workspace_numel``)
-are in ``gemm_plans.py``.
+rounding helpers ``to_act`` / ``rnd`` live in ``rounding.py``, which every kernel imports directly. The launch
+plans and their planners (``GemmPlan``, ``plan_gemm``, ``splitk_workspace_numel``) are in ``gemm_plans.py``.
 """
 
 from __future__ import annotations
