@@ -161,9 +161,7 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
 
     t_default = measure(default)
     if row1_only:
-        r1 = {}
-        if c.t == 1:
-            r1 = row1_sweep(tuner, kernel, n, k, gated, default, t_default, smoke)
+        r1 = row1_sweep(tuner, kernel, n, k, gated, default, t_default, smoke)
         return dict(kernel=kernel, rows=c.t, n=n, k=k, default=dataclasses.asdict(default), default_us=t_default, **r1)
     splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
     stage1 = []
@@ -208,10 +206,16 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
 def row1_sweep(tuner: Tuner, kernel: str, n: int, k: int, gated: bool, best: GemmPlan, t_best: float,
                smoke: bool) -> dict:
     """The one-row GEMV (``GemmPlan.row1``) over rows per program, K chunk, warps and stages, against ``best``
-    (small_gemm's best plan, ``t_best`` µs) at 1 row; prints the fastest and the ratio, returns them as a dict
-    (empty when no candidate fits). ``best`` has no ``row1`` (every swept plan is small_gemm's alone)."""
+    (small_gemm's best plan, ``t_best`` µs) at the case's rows (at 2-8 rows every candidate has ``max_rows`` = the
+    rows, and none splits K); prints the fastest and the ratio, returns them as a dict (empty when no candidate
+    fits). ``best`` has no ``row1`` (every swept plan is small_gemm's alone)."""
+    rows = tuner.c.t
 
     def timed(r1: GemvPlan) -> tuple[float, GemvPlan]:
+        pairs_late = kernel == "qkv_rope" and tuner.c.s["qk_norm"] and r1.block_n < tuner.c.s["head_dim"]
+        if rows > 1 and (r1.split_k > 1 or pairs_late):  # a split, or late q/k (one row only): not at 2-8 rows
+            return float("inf"), r1
+        r1 = dataclasses.replace(r1, max_rows=rows)
         plan = dataclasses.replace(best, row1=r1)
         chain = tuner.qkv_chain(plan) if kernel == "qkv_rope" else tuner.gemm_chain(kernel, plan)
         return (tuner.time(chain) if chain is not None else float("inf")), r1
@@ -243,7 +247,7 @@ def row1_sweep(tuner: Tuner, kernel: str, n: int, k: int, gated: bool, best: Gem
         return {}
     results.append(timed(dataclasses.replace(min(results, key=lambda r: r[0])[1], num_stages=3)))
     t1, r1 = min(results, key=lambda r: r[0])
-    print(f"  {kernel:9} rows 1: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
+    print(f"  {kernel:9} rows {rows}: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
           f"s{r1.num_stages} sk{r1.split_k} ({len(results)} plans) | tl.dot plan {t_best:7.2f} us "
           f"(FMA / tl.dot {t1 / t_best:.2f})", flush=True)
     print(entry_line("TUNED_ROW1", tuner.c.dev, kernel, n, k, tuner.c.dt, tuple(dataclasses.astuple(r1))), flush=True)

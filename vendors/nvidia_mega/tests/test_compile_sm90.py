@@ -114,7 +114,7 @@ def test_qkv_rope_compiles_for_sm90(model: str, prefetch: bool, plans) -> None: 
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
+        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False, ROWS=1), stages=plan.num_stages,
         warps=plan.num_warps))
 
 
@@ -130,7 +130,7 @@ def test_qkv_rope_one_row_loop_compiles_for_sm90(model: str, block_k: int, split
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False, ROWS=1), stages=plan.num_stages,
         warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
@@ -151,7 +151,7 @@ def test_qkv_rope_row_pair_form_compiles_for_sm90(model: str, block_n: int, bloc
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm), stages=1, warps=warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm, ROWS=1), stages=1, warps=warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx and "atom" not in ptx
 
@@ -170,7 +170,7 @@ def test_prenorm_kernels_compile_for_sm90(model: str, plans) -> None:  # type: i
     fused, pre = (_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2, QK_LATE=False, ROWS=1), stages=plan.num_stages,
         warps=plan.num_warps) for norm in (True, False))
     _assert_pdl(pre)
     assert pre.count("mma") == fused.count("mma") > 0
@@ -191,10 +191,27 @@ def test_qkv_rope_tuned_row1_compiles_for_sm90(model: str, plans) -> None:  # ty
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False, ROWS=1), stages=plan.num_stages,
         warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+@pytest.mark.parametrize("pairs,block_k,warps", [(4, 1024, 4), (8, 2048, 8)])
+def test_qkv_rope_row_pairs_at_2_to_8_rows_compile_for_sm90(rows: int, pairs: int, block_k: int, warps: int) -> None:
+    """qkv_rope's row-pair form serving 2-8 rows (``GemvPlan.max_rows``) at llama-3.2-1b's shape: PDL, 16-byte
+    weight loads, FMA only, no local memory."""
+    hid, hq, hkv, d, _, _ = MODELS["llama-3.2-1b"]
+    plan = make_plan(hid, block_n=d, block_k=block_k, split_k=1, num_warps=warps, num_stages=3, weight_rows=2 * pairs)
+    ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
+        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=False,
+        SPLIT_K=1, EVEN_K=True, BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=plan.block_k, DOT_F32=False,
+        USE_PDL=True, PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False, ROWS=rows),
+        stages=plan.num_stages, warps=plan.num_warps)
+    _assert_pdl(ptx)
+    assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
+    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 def _compile_attention(model: str, rows: int, plan: AttnPlan, late: bool = False) -> str:

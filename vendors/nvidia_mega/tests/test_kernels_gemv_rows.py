@@ -118,3 +118,20 @@ def test_gemv_plan_refuses_max_rows_out_of_range(field: str, value: object) -> N
         GemvPlan(block_n=4, block_k=64, num_warps=4, num_stages=1, **{field: value})
     with pytest.raises(ValueError, match="1 with split_k above 1"):
         GemvPlan(block_n=64, block_k=64, num_warps=4, num_stages=1, split_k=2, max_rows=2)
+
+
+@pytest.mark.parametrize("rows,block_n,qk_norm,with_norm", [(3, 8, False, True), (8, 2, False, True),
+                                                            (5, 32, True, True), (2, 16, False, False)])
+def test_qkv_rope_at_2_to_8_rows_with_max_rows(rows: int, block_n: int, qk_norm: bool, with_norm: bool) -> None:
+    """qkv_rope's one-row loop with ``max_rows`` 8 serves 2-8 rows too (row pairs: a few rotary pairs of a head per
+    program; 32 = the head dim: a head per program, with q/k norm), against the torch reference: q, and K / V only
+    at ``out_cache_loc``. With ``max_rows`` 1 the same rows run the tl.dot loop."""
+    from test_kernels_dense import D, LLAMA3, _check_qkv_rope
+
+    row1 = GemvPlan(block_n=block_n, block_k=32, num_warps=4, num_stages=1, max_rows=8)
+    seen = _check_qkv_rope(BF, rows, qk_norm, 1, LLAMA3, row1, with_norm=with_norm)
+    assert (seen["ROW1"], seen["PAIRS"]) == (True, block_n // 2)
+    if rows == 3:
+        one = dataclasses.replace(row1, max_rows=1)
+        plain = _check_qkv_rope(BF, rows, qk_norm, 1, LLAMA3, one)
+        assert (plain["ROW1"], plain["PAIRS"]) == (False, D // 2)

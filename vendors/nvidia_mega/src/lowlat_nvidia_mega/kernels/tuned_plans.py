@@ -224,8 +224,8 @@ def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
 
     Raises:
         ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm[, max_rows]]]) of valid
-            ints, or a "qkv" / "qkv_late" value with a ``per_sm`` or a ``max_rows`` above 1 (qkv_rope's one-row loop
-            has no weight-stream form and serves one row), naming the entry.
+            ints, a "qkv" / "qkv_late" value with a ``per_sm`` (qkv_rope's one-row loop has no weight-stream form), or
+            a "qkv_late" value with a ``max_rows`` above 1 (late q/k serves one row), naming the entry.
     """
     head = f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r}"
     fields = "(BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm[, max_rows]]])"
@@ -235,10 +235,12 @@ def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
         plan = GemvPlan(*value)  # which checks every field
     except (TypeError, ValueError) as e:
         raise ValueError(f"{head} is not {fields} of valid ints: {e}") from None
-    if kind.startswith("qkv") and (plan.per_sm or plan.max_rows > 1):
-        raise ValueError(f"{head}: qkv_rope's one-row loop has no weight-stream form and serves one row, so a {kind!r} "
-                         f"entry takes no per_sm and no max_rows above 1 (got {plan.per_sm}, {plan.max_rows}); they "
-                         "are the GEMV's ('gemm' / 'gated')")
+    if kind.startswith("qkv") and plan.per_sm:
+        raise ValueError(f"{head}: qkv_rope's one-row loop has no weight-stream form, so a {kind!r} entry takes no "
+                         f"per_sm (got {plan.per_sm}); per_sm is the GEMV's ('gemm' / 'gated')")
+    if kind == "qkv_late" and plan.max_rows > 1:
+        raise ValueError(f"{head}: late q/k serves one row (qk_late.late_qk), so a 'qkv_late' entry takes no max_rows "
+                         f"above 1 (got {plan.max_rows})")
     return plan
 
 
