@@ -151,7 +151,8 @@ def test_qkv_rope_row_pair_form_compiles_for_sm90(model: str, block_n: int, bloc
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm, ROWS=1), stages=1, warps=warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm, ROWS=1), stages=1,
+        warps=warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx and "atom" not in ptx
 

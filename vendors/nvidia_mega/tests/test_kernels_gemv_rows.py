@@ -126,7 +126,7 @@ def test_qkv_rope_at_2_to_8_rows_with_max_rows(rows: int, block_n: int, qk_norm:
     """qkv_rope's one-row loop with ``max_rows`` 8 serves 2-8 rows too (row pairs: a few rotary pairs of a head per
     program; 32 = the head dim: a head per program, with q/k norm), against the torch reference: q, and K / V only
     at ``out_cache_loc``. With ``max_rows`` 1 the same rows run the tl.dot loop."""
-    from test_kernels_dense import D, LLAMA3, _check_qkv_rope
+    from test_kernels_dense import LLAMA3, D, _check_qkv_rope
 
     row1 = GemvPlan(block_n=block_n, block_k=32, num_warps=4, num_stages=1, max_rows=8)
     seen = _check_qkv_rope(BF, rows, qk_norm, 1, LLAMA3, row1, with_norm=with_norm)
