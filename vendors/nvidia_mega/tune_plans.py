@@ -161,7 +161,9 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
 
     t_default = measure(default)
     if row1_only:
-        r1 = row1_sweep(tuner, kernel, n, k, gated, default, t_default, smoke)
+        r1 = {}
+        if c.t == 1:
+            r1 = row1_sweep(tuner, kernel, n, k, gated, default, t_default, smoke)
         return dict(kernel=kernel, rows=c.t, n=n, k=k, default=dataclasses.asdict(default), default_us=t_default, **r1)
     splits = [1, 2] if smoke else [1, 2, 4, 8, 16, 32]
     stage1 = []
@@ -206,16 +208,10 @@ def sweep(tuner: Tuner, kernel: str, smoke: bool, row1_only: bool = False) -> di
 def row1_sweep(tuner: Tuner, kernel: str, n: int, k: int, gated: bool, best: GemmPlan, t_best: float,
                smoke: bool) -> dict:
     """The one-row GEMV (``GemmPlan.row1``) over rows per program, K chunk, warps and stages, against ``best``
-    (small_gemm's best plan, ``t_best`` µs) at the case's rows (at 2-8 rows every candidate has ``max_rows`` = the
-    rows, and none splits K); prints the fastest and the ratio, returns them as a dict (empty when no candidate
-    fits). ``best`` has no ``row1`` (every swept plan is small_gemm's alone)."""
-    rows = tuner.c.t
+    (small_gemm's best plan, ``t_best`` µs) at 1 row; prints the fastest and the ratio, returns them as a dict
+    (empty when no candidate fits). ``best`` has no ``row1`` (every swept plan is small_gemm's alone)."""
 
     def timed(r1: GemvPlan) -> tuple[float, GemvPlan]:
-        pairs_late = kernel == "qkv_rope" and tuner.c.s["qk_norm"] and r1.block_n < tuner.c.s["head_dim"]
-        if rows > 1 and (r1.split_k > 1 or pairs_late):  # a split, or late q/k (one row only): not at 2-8 rows
-            return float("inf"), r1
-        r1 = dataclasses.replace(r1, max_rows=rows)
         plan = dataclasses.replace(best, row1=r1)
         chain = tuner.qkv_chain(plan) if kernel == "qkv_rope" else tuner.gemm_chain(kernel, plan)
         return (tuner.time(chain) if chain is not None else float("inf")), r1
@@ -247,7 +243,7 @@ def row1_sweep(tuner: Tuner, kernel: str, n: int, k: int, gated: bool, best: Gem
         return {}
     results.append(timed(dataclasses.replace(min(results, key=lambda r: r[0])[1], num_stages=3)))
     t1, r1 = min(results, key=lambda r: r[0])
-    print(f"  {kernel:9} rows {rows}: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
+    print(f"  {kernel:9} rows 1: one-row FMA best {t1:7.2f} us bn{r1.block_n} bk{r1.block_k} w{r1.num_warps} "
           f"s{r1.num_stages} sk{r1.split_k} ({len(results)} plans) | tl.dot plan {t_best:7.2f} us "
           f"(FMA / tl.dot {t1 / t_best:.2f})", flush=True)
     print(entry_line("TUNED_ROW1", tuner.c.dev, kernel, n, k, tuner.c.dt, tuple(dataclasses.astuple(r1))), flush=True)
@@ -256,20 +252,17 @@ def row1_sweep(tuner: Tuner, kernel: str, n: int, k: int, gated: bool, best: Gem
 
 
 def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
-    """The GEMV (per tile, and its weight stream: ``GemvPlan.per_sm`` > 0) against the production plan of ``kernel``
-    (o_proj, gate_up or down) at the case's rows: the one-row plan at 1 row; at 2-8 rows ``small_gemm``'s plan
-    unless the production GEMV serves that many (``GemvPlan.max_rows``), every candidate with ``max_rows`` = the rows.
-    Stage 1 sweeps (rows per program, programs per SM; 0 is the per-tile kernel, so each form's best on this GPU is
-    known) at the production K chunk and warps; stage 2 K chunk and warps around the two best; then stages 1 / 3 for
-    the best. Prints production, best (> 1: faster), the per-tile best and ``F.linear``; returns them."""
+    """The one-row GEMV's weight stream (``GemvPlan.per_sm`` > 0) against the production one-row plan of
+    ``kernel`` (o_proj, gate_up or down) at 1 row. Stage 1 sweeps (rows per program, programs per SM; 0 is the
+    per-tile kernel, so each form's best on this GPU is known) at the production K chunk and warps; stage 2 K chunk
+    and warps around the two best; then stages 1 / 3 for the best. Prints production, best (> 1: faster), the
+    per-tile best and ``F.linear``; returns them."""
     n, k = gemm_shape(tuner.c.s, kernel)
     gated = kernel == "gate_up"
-    rows = tuner.c.t
     prod = gemm_plan(n, k, tuner.c.dt, tuner.c.dev, gated=gated)
     results: dict[GemvPlan, float] = {}
 
     def measure(r1: GemvPlan) -> float:
-        r1 = dataclasses.replace(r1, max_rows=max(r1.max_rows, rows))
         w_elems = r1.block_n * r1.block_k * (2 if gated else 1)
         if r1 not in results and r1.block_k <= triton.next_power_of_2(k) and w_elems <= 4096 * r1.num_warps:
             chain = tuner.gemm_chain(kernel, dataclasses.replace(prod, row1=r1))
@@ -291,17 +284,14 @@ def stream_sweep(tuner: Tuner, kernel: str, smoke: bool) -> dict:
         measure(dataclasses.replace(best, num_stages=ns))
     best = min(results, key=results.get)
     tile_best = min((p for p in results if not p.per_sm), key=results.get)
-    prod_gemv = prod.row1 is not None and rows <= prod.row1.max_rows
-    prod_label = prod.row1 if prod_gemv else f"small_gemm {_fmt(prod)}"
     t_best, t_cublas = results[best], tuner.time(tuner.cublas_chain(kernel))
-    print(f"  {kernel:9} rows {rows}: production {t_prod:7.2f} us {prod_label} | best {t_best:7.2f} us bn"
+    print(f"  {kernel:9} rows 1: production {t_prod:7.2f} us {prod.row1} | best {t_best:7.2f} us bn"
           f"{best.block_n} bk{best.block_k} w{best.num_warps} s{best.num_stages} per_sm{best.per_sm} "
           f"({t_prod / t_best:.2f}x, {len(results)} plans) | per-tile best {results[tile_best]:7.2f} us bn"
           f"{tile_best.block_n} bk{tile_best.block_k} w{tile_best.num_warps} s{tile_best.num_stages} | F.linear "
           f"{t_cublas:7.2f} us", flush=True)
     print(entry_line("TUNED_ROW1", tuner.c.dev, kernel, n, k, tuner.c.dt, tuple(dataclasses.astuple(best))), flush=True)
-    return dict(kernel=kernel, rows=rows, n=n, k=k,
-                production=dataclasses.asdict(prod.row1) if prod_gemv and prod.row1 else _fmt(prod),
+    return dict(kernel=kernel, rows=1, n=n, k=k, production=dataclasses.asdict(prod.row1) if prod.row1 else None,
                 production_us=t_prod, best=dataclasses.asdict(best), best_us=t_best, cublas_us=t_cublas,
                 tile_best=dataclasses.asdict(tile_best), tile_us=results[tile_best],
                 all=sorted(([dataclasses.asdict(p), us] for p, us in results.items()), key=lambda r: r[1]))
@@ -331,8 +321,8 @@ def main() -> None:
     ap.add_argument("--row1-only", action="store_true",
                     help="only sweep the one-row GEMV against the production plan (at --rows 1)")
     ap.add_argument("--stream", action="store_true",
-                    help="only sweep the GEMV and its weight stream (per_sm) against the production plan (o_proj, "
-                         "gate_up, down) at each of --rows: at 2-8 rows the GEMV serving that many (max_rows)")
+                    help="only sweep the one-row GEMV's weight stream (per_sm) against the production one-row plan "
+                         "(o_proj, gate_up, down; 1 row)")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rows_out = []
@@ -353,7 +343,7 @@ def main() -> None:
                 if kern in ("gate_up", "down") and not case.s["inter"]:
                     continue
                 if args.stream:
-                    if kern != "qkv_rope":
+                    if kern != "qkv_rope" and r == 1:
                         rows_out.append(dict(model=m, **stream_sweep(tuner, kern, args.smoke)))
                     continue
                 rows_out.append(dict(model=m, **sweep(tuner, kern, args.smoke, args.row1_only)))

@@ -51,8 +51,8 @@ PEER_SIG = dict(data_ptrs="*i64", flag_ptrs="*i64", tag_ptr="*i32", rank="i32", 
 GEMM_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, stride_rm="i32",
                 out_ptr=BF, stride_om="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32", N="i32", K="i32",
                 K_PER_SPLIT="i32", eps="fp32", **PEER_SIG)
-GEMV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, stride_rm="i32",
-                out_ptr=BF, stride_om="i32", N="i32", K="i32", eps="fp32")
+GEMV_SIG = dict(x_ptr=BF, w_ptr=BF, stride_wn="i32", nw_ptr=BF, res_ptr=BF, out_ptr=BF, N="i32", K="i32",
+                eps="fp32")
 QKV_SIG = dict(x_ptr=BF, stride_xm="i32", w_ptr=BF, stride_wn="i32", nw_ptr=BF, qn_ptr=BF, kn_ptr=BF,
                cos_ptr="*fp32", sin_ptr="*fp32", max_pos="i32", pos_ptr="*i64", loc_ptr="*i64", q_ptr=BF,
                stride_qt="i32", k_ptr=BF, v_ptr=BF, stride_ks="i32", ws_ptr="*fp32", cnt_ptr="*i32", T="i32",
@@ -114,7 +114,7 @@ def test_qkv_rope_compiles_for_sm90(model: str, prefetch: bool, plans) -> None: 
     _assert_pdl(_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False, ROWS=1), stages=plan.num_stages,
+        PREFETCH_ACT=prefetch, ROW1=False, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
         warps=plan.num_warps))
 
 
@@ -130,7 +130,7 @@ def test_qkv_rope_one_row_loop_compiles_for_sm90(model: str, block_k: int, split
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False, ROWS=1), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
         warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
@@ -151,8 +151,7 @@ def test_qkv_rope_row_pair_form_compiles_for_sm90(model: str, block_n: int, bloc
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=1, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm, ROWS=1), stages=1,
-        warps=warps)
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=block_n // 2, QK_LATE=qk_norm), stages=1, warps=warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx and "atom" not in ptx
 
@@ -171,7 +170,7 @@ def test_prenorm_kernels_compile_for_sm90(model: str, plans) -> None:  # type: i
     fused, pre = (_compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2, QK_LATE=False, ROWS=1), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=False, HAS_NORM=norm, PAIRS=d // 2, QK_LATE=False), stages=plan.num_stages,
         warps=plan.num_warps) for norm in (True, False))
     _assert_pdl(pre)
     assert pre.count("mma") == fused.count("mma") > 0
@@ -192,27 +191,10 @@ def test_qkv_rope_tuned_row1_compiles_for_sm90(model: str, plans) -> None:  # ty
     ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
         NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=qk_norm,
         SPLIT_K=plan.split_k, EVEN_K=True, BLOCK_M=1, BLOCK_K=plan.block_k, DOT_F32=False, USE_PDL=True,
-        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False, ROWS=1), stages=plan.num_stages,
+        PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False), stages=plan.num_stages,
         warps=plan.num_warps)
     _assert_pdl(ptx)
     assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
-
-
-@pytest.mark.parametrize("rows", [2, 8])
-@pytest.mark.parametrize("pairs,block_k,warps", [(4, 1024, 4), (8, 2048, 8)])
-def test_qkv_rope_row_pairs_at_2_to_8_rows_compile_for_sm90(rows: int, pairs: int, block_k: int, warps: int) -> None:
-    """qkv_rope's row-pair form serving 2-8 rows (``GemvPlan.max_rows``) at llama-3.2-1b's shape: PDL, 16-byte
-    weight loads, FMA only, no local memory."""
-    hid, hq, hkv, d, _, _ = MODELS["llama-3.2-1b"]
-    plan = make_plan(hid, block_n=d, block_k=block_k, split_k=1, num_warps=warps, num_stages=3, weight_rows=2 * pairs)
-    ptx = _compile(_qkv_rope_kernel, QKV_SIG, dict(
-        NORM_K=hid, RSTD_BLOCK=512, PRE_K=plan.pre_k, HQ=hq, HKV=hkv, HALF=d // 2, HAS_QK_NORM=False,
-        SPLIT_K=1, EVEN_K=True, BLOCK_M=triton.next_power_of_2(rows), BLOCK_K=plan.block_k, DOT_F32=False,
-        USE_PDL=True, PREFETCH_ACT=False, ROW1=True, HAS_NORM=True, PAIRS=pairs, QK_LATE=False, ROWS=rows),
-        stages=plan.num_stages, warps=plan.num_warps)
-    _assert_pdl(ptx)
-    assert "ld.global.v4" in ptx and "mma" not in ptx, "16-byte weight loads, FMA only"
-    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 def _compile_attention(model: str, rows: int, plan: AttnPlan, late: bool = False) -> str:
@@ -279,8 +261,8 @@ class _CaptureGemv:
 
 
 def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue: str, norm: bool,
-                       plan: GemmPlan, rows: int = 1) -> str:
-    """Launch ``gemv.gemm`` at ``rows`` rows as the call site does (meta tensors, PDL on), then compile the captured
+                       plan: GemmPlan) -> str:
+    """Launch ``gemv.gemm`` at one row as the call site does (meta tensors, PDL on), then compile the captured
     launch (GEMV_SIG's types, the launcher's constants and warps / stages) and check its PTX: PDL, the weight
     tile loaded before the wait as 16-byte vectors only, one per 8 weight elements a thread holds, and (the weight
     stream, ``per_sm`` > 0) no local memory. Returns the PTX."""
@@ -291,9 +273,9 @@ def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue
     cap = _CaptureGemv()
     monkeypatch.setattr(gemv, "_gemv_stream_kernel" if stream else "_gemv_kernel", cap)
     bf = dict(dtype=torch.bfloat16, device=META)
-    out = torch.empty(rows, n, **bf)
-    ws = torch.empty(max(1, splitk_workspace_numel(plan, n, gated=gated, rows=rows)), device=META)
-    gemv.gemm(torch.empty(rows, k, **bf), torch.empty(2 * n if gated else n, k, **bf), out, plan=plan,
+    out = torch.empty(1, n, **bf)
+    ws = torch.empty(max(1, splitk_workspace_numel(plan, n, gated=gated, rows=1)), device=META)
+    gemv.gemm(torch.empty(1, k, **bf), torch.empty(2 * n if gated else n, k, **bf), out, plan=plan,
               epilogue=epilogue, norm_weight=torch.empty(k, **bf) if norm else None,
               residual=out if epilogue == "residual" else None, workspace=ws,
               counters=torch.empty(plan.n_tiles(n), dtype=torch.int32, device=META), use_pdl=True)
@@ -313,7 +295,7 @@ def _compile_gemv_site(monkeypatch: pytest.MonkeyPatch, n: int, k: int, epilogue
         f"weight loads must be 16-byte vectors, got {sorted(set(loads))}"
     assert len(loads) == tile // (per_vector * 32 * row1.num_warps), "each weight element loaded once per thread"
     assert ptx.count("ld.global.v4") >= 2 * len(loads), "the K loop's weight loads must be 16-byte vectors too"
-    if stream or rows > 1:
+    if stream:
         assert "ld.local" not in ptx and "st.local" not in ptx, "the weight stream's register ring spilled"
     return ptx
 
@@ -345,19 +327,6 @@ def test_gemv_weight_stream_compiles_for_sm90(n: int, k: int, gated: bool, row1:
     plan = dataclasses.replace(make_plan(k, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3,
                                          weight_rows=64), row1=row1)
     _compile_gemv_site(monkeypatch, n, k, "silu_mul" if gated else "residual", gated, plan)
-
-
-@pytest.mark.parametrize("rows", [2, 8])
-@pytest.mark.parametrize("n,k,gated,row1", STREAM_PLANS[:3] + [
-    (8192, 2048, True, GemvPlan(2, 1024, 4, 3)), (2048, 8192, False, GemvPlan(8, 2048, 8, 1))],
-    ids=lambda v: str(v) if isinstance(v, int) else None)
-def test_gemv_at_2_to_8_rows_compiles_for_sm90(n: int, k: int, gated: bool, row1: GemvPlan, rows: int,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GEMV serving 2-8 rows (``GemvPlan.max_rows``; per tile and the weight stream) at llama-3.2-1b's shapes:
-    PDL, the first weight chunk before the wait in 16-byte vectors, and no spill of the rows' sums or x vectors."""
-    plan = dataclasses.replace(make_plan(k, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3,
-                                         weight_rows=64), row1=dataclasses.replace(row1, max_rows=8))
-    _compile_gemv_site(monkeypatch, n, k, "silu_mul" if gated else "residual", gated, plan, rows=rows)
 
 
 @pytest.mark.parametrize("plans", [True], ids=["tuned"], indirect=True)

@@ -35,15 +35,13 @@ def _bufs(world: int, rows: int, n: int, dtype: torch.dtype, *, deadline: int | 
 
 def _plan(n: int, k: int, *, split_k: int, row1: bool | str):
     """``row1``: False (no one-row plan), True (the GEMV, a program per tile) or "stream" (its weight stream, one
-    program per SM: 4 on CPU, each publishing several tiles); "rows" / "rows-stream": the same serving up to 8 rows
-    (``GemvPlan.max_rows``)."""
+    program per SM: 4 on CPU, each publishing several tiles)."""
     plan = make_plan(k, block_n=16, block_k=32, split_k=split_k, num_warps=4, num_stages=2, weight_rows=16)
     if row1:
         from dataclasses import replace
 
         plan = replace(plan, row1=GemvPlan(block_n=4, block_k=32, num_warps=4, num_stages=2,
-                                           per_sm=1 if str(row1).endswith("stream") else 0,
-                                           max_rows=8 if str(row1).startswith("rows") else 1))
+                                           per_sm=1 if row1 == "stream" else 0))
     return plan
 
 
@@ -61,13 +59,12 @@ def _publish_all(xs, ws, x_res, bufs, plan, dtype, *, publish=(True,) * 8):
 
 @pytest.mark.parametrize("world,rows,split_k,row1,dtype", [
     (2, 3, 1, False, torch.float32), (2, 8, 2, False, torch.bfloat16), (4, 1, 1, True, torch.bfloat16),
-    (3, 1, 2, False, torch.float32), (2, 5, 1, False, torch.float16), (2, 1, 1, "stream", torch.bfloat16),
-    (2, 5, 1, "rows", torch.bfloat16), (3, 8, 2, "rows-stream", torch.float32)])
+    (3, 1, 2, False, torch.float32), (2, 5, 1, False, torch.float16), (2, 1, 1, "stream", torch.bfloat16)])
 def test_publish_then_reduce_is_the_general_paths_all_reduce_residual_and_norm(world, rows, split_k, row1, dtype):
     """x + sum over ranks of rnd(x_r @ W_r^T), then h = RMSNorm(x): equal to torch on every rank (bf16: the same
     roundings, the fp32 sum of W > 2 partials rounded once), and bit-identical across ranks. N = 72 is not a
     multiple of the 16-column tiles (a partial last tile); split-K, the one-row GEMV and its weight stream (18
-    tiles of 4 columns over 4 programs), at one row and (``max_rows`` 8) at 5 and 8, all publish."""
+    tiles of 4 columns over 4 programs) all publish."""
     n, k_per_rank = 72, 64
     g = torch.Generator().manual_seed(world * 10 + rows)
     xs = [torch.randn(rows, k_per_rank, generator=g).to(dtype=dtype, device=DEV) for _ in range(world)]
@@ -93,8 +90,7 @@ def test_publish_then_reduce_is_the_general_paths_all_reduce_residual_and_norm(w
     assert [b.last_tag for b in bufs] == [1] * world, "the reduce must advance the device tag once per call"
 
 
-@pytest.mark.parametrize("world,rows,row1", [(2, 4, False), (3, 1, True), (2, 1, "stream"), (2, 4, "rows"),
-                                             (2, 3, "rows-stream")])
+@pytest.mark.parametrize("world,rows,row1", [(2, 4, False), (3, 1, True), (2, 1, "stream")])
 def test_roundings_are_the_general_paths_bit_for_bit(world: int, rows: int, row1: bool | str) -> None:
     """bf16 with values whose products and sums are exact in fp32 whatever the order (integers times multiples of
     1/8), so only the roundings can differ: each partial rounded to bf16 (as F.linear rounds), their fp32 sum

@@ -108,31 +108,12 @@ def test_a_qkv_entry_with_a_weight_stream_is_refused(monkeypatch: pytest.MonkeyP
         tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=qk_norm)
 
 
-def test_a_row1_value_of_eight_fields_is_refused_by_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_row1_value_of_seven_fields_is_refused_by_count(monkeypatch: pytest.MonkeyPatch) -> None:
     _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
     monkeypatch.setitem(tuned_plans.TUNED_ROW1, ("NVIDIA H200", "gemm", 2048, 2048, "bfloat16"),
-                        (8, 2048, 8, 1, 1, 2, 8, 0))
-    with pytest.raises(ValueError, match="has 8 fields; it takes 4 to 7"):
+                        (8, 2048, 8, 1, 1, 2, 0))
+    with pytest.raises(ValueError, match="has 7 fields; it takes 4 to 6"):
         tuned_plans.gemm_plan(2048, 2048, torch.bfloat16, torch.device("cpu"))
-
-
-@pytest.mark.parametrize("kind,value,match", [
-    ("gemm", (8, 2048, 8, 1, 1, 0, 9), "max_rows must be in 1..8"),
-    ("gemm", (8, 2048, 8, 1, 1, 0, 0), "max_rows must be in 1..8"),
-    ("gemm", (8, 2048, 8, 1, 2, 0, 2), "max_rows must be in 1..8, and 1 with split_k above 1"),
-    ("qkv_late", (8, 1024, 4, 3, 1, 0, 2), "late q/k serves one row"),
-])
-def test_a_row1_max_rows_out_of_range_is_refused(monkeypatch: pytest.MonkeyPatch, kind: str,
-                                                 value: tuple[int, ...], match: str) -> None:
-    """``max_rows`` (the seventh field): 1..8, never with split-K; late q/k serves one row."""
-    _on_gpu(monkeypatch, "NVIDIA H200", H200_CHIP)
-    key = ("NVIDIA H200", kind, 3072 if kind == "qkv_late" else 2048, 2048, "bfloat16")
-    monkeypatch.setitem(tuned_plans.TUNED_ROW1, key, value)
-    with pytest.raises(ValueError, match=match):
-        if kind == "qkv_late":
-            tuned_plans.qkv_plan(32, 8, 64, 2048, torch.bfloat16, torch.device("cpu"), qk_norm=True)
-        else:
-            tuned_plans.gemm_plan(2048, 2048, torch.bfloat16, torch.device("cpu"))
 
 
 def test_every_shipped_entry_is_a_valid_plan() -> None:

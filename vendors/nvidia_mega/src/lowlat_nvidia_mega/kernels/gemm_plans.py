@@ -28,14 +28,11 @@ class GemvPlan:
     never split) or qkv_rope's one-row loop (``block_n`` the head dim: a program owns one head, ``split_k`` splits
     K; below it: the row-pair form, ``qk_late.check_row1_rows``). ``per_sm`` (the GEMV only): 0 runs one program
     per tile, ``n`` > 0 the persistent weight stream of ``n`` programs per SM (``gemv._gemv_stream_kernel``).
-    ``max_rows`` (the GEMV only): it serves steps of 1 to ``max_rows`` rows, each row's products on the FMA units
-    as at one row (``gemv.rows_chunk``); ``small_gemm`` serves more rows.
 
     Raises:
         ValueError: a field that is not an int; ``block_n`` / ``block_k`` not a power of two; ``num_warps`` not a
             power of two in 1..32 (a CTA holds at most 1024 threads); ``num_stages`` or ``split_k`` below 1;
-            ``per_sm`` below 0, or above 0 with ``split_k`` above 1 (the stream never splits K); ``max_rows`` not in
-            1..MAX_ROWS, or above 1 with ``split_k`` above 1 (qkv_rope's loop serves one row).
+            ``per_sm`` below 0, or above 0 with ``split_k`` above 1 (the stream never splits K).
     """
 
     block_n: int
@@ -44,10 +41,9 @@ class GemvPlan:
     num_stages: int
     split_k: int = 1
     per_sm: int = 0
-    max_rows: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "num_warps", "num_stages", "split_k", "per_sm", "max_rows"):
+        for name in ("block_n", "block_k", "num_warps", "num_stages", "split_k", "per_sm"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"GemvPlan.{name} must be an int, got {v!r}")
@@ -62,9 +58,6 @@ class GemvPlan:
         if self.per_sm < 0 or (self.per_sm and self.split_k > 1):
             raise ValueError(f"GemvPlan.per_sm must be 0 (a program per tile) or, with split_k 1, the programs per SM "
                              f"of the GEMV's weight stream; got per_sm {self.per_sm} with split_k {self.split_k}")
-        if not 1 <= self.max_rows <= MAX_ROWS or (self.max_rows > 1 and self.split_k > 1):
-            raise ValueError(f"GemvPlan.max_rows must be in 1..{MAX_ROWS}, and 1 with split_k above 1 (the GEMV "
-                             f"never splits K); got max_rows {self.max_rows} with split_k {self.split_k}")
 
 
 @dataclass(frozen=True)

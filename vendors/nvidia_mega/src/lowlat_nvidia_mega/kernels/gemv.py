@@ -74,81 +74,11 @@ def one_row_rstd(x_ptr, K: tl.constexpr, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def rows_rstd(x_ptr, stride_xm, K: tl.constexpr, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-              ROWS_P: tl.constexpr):
-    """``one_row_rstd`` of rows 0..ROWS-1: a scalar at ROWS == 1, else a [ROWS_P] fp32 vector (1.0 past ROWS)."""
-    if ROWS == 1:
-        rstd = one_row_rstd(x_ptr, K, eps, BLOCK)
-    else:
-        cols = tl.arange(0, ROWS_P)
-        rstd = tl.full([ROWS_P], 1.0, dtype=tl.float32)
-        for r in tl.static_range(ROWS):
-            rstd = tl.where(cols == r, one_row_rstd(x_ptr + r * stride_xm, K, eps, BLOCK), rstd)
-    return rstd
-
-
-@triton.jit
-def rows_chunk(w, wu, x_ptr, stride_xm, kl, kl_mask, rstd, nw_ptr, HAS_NORM: tl.constexpr, GATED: tl.constexpr,
-               ROWS: tl.constexpr, ROWS_P: tl.constexpr):
-    """One K chunk's fp32 products of the weight tiles ``w`` (and ``wu`` when ``GATED``) [BLOCK_N, BLOCK_K] with
-    rows 0..ROWS-1 of x at columns ``kl`` (each row normalized by ``one_row_x``, ``rstd`` from ``rows_rstd``).
-
-    ROWS == 1: two [BLOCK_N] vectors. Else two [BLOCK_N, ROWS_P] tiles, column r holding row r's sums (zeros past
-    ROWS): each row is a 1-D vector in the weight tile's column layout, as at one row, so no layout conversion
-    runs per chunk; each [BLOCK_N] result is placed in its column of the tile's own layout (``[:, None]``)."""
-    w32 = w.to(tl.float32)
-    wu32 = wu.to(tl.float32)
-    if ROWS == 1:
-        x = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
-        part = tl.sum(w32 * x, 1)
-        part_u = part
-        if GATED:
-            part_u = tl.sum(wu32 * x, 1)
-    else:
-        cols = tl.arange(0, ROWS_P)[None, :]
-        part = tl.zeros([w.shape[0], ROWS_P], dtype=tl.float32)
-        part_u = part
-        for r in tl.static_range(ROWS):
-            rr = 1.0
-            if HAS_NORM:
-                rr = tl.sum(tl.where(tl.arange(0, ROWS_P) == r, rstd, 0.0), 0)
-            x = one_row_x(x_ptr + r * stride_xm, kl, kl_mask, rr, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
-            part = tl.where(cols == r, tl.sum(w32 * x, 1)[:, None], part)
-            if GATED:
-                part_u = tl.where(cols == r, tl.sum(wu32 * x, 1)[:, None], part_u)
-    return part, part_u
-
-
-@triton.jit
-def rows_epilogue(acc, acc_u, offs_n, n_mask, out_ptr, stride_om, res_ptr, stride_rm, N, data_ptrs, flag_ptrs,
-                  tag_ptr, rank, cap, cap_tiles, tile, publish, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
-                  ROWS: tl.constexpr, ROWS_P: tl.constexpr):
-    """The small GEMM's epilogue (or the TP publish) of ``rows_chunk``'s sums: [BLOCK_N] at ROWS == 1, else
-    [BLOCK_N, ROWS_P] (transposed here to [ROWS_P, BLOCK_N], rows past ROWS masked)."""
-    if ROWS == 1:
-        a = acc[None, :]
-        au = acc_u[None, :]
-        offs_m = tl.arange(0, 1)
-        o_mask = n_mask[None, :]
-    else:
-        a = tl.trans(acc)
-        au = tl.trans(acc_u)
-        offs_m = tl.arange(0, ROWS_P)
-        o_mask = (offs_m < ROWS)[:, None] & n_mask[None, :]
-    if EPILOGUE == 3:
-        publish_epilogue(a, offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs, flag_ptrs, tag_ptr,
-                         rank, cap, cap_tiles, tile, publish, WORLD)
-    else:
-        _gemm_epilogue(a, au, offs_m, offs_n, o_mask, out_ptr, stride_om, res_ptr, stride_rm, EPILOGUE)
-
-
-@triton.jit
 def _gemv_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, nw_ptr, res_ptr, stride_rm, out_ptr, stride_om, N, K, eps,
+    x_ptr, w_ptr, stride_wn, nw_ptr, res_ptr, out_ptr, N, K, eps,
     data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WORLD: tl.constexpr,
-    ROWS: tl.constexpr, ROWS_P: tl.constexpr,
 ):
     GATED: tl.constexpr = EPILOGUE == 1
     pid = tl.program_id(0)
@@ -158,7 +88,6 @@ def _gemv_kernel(
     k_mask = ks < K
     w_rows = w_ptr + offs_n[:, None] * stride_wn
     w0 = load_tile(w_rows + ks[None, :], n_mask, k_mask, EVEN_K)  # weights never depend on the previous kernel
-    w0u = w0
     if GATED:
         w0u = load_tile(w_rows + N * stride_wn + ks[None, :], n_mask, k_mask, EVEN_K)
     gdc_launch_dependents(USE_PDL)
@@ -166,21 +95,29 @@ def _gemv_kernel(
 
     rstd = 1.0
     if HAS_NORM:
-        rstd = rows_rstd(x_ptr, stride_xm, NORM_K, eps, RSTD_BLOCK, ROWS, ROWS_P)
-    acc, acc_u = rows_chunk(w0, w0u, x_ptr, stride_xm, ks, k_mask, rstd, nw_ptr, HAS_NORM, GATED, ROWS, ROWS_P)
+        rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    xk = one_row_x(x_ptr, ks, k_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+    acc = tl.sum(w0.to(tl.float32) * xk, 1)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if GATED:
+        acc_u = tl.sum(w0u.to(tl.float32) * xk, 1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kl = k0 + tl.arange(0, BLOCK_K)
         kl_mask = kl < K
         w = load_tile(w_rows + kl[None, :], n_mask, kl_mask, EVEN_K)
-        wu = w
         if GATED:
             wu = load_tile(w_rows + N * stride_wn + kl[None, :], n_mask, kl_mask, EVEN_K)
-        part, part_u = rows_chunk(w, wu, x_ptr, stride_xm, kl, kl_mask, rstd, nw_ptr, HAS_NORM, GATED, ROWS, ROWS_P)
-        acc += part
+        xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+        acc += tl.sum(w.to(tl.float32) * xl, 1)
         if GATED:
-            acc_u += part_u
-    rows_epilogue(acc, acc_u, offs_n, n_mask, out_ptr, stride_om, res_ptr, stride_rm, N, data_ptrs, flag_ptrs,
-                  tag_ptr, rank, cap, cap_tiles, pid, publish, EPILOGUE, WORLD, ROWS, ROWS_P)
+            acc_u += tl.sum(wu.to(tl.float32) * xl, 1)
+    offs_m = tl.arange(0, 1)
+    o_mask = n_mask[None, :]
+    if EPILOGUE == 3:
+        publish_epilogue(acc[None, :], offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs, flag_ptrs,
+                         tag_ptr, rank, cap, cap_tiles, pid, publish, WORLD)
+    else:
+        _gemm_epilogue(acc[None, :], acc_u[None, :], offs_m, offs_n, o_mask, out_ptr, 0, res_ptr, 0, EPILOGUE)
 
 
 @triton.jit
@@ -200,11 +137,11 @@ def _stream_load(w_ptr, stride_wn, tile, chunk, N, K, GATED: tl.constexpr, BLOCK
 
 @triton.jit
 def _gemv_stream_kernel(
-    x_ptr, stride_xm, w_ptr, stride_wn, nw_ptr, res_ptr, stride_rm, out_ptr, stride_om, N, K, eps,
+    x_ptr, w_ptr, stride_wn, nw_ptr, res_ptr, out_ptr, N, K, eps,
     data_ptrs, flag_ptrs, tag_ptr, rank, cap, cap_tiles, publish,
     NORM_K: tl.constexpr, RSTD_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, EPILOGUE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr, ROWS_P: tl.constexpr,
+    USE_PDL: tl.constexpr, WORLD: tl.constexpr,
 ):
     GATED: tl.constexpr = EPILOGUE == 1
     pid = tl.program_id(0)
@@ -217,12 +154,12 @@ def _gemv_stream_kernel(
     ks = tl.arange(0, BLOCK_K)
     rstd = 1.0
     if HAS_NORM:
-        rstd = rows_rstd(x_ptr, stride_xm, NORM_K, eps, RSTD_BLOCK, ROWS, ROWS_P)
-    x_once = 0.0
-    if ROWS == 1:  # the first chunk of x, normalized once per program
-        x_once = one_row_x(x_ptr, ks, ks < K, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+        rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    x_once = one_row_x(x_ptr, ks, ks < K, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
     for t in range(0, my_tiles):
         tile = pid + t * grid
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             w = w_nx
             wu = wu_nx
@@ -230,24 +167,21 @@ def _gemv_stream_kernel(
                 w_nx, wu_nx = _stream_load(w_ptr, stride_wn, tile, c + 1, N, K, GATED, BLOCK_N, BLOCK_K, EVEN_K)
             else:
                 w_nx, wu_nx = _stream_load(w_ptr, stride_wn, tile + grid, 0, N, K, GATED, BLOCK_N, BLOCK_K, EVEN_K)
-            if ROWS == 1 and c == 0:
-                part = tl.sum(w.to(tl.float32) * x_once, 1)
-                part_u = part
-                if GATED:
-                    part_u = tl.sum(wu.to(tl.float32) * x_once, 1)
-            else:
+            xk = x_once
+            if c > 0:
                 kl = c * BLOCK_K + ks
-                part, part_u = rows_chunk(w, wu, x_ptr, stride_xm, kl, kl < K, rstd, nw_ptr, HAS_NORM, GATED,
-                                          ROWS, ROWS_P)
-            if c == 0:
-                acc = part
-                acc_u = part_u
-            else:
-                acc += part
-                acc_u += part_u
+                xk = one_row_x(x_ptr, kl, kl < K, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+            acc += tl.sum(w.to(tl.float32) * xk, 1)
+            if GATED:
+                acc_u += tl.sum(wu.to(tl.float32) * xk, 1)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_epilogue(acc, acc_u, offs_n, offs_n < N, out_ptr, stride_om, res_ptr, stride_rm, N, data_ptrs,
-                      flag_ptrs, tag_ptr, rank, cap, cap_tiles, tile, publish, EPILOGUE, WORLD, ROWS, ROWS_P)
+        offs_m = tl.arange(0, 1)
+        o_mask = (offs_n < N)[None, :]
+        if EPILOGUE == 3:
+            publish_epilogue(acc[None, :], offs_m, offs_n, o_mask, N, out_ptr.dtype.element_ty, data_ptrs,
+                             flag_ptrs, tag_ptr, rank, cap, cap_tiles, tile, publish, WORLD)
+        else:
+            _gemm_epilogue(acc[None, :], acc_u[None, :], offs_m, offs_n, o_mask, out_ptr, 0, res_ptr, 0, EPILOGUE)
 
 
 def gemm(
@@ -256,16 +190,16 @@ def gemm(
     workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None, use_pdl: bool | None = None,
     prefetch_act: bool | None = None, peer: PeerTarget | None = None,
 ) -> torch.Tensor:
-    """``small_gemm`` (same arguments, checks and result), or the GEMV when ``plan.row1`` is set and x has at most
-    ``plan.row1.max_rows`` rows (``uses_gemv``). The choice depends only on the shape, so each CUDA graph records
-    one kernel. ``prefetch_act`` reaches ``small_gemm`` only (the GEMV's x chunks are rows). With epilogue
-    "publish" the column tiles a ``tp_reduce.reduce_rows`` waits for are ``publish_tile_n(plan, rows)`` wide.
+    """``small_gemm`` (same arguments, checks and result), or the one-row GEMV when x has one row and
+    ``plan.row1`` is set. The choice depends only on the shape, so each CUDA graph records one kernel.
+    ``prefetch_act`` reaches ``small_gemm`` only (the GEMV's x chunk is one row). With epilogue "publish" the
+    column tiles a ``tp_reduce.reduce_rows`` waits for are ``publish_tile_n(plan, rows)`` wide.
 
     Raises:
         ValueError: as ``small_gemm`` (every argument is checked there first, on both paths).
     """
     row1 = plan.row1
-    if x.dim() != 2 or row1 is None or not uses_gemv(plan, x.shape[0]):
+    if x.dim() != 2 or x.shape[0] != 1 or row1 is None:
         return small_gemm(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight, eps=eps,
                           residual=residual, workspace=workspace, counters=counters, use_pdl=use_pdl,
                           prefetch_act=prefetch_act, peer=peer)
@@ -273,19 +207,17 @@ def gemm(
         raise ValueError(f"the one-row GEMV never splits K; plan.row1.split_k is {row1.split_k}")
     if prefetch_act is None:
         prefetch_act_enabled()  # a bad LOWLAT_MEGA_PREFETCH_ACT is refused at every row count
-    rows, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
+    _, k, n, _ = check_gemm_args(x, w, out, plan=plan, epilogue=epilogue, norm_weight=norm_weight,
                                  residual=residual, workspace=workspace, counters=counters, split_k=False)
     n_tiles = triton.cdiv(n, row1.block_n)
     check_publish(peer, epilogue, out, n_tiles)
     use_pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
-    res = residual if residual is not None else out
-    args = (x, x.stride(0), w, w.stride(0), norm_weight if norm_weight is not None else out, res, res.stride(0),
-            out, out.stride(0), n, k, eps)
+    args = (x, w, w.stride(0), norm_weight if norm_weight is not None else out,
+            residual if residual is not None else out, out, n, k, eps)
     meta = dict(NORM_K=k if norm_weight is not None else 0, RSTD_BLOCK=min(triton.next_power_of_2(k), 1024),
                 HAS_NORM=norm_weight is not None, EPILOGUE=EPILOGUES[epilogue], BLOCK_N=row1.block_n,
                 BLOCK_K=row1.block_k, EVEN_K=k % row1.block_k == 0, USE_PDL=use_pdl, num_warps=row1.num_warps,
-                num_stages=row1.num_stages, ROWS=rows, ROWS_P=triton.next_power_of_2(rows),
-                **peer_launch_args(peer, out), **launch_kwargs(use_pdl))
+                num_stages=row1.num_stages, **peer_launch_args(peer, out), **launch_kwargs(use_pdl))
     if row1.per_sm:
         _gemv_stream_kernel[(stream_grid(row1, n, x.device),)](*args, CHUNKS=triton.cdiv(k, row1.block_k), **meta)
     else:
@@ -299,13 +231,7 @@ def stream_grid(plan: GemvPlan, n: int, device: torch.device) -> int:
     return min(plan.per_sm * num_sms(device), triton.cdiv(n, plan.block_n))
 
 
-def uses_gemv(plan: GemmPlan, rows: int) -> bool:
-    """Whether ``gemm`` runs the GEMV (not ``small_gemm``) for a step of ``rows`` rows under ``plan``: it has a
-    ``row1`` and ``rows <= row1.max_rows``."""
-    return plan.row1 is not None and rows <= plan.row1.max_rows
-
-
 def publish_tile_n(plan: GemmPlan, rows: int) -> int:
-    """Columns per published tile of ``gemm(..., epilogue="publish")`` at ``rows`` rows: the GEMV's ``block_n``
-    where it runs (``uses_gemv``), else ``small_gemm``'s."""
-    return plan.row1.block_n if plan.row1 is not None and uses_gemv(plan, rows) else plan.block_n
+    """Columns per published tile of ``gemm(..., epilogue="publish")`` at ``rows`` rows: the one-row GEMV's
+    ``block_n`` where it runs, else ``small_gemm``'s."""
+    return plan.row1.block_n if rows == 1 and plan.row1 is not None else plan.block_n

@@ -11,8 +11,7 @@ One program owns one head (D output columns), computed as two half-head accumula
 no cross-lane shuffles. Split-K over H (when heads alone give too few programs) uses the deterministic
 last-arriver reduction of ``small_gemm.py``; the epilogue (norm, RoPE, stores) runs in that last program.
 
-At one row (and, with ``plan.row1.max_rows``, up to that many rows) without q/k norm (Llama) the one-row loop can
-take the row-pair form instead: a program owns rows ``j``
+At one row without q/k norm (Llama) the one-row loop can take the row-pair form instead: a program owns rows ``j``
 and ``j + D/2`` of one head for a few ``j`` (``rotate_half`` pairs exactly those rows, so RoPE stays inside the
 program), reads all of H, and needs no split-K, partials or ticket: the one-row GEMV's shape (``gemv.py``) with
 RoPE and the KV write as its epilogue. A per-head q/k norm needs the whole head, so for Qwen3 the form stores q
@@ -35,7 +34,7 @@ import triton.language as tl
 from lowlat.plugin import rope_tables
 
 from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, GemmPlan, default_block_k, grow_split, make_plan
-from lowlat_nvidia_mega.kernels.gemv import rows_chunk, rows_rstd
+from lowlat_nvidia_mega.kernels.gemv import one_row_rstd, one_row_x
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs, pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import check_row1_rows
 from lowlat_nvidia_mega.kernels.rounding import rnd, to_act
@@ -112,33 +111,28 @@ def _qkv_epilogue(
 
 
 @triton.jit
-def _row1_k_loop(x_ptr, stride_xm, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K: tl.constexpr,
+def _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K: tl.constexpr,
                  RSTD_BLOCK: tl.constexpr, PRE_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 HAS_NORM: tl.constexpr, ROWS: tl.constexpr, ROWS_P: tl.constexpr):
-    """Rows 0..ROWS-1's [ROWS_P, PAIRS] lo and hi projections over this split's K range (rows past ROWS zero),
-    products reduced per chunk per row (the FMA form of ``gemv.py``, ``gemv.rows_chunk``); ``wl0``/``wh0`` are the
-    first ``PRE_K`` columns, loaded before the PDL wait."""
-    rstd = 1.0
+                 HAS_NORM: tl.constexpr):
+    """One row's [1, HALF] lo and hi projections over this split's K range, products reduced per chunk (the
+    FMA form of ``gemv.py``); ``wl0``/``wh0`` are the first ``PRE_K`` columns, loaded before the PDL wait."""
     if HAS_NORM:
-        rstd = rows_rstd(x_ptr, stride_xm, NORM_K, eps, RSTD_BLOCK, ROWS, ROWS_P)
+        rstd = one_row_rstd(x_ptr, NORM_K, eps, RSTD_BLOCK)
+    else:
+        rstd = 1.0
     ks = k_start + tl.arange(0, PRE_K)
-    lo, hi = rows_chunk(wl0, wh0, x_ptr, stride_xm, ks, ks < k_end, rstd, nw_ptr, HAS_NORM, True, ROWS, ROWS_P)
+    xk = one_row_x(x_ptr, ks, ks < k_end, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+    lo = tl.sum(wl0.to(tl.float32) * xk, 1)
+    hi = tl.sum(wh0.to(tl.float32) * xk, 1)
     for k0 in range(k_start + PRE_K, k_end, BLOCK_K):
         kl = k0 + tl.arange(0, BLOCK_K)
         kl_mask = kl < k_end
         wl = load_tile(w_lo + kl[None, :], all_h, kl_mask, EVEN_K)
         wh = load_tile(w_hi + kl[None, :], all_h, kl_mask, EVEN_K)
-        part_lo, part_hi = rows_chunk(wl, wh, x_ptr, stride_xm, kl, kl_mask, rstd, nw_ptr, HAS_NORM, True, ROWS,
-                                      ROWS_P)
-        lo += part_lo
-        hi += part_hi
-    if ROWS == 1:
-        lo_t = lo[None, :]
-        hi_t = hi[None, :]
-    else:
-        lo_t = tl.trans(lo)
-        hi_t = tl.trans(hi)
-    return lo_t, hi_t
+        xl = one_row_x(x_ptr, kl, kl_mask, rstd, nw_ptr, HAS_NORM).to(tl.float32)[None, :]
+        lo += tl.sum(wl.to(tl.float32) * xl, 1)
+        hi += tl.sum(wh.to(tl.float32) * xl, 1)
+    return lo[None, :], hi[None, :]
 
 
 @triton.jit
@@ -150,10 +144,10 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_ACT: tl.constexpr, ROW1: tl.constexpr,
-    HAS_NORM: tl.constexpr, PAIRS: tl.constexpr, QK_LATE: tl.constexpr, ROWS: tl.constexpr,
+    HAS_NORM: tl.constexpr, PAIRS: tl.constexpr, QK_LATE: tl.constexpr,
 ):
     head = tl.program_id(0)
-    if PAIRS < HALF:  # row pairs (j, j + HALF) of one head per program (no q/k norm or late q/k, no split-K)
+    if PAIRS < HALF:  # row pairs (j, j + HALF) of one head per program (one row, no q/k norm, no split-K)
         pid_k = 0
         offs_h = tl.program_id(1) * PAIRS + tl.arange(0, PAIRS)
     else:
@@ -175,9 +169,9 @@ def _qkv_rope_kernel(
     gdc_launch_dependents(USE_PDL)
     gdc_wait(USE_PDL)
 
-    if ROW1:  # 1-ROWS rows on the FMA units (see gemv.py): each row a 1-D chunk of x, no padded rows
-        lo, hi = _row1_k_loop(x_ptr, stride_xm, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K,
-                              RSTD_BLOCK, PRE_K, BLOCK_K, EVEN_K, HAS_NORM, ROWS, BLOCK_M)
+    if ROW1:  # one row on the FMA units (see gemv.py): x as a 1-D chunk, no padded rows
+        lo, hi = _row1_k_loop(x_ptr, nw_ptr, wl0, wh0, w_lo, w_hi, all_h, k_start, k_end, eps, NORM_K, RSTD_BLOCK,
+                              PRE_K, BLOCK_K, EVEN_K, HAS_NORM)
     else:
         if HAS_NORM:
             rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, NORM_K, eps, RSTD_BLOCK)
@@ -272,8 +266,7 @@ def qkv_rope(
             ``out_cache_loc`` are written.
         eps: RMSNorm epsilon (shared by input norm and q/k norm, as in HF).
         plan: from ``plan_qkv``; workspace / counters as for ``small_gemm`` when ``plan.split_k > 1``. With
-            ``plan.row1`` a step of 1 to ``row1.max_rows`` rows runs the K loop on the FMA units with each row of x
-            a 1-D chunk (as ``gemv.py``),
+            ``plan.row1`` a one-row step runs the K loop on the FMA units with x as a 1-D chunk (as ``gemv.py``),
             at ``row1``'s K chunk, split-K, warps and stages (its split's workspace is checked the same way); a
             ``row1.block_n`` below the head dim takes the row-pair form (``check_row1_rows``).
         use_pdl: launch with PDL; default ``pdl_enabled(x.device)``.
@@ -329,10 +322,10 @@ def qkv_rope(
                 or not idx.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32/int64 [{t}] tensor on {x.device}, got "
                              f"{tuple(idx.shape)} {idx.dtype} with strides {idx.stride()}")
-    row1 = plan.row1 is not None and t <= plan.row1.max_rows
-    if qk_late and not (row1 and t == 1):
-        raise ValueError(f"qk_late serves the one-row loop's row-pair form at one row; this step has {t} rows and "
-                         f"plan.row1 {plan.row1}")
+    row1 = plan.row1 is not None and t == 1
+    if qk_late and not row1:
+        raise ValueError(f"qk_late serves the one-row loop's row-pair form; this step has {t} rows and plan.row1 "
+                         f"{plan.row1}")
     pairs = d // 2  # rotary pairs per program: a whole head unless the one-row plan asks for fewer
     if row1:  # the one-row FMA loop, with its own tiles and split (chosen by shape alone, like gemv.gemm)
         r1 = plan.row1
@@ -360,10 +353,9 @@ def qkv_rope(
         NORM_K=hidden, RSTD_BLOCK=min(triton.next_power_of_2(hidden), 512), PRE_K=plan.pre_k,
         HQ=num_heads, HKV=num_kv_heads, HALF=d // 2, HAS_QK_NORM=q_norm is not None, SPLIT_K=plan.split_k,
         EVEN_K=(hidden % plan.block_k == 0 and plan.k_per_split % plan.block_k == 0),
-        BLOCK_M=triton.next_power_of_2(t) if row1 else BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype),
-        USE_PDL=use_pdl,
+        BLOCK_M=1 if row1 else BLOCK_M, BLOCK_K=plan.block_k, DOT_F32=dot_in_f32(x.dtype), USE_PDL=use_pdl,
         PREFETCH_ACT=bool(prefetch) and not row1 and has_norm, ROW1=row1, HAS_NORM=has_norm, PAIRS=pairs,
-        QK_LATE=qk_late, ROWS=t if row1 else 1,
+        QK_LATE=qk_late,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **launch_kwargs(use_pdl),
     )
     return q_out

@@ -57,8 +57,8 @@ TUNED: dict[tuple[str, str, int, int, str], tuple[int, int, int, int, int]] = {
 }
 
 
-# The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm[, max_rows]]]);
-# key as TUNED's. A GEMV entry with max_rows R > 1 serves steps of 1 to R rows.
+# The one-row kernels at 1 row, as GemvPlan fields (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]); key as
+# TUNED's.
 # "gemm" / "gated": the GEMV (kernels/gemv.py; a default_row1 plan where absent). "qkv": qkv_rope's one-row FMA
 # loop (BLOCK_N = head_dim: a head per program; BLOCK_N < head_dim: the row-pair form, models without q/k norm
 # only; the tl.dot loop where absent). "qkv_late": models with q/k norm, the row-pair form with late q/k
@@ -223,24 +223,22 @@ def _row1_entry(kind: str, n: int, k: int, value: tuple[int, ...]) -> GemvPlan:
     """A ``TUNED_ROW1`` value as a ``GemvPlan``.
 
     Raises:
-        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm[, max_rows]]]) of valid
-            ints, a "qkv" / "qkv_late" value with a ``per_sm`` (qkv_rope's one-row loop has no weight-stream form), or
-            a "qkv_late" value with a ``max_rows`` above 1 (late q/k serves one row), naming the entry.
+        ValueError: a value that is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]) of valid ints, or a
+            "qkv" / "qkv_late" value with a ``per_sm`` (qkv_rope's one-row loop has no weight-stream form), naming
+            the entry.
     """
     head = f"TUNED_ROW1 entry ({kind!r}, {n}, {k}) = {value!r}"
-    fields = "(BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm[, max_rows]]])"
-    if not 4 <= len(value) <= 7:
-        raise ValueError(f"{head} has {len(value)} fields; it takes 4 to 7: {fields}")
+    if not 4 <= len(value) <= 6:
+        raise ValueError(f"{head} has {len(value)} fields; it takes 4 to 6: (BLOCK_N, BLOCK_K, warps, stages[, "
+                         "split-K[, per_sm]])")
     try:
         plan = GemvPlan(*value)  # which checks every field
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{head} is not {fields} of valid ints: {e}") from None
+        raise ValueError(f"{head} is not (BLOCK_N, BLOCK_K, warps, stages[, split-K[, per_sm]]) of valid ints: {e}") \
+            from None
     if kind.startswith("qkv") and plan.per_sm:
         raise ValueError(f"{head}: qkv_rope's one-row loop has no weight-stream form, so a {kind!r} entry takes no "
                          f"per_sm (got {plan.per_sm}); per_sm is the GEMV's ('gemm' / 'gated')")
-    if kind == "qkv_late" and plan.max_rows > 1:
-        raise ValueError(f"{head}: late q/k serves one row (qk_late.late_qk), so a 'qkv_late' entry takes no max_rows "
-                         f"above 1 (got {plan.max_rows})")
     return plan
 
 
