@@ -14,6 +14,10 @@ keeps every candidate's time. Add a winner to ``tuned_plans.TUNED`` only from su
 CPU (``TRITON_INTERPRET=1``) to check the script. ``--row1-only`` sweeps the one-row kernels alone, ``--stream``
 the one-row GEMV's weight stream (``GemvPlan.per_sm``) beside its per-tile plans. The attention's plans:
 ``tune_attention.py``.
+
+The kernels with a norm prologue (qkv_rope, gate_up) run as production runs them at each row count: on a prenorm
+step (``norm_rows.prenorm_step``: 2..``tuned_plans.prenorm_rows`` rows, or as ``LOWLAT_MEGA_PRENORM`` says) without
+the prologue, x standing in for the normalized rows, so a plan is never chosen for work the step does not do.
 """
 
 from __future__ import annotations
@@ -32,10 +36,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
+from lowlat_nvidia_mega.kernels.norm_rows import prenorm_step  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qk_late import late_qk  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
-from lowlat_nvidia_mega.kernels.tuned_plans import device_name, gemm_plan, plan_sources_line, qkv_plan  # noqa: E402
+from lowlat_nvidia_mega.kernels.tuned_plans import (  # noqa: E402
+    device_name,
+    gemm_plan,
+    plan_sources_line,
+    prenorm_rows,
+    qkv_plan,
+)
 
 
 @triton.jit
@@ -61,6 +72,14 @@ class Tuner:
         self.c, self.reps = case, reps
         self.ws = torch.zeros(16 * 8 * 16384, device=case.dev)
         self.pdl = case.dev.type == "cuda"
+        s = case.s  # production's choice at this row count: prenorm steps have no norm prologue (MegaForward)
+        self.prenorm = prenorm_step(case.t, prenorm_rows("moe" if s["experts"] else "dense", s["hidden"], case.dt,
+                                                         case.dev))
+
+    def norm(self, i: int) -> torch.Tensor | None:
+        """The norm prologue's weight for launch ``i``, or None on a prenorm step (x stands in for the rows
+        ``norm_rows`` would have normalized)."""
+        return None if self.prenorm else self.c.norm[i % 8]
 
     def time(self, chain) -> float:
         try:
@@ -84,7 +103,7 @@ class Tuner:
         def chain() -> int:
             for i, w in enumerate(ws):
                 if gated:
-                    gemm(x_in, w, c.act, plan=plan, epilogue="silu_mul", norm_weight=c.norm[i % 8], eps=bk.EPS,
+                    gemm(x_in, w, c.act, plan=plan, epilogue="silu_mul", norm_weight=self.norm(i), eps=bk.EPS,
                          workspace=self.ws, counters=c.counters, use_pdl=self.pdl)
                 else:
                     gemm(x_in, w, resid, plan=plan, epilogue="residual", residual=resid, workspace=self.ws,
@@ -117,7 +136,7 @@ class Tuner:
 
         def chain() -> int:
             for i, w in enumerate(c.wqkv):
-                qkv_rope(c.x, c.norm[i % 8], w, num_heads=hq, num_kv_heads=hkv, q_norm=c.qn, k_norm=c.kn, cos=c.cos,
+                qkv_rope(c.x, self.norm(i), w, num_heads=hq, num_kv_heads=hkv, q_norm=c.qn, k_norm=c.kn, cos=c.cos,
                          sin=c.sin, positions=pos, out_cache_loc=loc, q_out=c.q, k_buffer=c.kb[i % len(c.kb)],
                          v_buffer=c.vb[i % len(c.vb)], eps=bk.EPS, plan=plan, workspace=self.ws,
                          counters=c.counters, use_pdl=self.pdl, qk_late=late)
@@ -338,7 +357,8 @@ def main() -> None:
             dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
             case = bk.Case(m, r, 40 if args.smoke else 512, dev, dtype)
             tuner = Tuner(case, args.reps)
-            print(f"{m}, {r} rows", flush=True)
+            note = " (prenorm step: qkv_rope and gate_up without their norm prologue)" if tuner.prenorm else ""
+            print(f"{m}, {r} rows{note}", flush=True)
             for kern in args.kernels.split(","):
                 if kern in ("gate_up", "down") and not case.s["inter"]:
                     continue

@@ -15,7 +15,7 @@ if not pdl.interpreting() and not torch.cuda.is_available():
 
 from lowlat_nvidia_mega.kernels.gemm_plans import make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
-from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch  # noqa: E402
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_step, prenorm_switch  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import plan_qkv, qkv_rope, qkv_workspace_numel, rope_cos_sin  # noqa: E402
 
 DEV = torch.device("cpu" if pdl.interpreting() else "cuda")
@@ -78,6 +78,20 @@ def test_prenorm_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "auto")  # the third state has a name too: the message gives it
     with pytest.raises(ValueError, match=r"or 0, or unset it \(or 'default'\) for the measured rule"):
         prenorm_switch()
+
+
+def test_prenorm_step_is_the_rule_forward_and_tune_plans_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset: 2..max_rows rows (max_rows 0: none); 1: every 2-8-row step; 0: none; one row never; a typo refused."""
+    monkeypatch.delenv("LOWLAT_MEGA_PRENORM", raising=False)
+    assert [prenorm_step(t, 6) for t in range(1, 9)] == [False] + [True] * 5 + [False] * 2
+    assert not any(prenorm_step(t, 0) for t in range(1, 9))
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "1")
+    assert [prenorm_step(t, 0) for t in range(1, 9)] == [False] + [True] * 7
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "0")
+    assert not any(prenorm_step(t, 8) for t in range(1, 9))
+    monkeypatch.setenv("LOWLAT_MEGA_PRENORM", "sometimes")
+    with pytest.raises(ValueError, match="LOWLAT_MEGA_PRENORM"):
+        prenorm_step(2, 6)
 
 
 @pytest.mark.parametrize("dtype,rows,split_k", [(torch.float32, 3, 2), (torch.bfloat16, 8, 1), (torch.bfloat16, 2, 2)])

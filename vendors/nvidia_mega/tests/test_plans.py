@@ -233,6 +233,39 @@ def test_tune_plans_smoke_runs_every_sweep(tmp_path: Path) -> None:
         assert r["row1_best"]["split_k"] >= 1 and "cublas_us" in r and r["candidates"] >= 1
 
 
+@pytest.mark.parametrize("env,rows,prenorm", [("1", 3, True), ("1", 1, False), ("0", 3, False), (None, 3, False)])
+def test_tune_plans_times_the_norm_prologue_only_where_production_runs_it(
+        monkeypatch: pytest.MonkeyPatch, env: str | None, rows: int, prenorm: bool) -> None:
+    """The sweep's kernels with a norm prologue (qkv_rope, gate_up) run without it on a prenorm step, as
+    ``MegaForward`` runs them (``norm_rows.prenorm_step``; on CPU no table entry, so only ``LOWLAT_MEGA_PRENORM=1``
+    makes one): a plan is not chosen for a prologue the step skips (found 2026-12-07: at 2 rows a candidate won alone
+    by the prologue it saved and lost the step by 13%)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spec = importlib.util.spec_from_file_location("tune_plans", Path(__file__).resolve().parents[1] / "tune_plans.py")
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
+    if env is None:
+        monkeypatch.delenv("LOWLAT_MEGA_PRENORM", raising=False)
+    else:
+        monkeypatch.setenv("LOWLAT_MEGA_PRENORM", env)
+    tuner = tp.Tuner(tp.bk.Case("tiny", rows, 40, torch.device("cpu"), torch.float32), 1)
+    assert tuner.prenorm is prenorm
+    assert (tuner.norm(0) is None) is prenorm and (prenorm or tuner.norm(9) is tuner.c.norm[1])
+    seen: list[object] = []  # what the chains pass as the norm weight
+    monkeypatch.setattr(tp, "gemm", lambda *a, **kw: seen.append(kw["norm_weight"]))
+    monkeypatch.setattr(tp, "qkv_rope", lambda x, nw, *a, **kw: seen.append(nw))
+    s = tuner.c.s
+    tuner.gemm_chain("gate_up", plan_gemm(s["inter"], s["hidden"], torch.float32, 4, gated=True))()
+    tuner.qkv_chain(dataclasses.replace(plan_qkv(s["heads"], s["kv_heads"], s["head_dim"], s["hidden"],
+                                                 torch.float32, 4), row1=None))()
+    assert seen and all((w is None) is prenorm for w in seen)
+    if env is None:  # the measured rule, by the model's kind: tiny is an MoE model
+        monkeypatch.setattr(tp, "prenorm_rows", lambda kind, hidden, dt, dev: 6 if kind == "moe" else 0)
+        assert tp.Tuner(tuner.c, 1).prenorm is True
+
+
 def test_tune_plans_stream_smoke_sweeps_the_weight_stream(tmp_path: Path) -> None:
     """``tune_plans.py --smoke --stream`` sweeps the GEMV's weight stream of the three GEMMs (not qkv_rope) against
     the production one-row plan, with per-tile candidates (per_sm 0) beside the streams, and writes its JSON."""

@@ -39,7 +39,7 @@ from lowlat_nvidia_mega.kernels.gemm_plans import MAX_ROWS, GemmPlan
 from lowlat_nvidia_mega.kernels.gemv import gemm, publish_tile_n
 from lowlat_nvidia_mega.kernels.lm_head import LMHeadConfig, lm_head_logits, lm_head_sample
 from lowlat_nvidia_mega.kernels.moe import default_config, moe_forward
-from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_switch
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_step
 from lowlat_nvidia_mega.kernels.pdl import pdl_enabled
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope
@@ -280,15 +280,12 @@ class MegaForward:
 
     def _prenorm_rows(self, t: int) -> torch.Tensor | None:
         """The [t, H] buffer of a prenorm step (each input norm in its own ``norm_rows`` launch, the GEMM after it
-        without a norm prologue), else None. A prenorm step has 2-8 rows and ``LOWLAT_MEGA_PRENORM=1``, or, with
-        the variable unset, at most ``prenorm_max_rows``; a one-row step never is (its one-row kernels normalize
-        without padding).
+        without a norm prologue), else None: ``norm_rows.prenorm_step`` with ``prenorm_max_rows``.
 
         Raises:
             ValueError: a bad ``LOWLAT_MEGA_PRENORM`` value.
         """
-        on = prenorm_switch()
-        return None if t == 1 or not (t <= self.prenorm_max_rows if on is None else on) else self.ws.h[:t]
+        return self.ws.h[:t] if prenorm_step(t, self.prenorm_max_rows) else None
 
     def _gemm_input(self, x: torch.Tensor, norm_weight: torch.Tensor, h: torch.Tensor | None,
                     use_pdl: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -100,6 +100,19 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 PRENORM_ENV = "LOWLAT_MEGA_PRENORM"
 
 
+def prenorm_step(rows: int, max_rows: int) -> bool:
+    """Whether a step of ``rows`` rows normalizes its GEMM inputs with ``norm_rows`` first (the GEMMs then have no
+    norm prologue): 2-8 rows and ``LOWLAT_MEGA_PRENORM=1``, or, with the variable unset, at most ``max_rows``
+    (``tuned_plans.prenorm_rows``: the measured rule); a one-row step never does (its one-row kernels normalize
+    without padding). ``MegaForward`` and ``tune_plans.py`` both decide by it.
+
+    Raises:
+        ValueError: a bad ``LOWLAT_MEGA_PRENORM`` value (``prenorm_switch``).
+    """
+    on = prenorm_switch()
+    return rows > 1 and (rows <= max_rows if on is None else on)
+
+
 def prenorm_switch() -> bool | None:
     """``LOWLAT_MEGA_PRENORM``, read now: True (1: every 2-8-row step normalizes its GEMM inputs with ``norm_rows``
     first), False (0: none does), None (unset, empty or "default": the measured rule, ``tuned_plans.prenorm_rows``).
