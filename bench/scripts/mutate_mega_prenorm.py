@@ -1,4 +1,5 @@
-"""Mutation pass of nvidia_mega's prenorm path (kernels/norm_rows.py, qkv_rope's ``HAS_NORM``, MegaForward's choice):
+"""Mutation pass of nvidia_mega's prenorm path (kernels/norm_rows.py, qkv_rope's ``HAS_NORM``, MegaForward's choice
+through ``norm_rows.prenorm_step``):
 break it in one place, run its CPU tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_prenorm.py   # from the root
@@ -36,13 +37,13 @@ M = [  # (name, file, original text, mutated text)
     ("qkv_rope's tl.dot loop keeps the norm", Q,
      "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)",
      "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)"),
-    ("prenorm at one row", F, "return None if t == 1 or not (t <= self.prenorm_max_rows if on is None else on)",
-     "return None if not (t <= self.prenorm_max_rows if on is None else on)"),
-    ("prenorm switch ignored", F, "(t <= self.prenorm_max_rows if on is None else on)",
-     "(t <= self.prenorm_max_rows)"),
-    ("the measured rule ignored", F, "(t <= self.prenorm_max_rows if on is None else on)", "(bool(on))"),
-    ("the rule's bound off by one", F, "(t <= self.prenorm_max_rows if on is None else on)",
-     "(t < self.prenorm_max_rows if on is None else on)"),
+    ("prenorm at one row", N, "return rows > 1 and (rows <= max_rows if on is None else on)",
+     "return (rows <= max_rows if on is None else on)"),
+    ("prenorm switch ignored", N, "(rows <= max_rows if on is None else on)", "(rows <= max_rows)"),
+    ("the measured rule ignored", N, "(rows <= max_rows if on is None else on)", "(bool(on))"),
+    ("the rule's bound off by one", N, "(rows <= max_rows if on is None else on)",
+     "(rows < max_rows if on is None else on)"),
+    ("MegaForward ignores its measured bound", F, "prenorm_step(t, self.prenorm_max_rows)", "prenorm_step(t, 8)"),
     ("the table's kind ignored", B, 'prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
      'prenorm_rows("dense", hid, dt, dev)'),
     ("the table never read", B, 'prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
@@ -58,7 +59,9 @@ M = [  # (name, file, original text, mutated text)
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    kernels = [m for m in M if m[1] in (N, Q) and m[0] != "unset reads as off"]
+    rule = {"unset reads as off", "prenorm at one row", "prenorm switch ignored", "the measured rule ignored",
+            "the rule's bound off by one"}  # norm_rows.prenorm_step: checked through MegaForward's steps
+    kernels = [m for m in M if m[1] in (N, Q) and m[0] not in rule]
     failed = mutation_runner.run(kernels, "vendors/nvidia_mega/tests/test_kernels_norm.py", env)  # the kernels
     failed |= mutation_runner.run([m for m in M if m not in kernels], "vendors/nvidia_mega/tests/test_forward.py",
                                   env, pytest_args=("-k", "prenorm or one_row"))  # MegaForward's choice, the rule
