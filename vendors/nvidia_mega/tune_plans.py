@@ -11,9 +11,9 @@ none of the fusions) are timed as a reference. It prints the production plan (``
 measured table, this GPU's or a same-chip GPU's, else the heuristic), the best found and the ratio; ``--json``
 keeps every candidate's time. Add a winner to ``tuned_plans.TUNED`` only from such a run, with the GPU's
 ``MEASURED_ON`` line the first output line prints. ``--smoke`` runs a few candidates at tiny shapes on the
-CPU (``TRITON_INTERPRET=1``) to check the script; its timings print as nan (nothing is timed off CUDA). ``--row1-only`` sweeps the one-row kernels alone, ``--stream``
-the one-row GEMV's weight stream (``GemvPlan.per_sm``) beside its per-tile plans. The attention's plans:
-``tune_attention.py``.
+CPU (``TRITON_INTERPRET=1``) to check the script; its timings print as nan (nothing is timed off CUDA).
+``--row1-only`` sweeps the one-row kernels alone, ``--stream`` the one-row GEMV's weight stream
+(``GemvPlan.per_sm``) beside its per-tile plans. The attention's plans: ``tune_attention.py``.
 
 The kernels with a norm prologue (qkv_rope, gate_up) run as production runs them at each row count: on a prenorm
 step (``norm_rows.prenorm_step``: 2..``tuned_plans.prenorm_rows`` rows, or as ``LOWLAT_MEGA_PRENORM`` says) without
