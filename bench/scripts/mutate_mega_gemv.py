@@ -4,8 +4,8 @@ one place, run its CPU tests, expect a failure.
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_gemv.py   # from the root
 
 Each mutation is applied to the source, the GEMV tests of vendors/nvidia_mega/tests/test_kernels_gemv.py and
-test_kernels_dense.py (``-k "gemv or gemm_runs or qkv_rope_one_row"``, the last for qkv_rope's one-row loop) run
-under TRITON_INTERPRET=1,
+test_kernels_dense.py (``-k "gemv or gemm_runs or qkv_rope_one_row or refuses_a_row_pair"``, the last two for
+qkv_rope's one-row loop) run under TRITON_INTERPRET=1,
 and the source is restored. Prints CAUGHT (with the first failing test) or MISSED per mutation; exits 1 if any was
 missed. The PDL order (weights before ``gdc_wait``) and the
 16-byte weight loads are not visible on CPU: test_compile_sm90.py checks them in the compiled PTX.
@@ -174,7 +174,8 @@ if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     failed = mutation_runner.run([m for m in M if m not in PLANS and m not in ARGS],
                                  "vendors/nvidia_mega/tests/test_kernels_dense.py",
-                                 env, pytest_args=("-k", "gemv or gemm_runs or qkv_rope_one_row",
+                                 env, pytest_args=("-k",
+                                                   "gemv or gemm_runs or qkv_rope_one_row or refuses_a_row_pair",
                                                    "vendors/nvidia_mega/tests/test_kernels_gemv.py"))
     failed |= mutation_runner.run([a for a in ARGS if a[1] != MO], "vendors/nvidia_mega/tests/test_kernels_gemv.py",
                                   env, pytest_args=("-k", "refused_by_name"))

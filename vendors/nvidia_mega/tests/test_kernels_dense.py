@@ -264,6 +264,7 @@ def test_qkv_rope_row_pair_form_matches_torch(dtype: torch.dtype, block_n: int, 
     (GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1, split_k=2), False, "split_k must be 1"),
     (GemvPlan(block_n=2 * D, block_k=32, num_warps=4, num_stages=1), False, "block_n 64"),
     (GemvPlan(block_n=1, block_k=32, num_warps=4, num_stages=1), False, "block_n 1"),
+    (GemvPlan(block_n=8, block_k=32, num_warps=4, num_stages=1, per_sm=2), False, "no weight-stream form"),
 ])
 def test_qkv_rope_refuses_a_row_pair_plan_it_cannot_run(row1: GemvPlan, qk_norm: bool, match: str) -> None:
     with pytest.raises(ValueError, match=match):
