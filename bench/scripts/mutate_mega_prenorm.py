@@ -21,7 +21,7 @@ N = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/norm_rows.p
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
 F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
 B = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py")
-M = [  # (name, file, original text, mutated text)
+KERNELS = [  # (name, file, original text, mutated text): checked by test_kernels_norm.py
     ("norm weight not applied", N, "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)",
      "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, False)"),
     ("statistics over the chunk, not the row", N, "rstd = row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, "
@@ -37,6 +37,8 @@ M = [  # (name, file, original text, mutated text)
     ("qkv_rope's tl.dot loop keeps the norm", Q,
      "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, HAS_NORM)",
      "                xl = load_rows(x_ptr, stride_xm, offs_m, m_mask, kl, kl_mask, rstd, nw_ptr, True)"),
+]
+STEPS = [  # MegaForward's choice (norm_rows.prenorm_step, build's table, the GEMM inputs): checked through its steps
     ("prenorm at one row", N, "return rows > 1 and (rows <= max_rows if on is None else on)",
      "return (rows <= max_rows if on is None else on)"),
     ("prenorm switch ignored", N, "(rows <= max_rows if on is None else on)", "(rows <= max_rows)"),
@@ -44,11 +46,11 @@ M = [  # (name, file, original text, mutated text)
     ("the rule's bound off by one", N, "(rows <= max_rows if on is None else on)",
      "(rows < max_rows if on is None else on)"),
     ("MegaForward ignores its measured bound", F, "prenorm_step(t, self.prenorm_max_rows)", "prenorm_step(t, 8)"),
+    ("unset reads as off", N, "env_switch(PRENORM_ENV, None,", "env_switch(PRENORM_ENV, False,"),
     ("the table's kind ignored", B, 'prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
      'prenorm_rows("dense", hid, dt, dev)'),
     ("the table never read", B, 'prenorm_max_rows=prenorm_rows("moe" if mc.is_moe else "dense", hid, dt, dev)',
      "prenorm_max_rows=0"),
-    ("unset reads as off", N, "env_switch(PRENORM_ENV, None,", "env_switch(PRENORM_ENV, False,"),
     ("the GEMM keeps its norm weight", F, "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), None",
      "return norm_rows(x, norm_weight, self.eps, h, use_pdl=use_pdl), norm_weight"),
     ("gate_up reads the raw rows", F, "gu_in, gu_norm = self._gemm_input(x, lw.post_norm, h, use_pdl)",
@@ -56,13 +58,11 @@ M = [  # (name, file, original text, mutated text)
     ("gate_up normalized with the input norm", F, "self._gemm_input(x, lw.post_norm, h, use_pdl)",
      "self._gemm_input(x, lw.input_norm, h, use_pdl)"),
 ]
+M = KERNELS + STEPS  # every anchor, for core/tests/test_mutation_anchors.py
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    rule = {"unset reads as off", "prenorm at one row", "prenorm switch ignored", "the measured rule ignored",
-            "the rule's bound off by one"}  # norm_rows.prenorm_step: checked through MegaForward's steps
-    kernels = [m for m in M if m[1] in (N, Q) and m[0] not in rule]
-    failed = mutation_runner.run(kernels, "vendors/nvidia_mega/tests/test_kernels_norm.py", env)  # the kernels
-    failed |= mutation_runner.run([m for m in M if m not in kernels], "vendors/nvidia_mega/tests/test_forward.py",
-                                  env, pytest_args=("-k", "prenorm or one_row"))  # MegaForward's choice, the rule
+    failed = mutation_runner.run(KERNELS, "vendors/nvidia_mega/tests/test_kernels_norm.py", env)
+    failed |= mutation_runner.run(STEPS, "vendors/nvidia_mega/tests/test_forward.py", env,
+                                  pytest_args=("-k", "prenorm or one_row"))
     sys.exit(failed)

@@ -240,12 +240,10 @@ def test_tune_plans_times_the_norm_prologue_only_where_production_runs_it(
     ``MegaForward`` runs them (``norm_rows.prenorm_step``; on CPU no table entry, so only ``LOWLAT_MEGA_PRENORM=1``
     makes one): a plan is not chosen for a prologue the step skips (found 2026-12-07: at 2 rows a candidate won alone
     by the prologue it saved and lost the step by 13%)."""
-    import importlib.util
+    import importlib
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    spec = importlib.util.spec_from_file_location("tune_plans", Path(__file__).resolve().parents[1] / "tune_plans.py")
-    tp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tp)
+    tp = importlib.import_module("tune_plans")
     if env is None:
         monkeypatch.delenv("LOWLAT_MEGA_PRENORM", raising=False)
     else:
