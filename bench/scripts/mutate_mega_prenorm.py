@@ -1,12 +1,12 @@
 """Mutation pass of nvidia_mega's prenorm path (kernels/norm_rows.py, qkv_rope's ``HAS_NORM``, MegaForward's choice
-through ``norm_rows.prenorm_step``):
-break it in one place, run its CPU tests, expect a failure.
+through ``norm_rows.prenorm_step``, and the same rule in bench_kernels.py and tune_plans.py): break it in one place,
+run its CPU tests, expect a failure.
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src .venv/bin/python bench/scripts/mutate_mega_prenorm.py   # from the root
 
-Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_norm.py (the kernels' mutants) or the
-prenorm and one-row steps of test_forward.py (MegaForward's) run under TRITON_INTERPRET=1, and the source is
-restored. Prints CAUGHT (with the first failing
+Each mutation is applied to the source, vendors/nvidia_mega/tests/test_kernels_norm.py (the kernels' mutants), the
+prenorm and one-row steps of test_forward.py (MegaForward's) or test_plans.py's norm-prologue test (the benchmarks')
+run under TRITON_INTERPRET=1, and the source is restored. Prints CAUGHT (with the first failing
 test) or MISSED per mutation; exits 1 if any was missed. PDL (nothing read before ``gdc_wait``) is not visible on
 CPU: test_compile_sm90.py checks the compiled PTX.
 """
@@ -21,6 +21,8 @@ N = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/norm_rows.p
 Q = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/kernels/qkv_rope.py")
 F = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/forward.py")
 B = pathlib.Path("vendors/nvidia_mega/src/lowlat_nvidia_mega/build.py")
+BK = pathlib.Path("vendors/nvidia_mega/bench_kernels.py")
+TP = pathlib.Path("vendors/nvidia_mega/tune_plans.py")
 KERNELS = [  # (name, file, original text, mutated text): checked by test_kernels_norm.py
     ("norm weight not applied", N, "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, True)",
      "h = load_rows(x_ptr, stride_xm, offs_m, m_mask, ks, k_mask, rstd, nw_ptr, False)"),
@@ -58,11 +60,31 @@ STEPS = [  # MegaForward's choice (norm_rows.prenorm_step, build's table, the GE
     ("gate_up normalized with the input norm", F, "self._gemm_input(x, lw.post_norm, h, use_pdl)",
      "self._gemm_input(x, lw.input_norm, h, use_pdl)"),
 ]
-M = KERNELS + STEPS  # every anchor, for core/tests/test_mutation_anchors.py
+BENCH = [  # bench_kernels.py's Case.prenorm, its chains and tune_plans.py's: checked by test_plans.py
+    ("bench ignores the rule", BK, "self.prenorm = prenorm_step(rows,", "self.prenorm = False and prenorm_step(rows,"),
+    ("bench ignores the table", BK, "self.prenorm = prenorm_step(rows, prenorm_rows(",
+     "self.prenorm = prenorm_step(rows, 0 * prenorm_rows("),
+    ("bench's rule ignores the model kind", BK, 'prenorm_rows("moe" if s["experts"] else "dense", h, dtype, dev)',
+     'prenorm_rows("dense", h, dtype, dev)'),
+    ("bench's prologue keeps the weight", BK, "return None if self.prenorm else self.norm[i % 8]",
+     "return self.norm[i % 8]"),
+    ("bench's qkv chain keeps the norm", BK, "qkv_rope(self.x, self.prologue_norm(i), w,",
+     "qkv_rope(self.x, self.norm[i % 8], w,"),
+    ("bench's layer skips norm_rows", BK, "return norm_rows(x, self.norm[i % 8], EPS, self.h, use_pdl=pdl), None",
+     "return x, None"),
+    ("bench's layer keeps the norm weight", BK,
+     "return norm_rows(x, self.norm[i % 8], EPS, self.h, use_pdl=pdl), None",
+     "return norm_rows(x, self.norm[i % 8], EPS, self.h, use_pdl=pdl), self.norm[i % 8]"),
+    ("bench's layer gate_up reads the raw rows", BK, "gemm(xn, self.wgu[i],", "gemm(x, self.wgu[i],"),
+    ("tune_plans keeps the norm", TP, "self.norm = case.prologue_norm", "self.norm = lambda i: case.norm[i % 8]"),
+]
+M = KERNELS + STEPS + BENCH  # every anchor, for core/tests/test_mutation_anchors.py
 
 if __name__ == "__main__":
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     failed = mutation_runner.run(KERNELS, "vendors/nvidia_mega/tests/test_kernels_norm.py", env)
     failed |= mutation_runner.run(STEPS, "vendors/nvidia_mega/tests/test_forward.py", env,
                                   pytest_args=("-k", "prenorm or one_row"))
+    failed |= mutation_runner.run(BENCH, "vendors/nvidia_mega/tests/test_plans.py", env,
+                                  pytest_args=("-k", "norm_prologue"))
     sys.exit(failed)

@@ -36,10 +36,11 @@ from lowlat_nvidia_mega.kernels.gemm_plans import make_plan, num_sms, splitk_wor
 from lowlat_nvidia_mega.kernels.gemv import gemm
 from lowlat_nvidia_mega.kernels.lm_head import lm_head_logits
 from lowlat_nvidia_mega.kernels.moe import MoEWorkspace, moe_forward
+from lowlat_nvidia_mega.kernels.norm_rows import norm_rows, prenorm_step
 from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import small_gemm
-from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, qkv_plan
+from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, prenorm_rows, qkv_plan
 
 SHAPES = {  # shapes without a lowlat preset; a preset name maps through preset_shape
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=128, layers=2, vocab=96, qk_norm=True,
@@ -103,7 +104,12 @@ def time_chain(chain: Callable[[], int], dev: torch.device, reps: int) -> float:
 
 
 class Case:
-    """Weights, KV buffers and workspaces of one (model, rows) configuration, several copies of each."""
+    """Weights, KV buffers and workspaces of one (model, rows) configuration, several copies of each.
+
+    ``prenorm``: whether production runs this row count as a prenorm step (``norm_rows.prenorm_step`` with
+    ``tuned_plans.prenorm_rows``, as ``MegaForward`` decides): then qkv_rope and gate_up have no norm prologue, so
+    their chains here run without it (x standing in for the normalized rows) and the layer chain adds the
+    ``norm_rows`` launches, and ``tune_plans.py`` never picks a plan for work the step skips."""
 
     def __init__(self, name: str, rows: int, ctx: int, dev: torch.device, dtype: torch.dtype) -> None:
         s = SHAPES[name] if name in SHAPES else preset_shape(name)
@@ -135,6 +141,12 @@ class Case:
         self.kb = [self.rand(slots, hkv, d) for _ in range(n_kv)]
         self.vb = [self.rand(slots, hkv, d) for _ in range(n_kv)]
         self.rtt = (torch.arange(rows * ctx, device=dev, dtype=torch.int32) + 16).view(rows, ctx)
+        self.prenorm = prenorm_step(rows, prenorm_rows("moe" if s["experts"] else "dense", h, dtype, dev))
+        self.h = self.rand(rows, h)  # a prenorm step's normalized rows (norm_rows' output)
+
+    def prologue_norm(self, i: int) -> torch.Tensor | None:
+        """The norm prologue's weight for launch ``i`` of qkv_rope or gate_up; None on a prenorm step."""
+        return None if self.prenorm else self.norm[i % 8]
 
     def copies(self, n: int, k: int) -> list[torch.Tensor]:
         """Distinct [n, k] weights: enough to exceed 4x the L2, at most the model's layer count (at least 2)."""
@@ -170,7 +182,7 @@ class Case:
             for i, w in enumerate(self.wqkv):
                 kb, vb, nw = self.kb[i % len(self.kb)], self.vb[i % len(self.vb)], self.norm[i % 8]
                 if fused:
-                    qkv_rope(self.x, nw, w, num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
+                    qkv_rope(self.x, self.prologue_norm(i), w, num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
                              k_norm=self.kn, cos=self.cos, sin=self.sin, positions=pos, out_cache_loc=loc,
                              q_out=self.q, k_buffer=kb, v_buffer=vb, eps=EPS, plan=plan,
                              workspace=ws, counters=self.counters, use_pdl=pdl, prefetch_act=prefetch, qk_late=late)
@@ -229,7 +241,7 @@ class Case:
         def chain() -> int:
             for i in range(len(ws)):
                 if gated and fused:
-                    gemm(x_in, ws[i], self.act, plan=plan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
+                    gemm(x_in, ws[i], self.act, plan=plan, epilogue="silu_mul", norm_weight=self.prologue_norm(i),
                          eps=EPS, workspace=self.gemm_ws, counters=self.counters, use_pdl=pdl, prefetch_act=prefetch)
                 elif gated:
                     small_gemm(rms_norm(x_in, self.norm[i % 8], EPS), ws[i], tmp, plan=plan_plain,
@@ -284,9 +296,14 @@ class Case:
         kw = {"workspace": self.gemm_ws, "counters": self.counters, "use_pdl": pdl}
         n_layers = min(len(self.wqkv), len(self.wo), len(self.wgu), len(self.wd), len(self.kb))
 
+        def prologue(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # MegaForward._gemm_input
+            if not self.prenorm:
+                return x, self.norm[i % 8]
+            return norm_rows(x, self.norm[i % 8], EPS, self.h, use_pdl=pdl), None
+
         def mega() -> int:
             for i in range(n_layers):
-                qkv_rope(x, self.norm[i % 8], self.wqkv[i], num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
+                qkv_rope(*prologue(i), self.wqkv[i], num_heads=hq, num_kv_heads=hkv, q_norm=self.qn,
                          k_norm=self.kn, cos=self.cos, sin=self.sin, positions=pos, out_cache_loc=loc, q_out=self.q,
                          k_buffer=self.kb[i], v_buffer=self.vb[i], eps=EPS, plan=qplan, workspace=qws,
                          counters=self.counters, use_pdl=pdl, prefetch_act=prefetch, qk_late=late is not None)
@@ -294,8 +311,9 @@ class Case:
                                        sm_scale=d ** -0.5, plan=aplan, o_partial=o_p, lse_partial=l_p,
                                        use_pdl=pdl, late=late)
                 gemm(self.attn, self.wo[i], x, plan=oplan, epilogue="residual", residual=x, **kw)
-                gemm(x, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=self.norm[i % 8],
-                     eps=EPS, prefetch_act=prefetch, **kw)
+                xn, nw = prologue(i)
+                gemm(xn, self.wgu[i], self.act, plan=guplan, epilogue="silu_mul", norm_weight=nw, eps=EPS,
+                     prefetch_act=prefetch, **kw)
                 gemm(self.act, self.wd[i], x, plan=dplan, epilogue="residual", residual=x, **kw)
             return n_layers
 
@@ -347,14 +365,16 @@ def run(name: str, rows: int, args: argparse.Namespace, dev: torch.device, bw: f
         out.append((name, rows, kernel, variant, "on" if pdl else "off", sec * 1e6, floor * 1e6))
 
     pdls = [True, False] if pdl_ok else [False]
+    pre = ", no norm (prenorm)" if c.prenorm else ""  # a prenorm step: no norm prologue, the layer has norm_rows
     for pdl in pdls:
-        add("qkv_rope", "fused", c.qkv(pdl, True), c.nqkv * h * el, pdl)
+        add("qkv_rope", "fused" + pre, c.qkv(pdl, True), c.nqkv * h * el, pdl)
         add("attention", f"decode B={rows}", c.attention(pdl, rows, 1), kv_bytes(rows), pdl)
         if rows > 1:
             add("attention", f"verify R={rows}", c.attention(pdl, 1, rows), kv_bytes(1), pdl)
         add("o_proj", "fused residual", c.gemm("o_proj", pdl), h * hq * d * el, pdl)
         if s["inter"]:
-            add("gate_up", "fused norm+silu", c.gemm("gate_up", pdl), 2 * s["inter"] * h * el, pdl)
+            add("gate_up", "fused silu, no norm (prenorm)" if c.prenorm else "fused norm+silu", c.gemm("gate_up", pdl),
+                2 * s["inter"] * h * el, pdl)
             add("down", "fused residual", c.gemm("down", pdl), h * s["inter"] * el, pdl)
         if s["experts"]:
             chain, ws = c.moe(pdl)
@@ -366,7 +386,8 @@ def run(name: str, rows: int, args: argparse.Namespace, dev: torch.device, bw: f
     if s["inter"]:
         layer_bytes = (c.nqkv * h + h * hq * d + 3 * s["inter"] * h) * el + kv_bytes(rows)
         for pdl in pdls:
-            add("layer", "mega chain", c.layer(pdl, general=False), layer_bytes, pdl)
+            add("layer", "mega chain" + (" (prenorm step)" if c.prenorm else ""), c.layer(pdl, general=False),
+                layer_bytes, pdl)
         if dev.type == "cuda":
             add("layer", "general path ops (torch + core)", c.layer(False, general=True), layer_bytes, False)
     pdl = pdls[0]  # fusion and split-K ablations, with PDL as in production
@@ -384,6 +405,7 @@ def run_prefetch(name: str, rows: int, args: argparse.Namespace, dev: torch.devi
     first two) with the activation prefetch off and on, PDL as in production; each pair's outputs are checked
     bit-identical after the timing. Returns (model, rows, kernel, off us, on us, floor us, identical) rows."""
     c = Case(name, rows, args.ctx, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    c.prenorm = False  # the prologue's prefetch is what this times, at any row count
     s, el = c.s, 2
     h, hq, hkv, d = s["hidden"], s["heads"], s["kv_heads"], s["head_dim"]
     pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9

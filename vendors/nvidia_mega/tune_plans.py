@@ -16,7 +16,8 @@ CPU (``TRITON_INTERPRET=1``) to check the script; its timings print as nan (noth
 (``GemvPlan.per_sm``) beside its per-tile plans. The attention's plans: ``tune_attention.py``.
 
 The kernels with a norm prologue (qkv_rope, gate_up) run as production runs them at each row count: on a prenorm
-step (``norm_rows.prenorm_step``: 2..``tuned_plans.prenorm_rows`` rows, or as ``LOWLAT_MEGA_PRENORM`` says) without
+step (``bench_kernels.Case.prenorm``: ``norm_rows.prenorm_step``, 2..``tuned_plans.prenorm_rows`` rows, or as
+``LOWLAT_MEGA_PRENORM`` says) without
 the prologue, x standing in for the normalized rows, so a plan is never chosen for work the step does not do.
 """
 
@@ -36,7 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemm_plans import GemmPlan, GemvPlan, make_plan, splitk_workspace_numel  # noqa: E402
 from lowlat_nvidia_mega.kernels.gemv import gemm  # noqa: E402
-from lowlat_nvidia_mega.kernels.norm_rows import prenorm_step  # noqa: E402
 from lowlat_nvidia_mega.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_kwargs  # noqa: E402
 from lowlat_nvidia_mega.kernels.qk_late import late_qk  # noqa: E402
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel  # noqa: E402
@@ -44,7 +44,6 @@ from lowlat_nvidia_mega.kernels.tuned_plans import (  # noqa: E402
     device_name,
     gemm_plan,
     plan_sources_line,
-    prenorm_rows,
     qkv_plan,
 )
 
@@ -72,14 +71,8 @@ class Tuner:
         self.c, self.reps = case, reps
         self.ws = torch.zeros(16 * 8 * 16384, device=case.dev)
         self.pdl = case.dev.type == "cuda"
-        s = case.s  # production's choice at this row count: prenorm steps have no norm prologue (MegaForward)
-        self.prenorm = prenorm_step(case.t, prenorm_rows("moe" if s["experts"] else "dense", s["hidden"], case.dt,
-                                                         case.dev))
-
-    def norm(self, i: int) -> torch.Tensor | None:
-        """The norm prologue's weight for launch ``i``, or None on a prenorm step (x stands in for the rows
-        ``norm_rows`` would have normalized)."""
-        return None if self.prenorm else self.c.norm[i % 8]
+        self.prenorm = case.prenorm  # production's choice at this row count (bench_kernels.Case)
+        self.norm = case.prologue_norm  # None on a prenorm step: x stands in for the rows norm_rows normalizes
 
     def time(self, chain) -> float:
         try:

@@ -239,29 +239,47 @@ def test_tune_plans_times_the_norm_prologue_only_where_production_runs_it(
     """The sweep's kernels with a norm prologue (qkv_rope, gate_up) run without it on a prenorm step, as
     ``MegaForward`` runs them (``norm_rows.prenorm_step``; on CPU no table entry, so only ``LOWLAT_MEGA_PRENORM=1``
     makes one): a plan is not chosen for a prologue the step skips (found 2026-12-07: at 2 rows a candidate won alone
-    by the prologue it saved and lost the step by 13%)."""
+    by the prologue it saved and lost the step by 13%). ``bench_kernels.py`` decides by the same ``Case.prenorm``:
+    its kernel chains drop the prologue, its layer chain puts ``norm_rows`` launches before qkv_rope and gate_up."""
     import importlib
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     tp = importlib.import_module("tune_plans")
+    bk = tp.bk
     if env is None:
         monkeypatch.delenv("LOWLAT_MEGA_PRENORM", raising=False)
     else:
         monkeypatch.setenv("LOWLAT_MEGA_PRENORM", env)
-    tuner = tp.Tuner(tp.bk.Case("tiny", rows, 40, torch.device("cpu"), torch.float32), 1)
-    assert tuner.prenorm is prenorm
-    assert (tuner.norm(0) is None) is prenorm and (prenorm or tuner.norm(9) is tuner.c.norm[1])
+    case = bk.Case("tiny", rows, 40, torch.device("cpu"), torch.float32)
+    tuner = tp.Tuner(case, 1)
+    assert case.prenorm is prenorm and tuner.prenorm is prenorm
+    assert (tuner.norm(0) is None) is prenorm and (prenorm or tuner.norm(9) is case.norm[1])
     seen: list[object] = []  # what the chains pass as the norm weight
+    normed: list[object] = []  # the rows norm_rows normalized (the layer chain's prenorm launches)
     monkeypatch.setattr(tp, "gemm", lambda *a, **kw: seen.append(kw["norm_weight"]))
     monkeypatch.setattr(tp, "qkv_rope", lambda x, nw, *a, **kw: seen.append(nw))
-    s = tuner.c.s
+    s = case.s
     tuner.gemm_chain("gate_up", plan_gemm(s["inter"], s["hidden"], torch.float32, 4, gated=True))()
     tuner.qkv_chain(dataclasses.replace(plan_qkv(s["heads"], s["kv_heads"], s["head_dim"], s["hidden"],
                                                  torch.float32, 4), row1=None))()
     assert seen and all((w is None) is prenorm for w in seen)
+    seen.clear()
+    monkeypatch.setattr(bk, "gemm", lambda x, w, out, **kw: seen.append((x, kw.get("norm_weight", "none"))))
+    monkeypatch.setattr(bk, "qkv_rope", lambda x, nw, *a, **kw: seen.append((x, nw)))
+    monkeypatch.setattr(bk, "paged_decode_attention", lambda *a, **kw: None)
+    monkeypatch.setattr(bk, "norm_rows", lambda x, nw, eps, out, **kw: normed.append(nw) or out)
+    case.qkv(False, True)()
+    case.gemm("gate_up", False)()
+    n = case.layer(False, general=False)()
+    with_prologue = [nw for _, nw in seen if not isinstance(nw, str)]  # qkv_rope and gate_up, not o_proj / down
+    assert with_prologue and all((nw is None) is prenorm for nw in with_prologue)
+    assert len(normed) == (2 * n if prenorm else 0) and all(nw is not None for nw in normed)
+    if prenorm:  # the layer's qkv_rope and gate_up read what norm_rows wrote
+        assert sum(x is case.h for x, _ in seen) == 2 * n
     if env is None:  # the measured rule, by the model's kind: tiny is an MoE model
-        monkeypatch.setattr(tp, "prenorm_rows", lambda kind, hidden, dt, dev: 6 if kind == "moe" else 0)
-        assert tp.Tuner(tuner.c, 1).prenorm is True
+        monkeypatch.setattr(bk, "prenorm_rows", lambda kind, hidden, dt, dev: 6 if kind == "moe" else 0)
+        case = bk.Case("tiny", rows, 40, torch.device("cpu"), torch.float32)
+        assert case.prenorm is True and tp.Tuner(case, 1).prenorm is True
 
 
 def test_tune_plans_stream_smoke_sweeps_the_weight_stream(tmp_path: Path) -> None:
