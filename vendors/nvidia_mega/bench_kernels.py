@@ -235,7 +235,7 @@ class Case:
         plan_plain = gemm_plan(ws[0].shape[0], k, self.dt, self.dev)
         assert splitk_workspace_numel(plan, n, gated=gated) <= self.gemm_ws.numel()
         x_in = self.x if gated else (self.attn if which == "o_proj" else self.act)
-        resid = torch.empty(t, h, dtype=self.dt, device=self.dev)
+        resid = torch.zeros(t, h, dtype=self.dt, device=self.dev)  # the residual in and out: never uninitialized
         tmp = torch.empty(t, ws[0].shape[0], dtype=self.dt, device=self.dev)
 
         def chain() -> int:

@@ -1,5 +1,5 @@
 """Sweep the launch plans of nvidia_mega's small GEMMs and fused QKV kernel on a GPU, and time a do-nothing kernel
-chain for the per-launch floor.
+chain for the per-launch floor (on a GPU only: ``--smoke`` prints no such line).
 
     PYTHONPATH=core/src:vendors/nvidia_mega/src python vendors/nvidia_mega/tune_plans.py [--models ...] [--rows 1,8]
 
@@ -91,7 +91,7 @@ class Tuner:
         if splitk_workspace_numel(plan, n, gated=gated) > self.ws.numel():
             return None
         x_in = c.x if gated else (c.attn if which == "o_proj" else c.act)
-        resid = torch.empty(c.t, h, dtype=c.dt, device=c.dev)
+        resid = torch.zeros(c.t, h, dtype=c.dt, device=c.dev)  # the residual in and out: never uninitialized
 
         def chain() -> int:
             for i, w in enumerate(ws):

@@ -119,7 +119,8 @@ def _platform(options: tuple[PlatformRequirement, ...], platform: Platform) -> R
     if platform.kind == "cpu" and not platform.triton_interpreter and any(
             o.kind == "cpu" and o.triton_interpreter for o in options):
         reason += (" (Triton interpreter off): set TRITON_INTERPRET=1 in the environment before Python starts, "
-                   "e.g. `TRITON_INTERPRET=1 lowlat run ...` (setting it later has no effect)")
+                   "i.e. prefix the command, as in `TRITON_INTERPRET=1 lowlat run ...` or `TRITON_INTERPRET=1 lowlat "
+                   "serve ...` (setting it later has no effect)")
     return RequirementResult("platform", FAIL, reason)
 
 
