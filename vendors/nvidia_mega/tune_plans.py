@@ -17,8 +17,8 @@ CPU (``TRITON_INTERPRET=1``) to check the script; its timings print as nan (noth
 
 The kernels with a norm prologue (qkv_rope, gate_up) run as production runs them at each row count: on a prenorm
 step (``bench_kernels.Case.prenorm``: ``norm_rows.prenorm_step``, 2..``tuned_plans.prenorm_rows`` rows, or as
-``LOWLAT_MEGA_PRENORM`` says) without
-the prologue, x standing in for the normalized rows, so a plan is never chosen for work the step does not do.
+``LOWLAT_MEGA_PRENORM`` says) without the prologue, x standing in for the normalized rows, so a plan is never chosen
+for work the step does not do.
 """
 
 from __future__ import annotations
