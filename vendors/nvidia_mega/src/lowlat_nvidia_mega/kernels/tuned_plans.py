@@ -91,9 +91,14 @@ TUNED_ROW1: dict[tuple[str, str, int, int, str], tuple[int, ...]] = {
     # 2026-12-07, the GEMV's weight stream (per_sm, the sixth field) on an H100 SXM (bench/results/
     # 2026-12-07-h100-mega-stream): `tune_plans.py --stream` found it 1.04-1.06x the production plan at llama-3.2-1b's
     # gate_up alone; in the step (call 3, A/B/A/B, nvidia_mega alone) DECODE b=1 1.0112 / 1.0102 -> 0.9929 / 0.9903
-    # ms with this entry, 1.0010 / 1.0004 with o_proj's stream too, 1.0237 / 1.0247 with o_proj's alone. At qwen3-8b's
-    # gate_up (K 4096, two chunks) no stream paid (call 4: 5.4189 / 5.4178 against 5.4113-5.6683 ms).
-    ("NVIDIA H100 80GB HBM3", "gated", 8192, 2048, "bfloat16"): (1, 2048, 4, 3, 1, 8),  # llama gate_up, stream
+    # ms with the entry (1, 2048, 4, 3, 1, 8), 1.0010 / 1.0004 with o_proj's stream too, 1.0237 / 1.0247 with o_proj's
+    # alone. At qwen3-8b's gate_up (K 4096, two chunks) no stream paid (call 4: 5.4189 / 5.4178 against 5.4113-5.6683
+    # ms).
+    # 2026-12-07, session 25 (bench/results/2026-12-07-h100-session25): `tune_plans.py --stream` at 1 row found 2 rows
+    # per tile, 8 warps, 4 programs per SM 1.03x that entry (1, 2048, 4, 3, 1, 8) alone (24.79 -> 23.97 µs); in the
+    # step (plan_ab.py, A and B alternating, two calls) llama-3.2-1b DECODE b=1 0.9912 / 0.9916 / 0.9916 / 0.9915 ->
+    # 0.9859 / 0.9864 / 0.9860 / 0.9877 / 0.9862 ms.
+    ("NVIDIA H100 80GB HBM3", "gated", 8192, 2048, "bfloat16"): (2, 2048, 8, 3, 1, 4),  # llama gate_up, stream
 }
 
 
