@@ -89,6 +89,30 @@ def test_cpu_without_the_interpreter_says_set_it_before_python_starts():
     assert "TRITON_INTERPRET" not in reason
 
 
+@pytest.mark.parametrize("triton, numpy, refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.1", "2.5.2", True), ("3.6.0rc1", "2.4.0", True),
+    ("3.7.0", "2.4.6", False), ("3.9.0", "2.5.2", False), ("3.6.0", "2.3.5", False), ("3.5.1", "1.26.4", False),
+    (None, "2.4.6", False), ("3.6.0", None, False), ("not-a-version", "2.4.6", False)])
+def test_the_interpreter_refuses_triton_36_with_numpy_24(triton, numpy, refused):
+    """Triton 3.6's interpreter takes int() of a one-element NumPy array for loop bounds, which NumPy 2.4 refuses
+    (every such kernel failed on the device image: triton 3.6.0, numpy 2.5.2, 2026-12-07). The guard refuses the CPU
+    interpreter platform there, naming both versions and both ways out; a CUDA platform is not affected."""
+    from lowlat.platform import interpreter_problem
+
+    problem = interpreter_problem(triton, numpy)
+    assert (problem is not None) is refused
+    interp = _spec(PlatformRequirement("cuda"), PlatformRequirement("cpu", triton_interpreter=True))
+    cpu = Platform("cpu", "cpu", triton_interpreter=True, triton_version=triton, numpy_version=numpy)
+    result = next(r for r in evaluate("p", interp, cpu).results if r.requirement == "platform")
+    assert (result.status == "fail") is refused, result
+    if refused:
+        assert problem == result.reason
+        assert f"Triton {triton}" in problem and f"NumPy {numpy}" in problem
+        assert "'numpy<2.4'" in problem and "'triton>=3.7'" in problem
+    gpu = Platform("cuda", "NVIDIA H200", (9, 0), None, 1, True, triton, numpy)
+    assert next(r for r in evaluate("p", interp, gpu).results if r.requirement == "platform").status == "pass"
+
+
 @pytest.mark.parametrize("alias, name", [("bf16", "bfloat16"), ("BF16", "bfloat16"), ("fp16", "float16"),
                                          ("half", "float16"), ("fp32", "float32"), ("float", "float32"),
                                          ("bfloat16", "bfloat16"), ("auto", "auto")])

@@ -60,11 +60,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not config.getoption("lowlat_plugin"):
         return
-    from lowlat.platform import triton_interpreter_enabled
+    from lowlat.platform import installed_interpreter_problem, triton_interpreter_enabled
 
     if triton_interpreter_enabled():
         from lowlat_contract import interpreter
 
+        problem = installed_interpreter_problem()
+        if problem:
+            raise pytest.UsageError(f"TRITON_INTERPRET=1: {problem}")
         interpreter.install()
     from lowlat_contract.cases import ContractSetupError, build_cases
     from lowlat_contract.fixtures import register_module_plugin

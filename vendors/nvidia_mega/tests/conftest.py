@@ -1,6 +1,8 @@
-"""Under the Triton interpreter, install the contract suite's interpreter speed-up for these tests too."""
+"""Under the Triton interpreter, install the contract suite's interpreter speed-up for these tests too, and refuse a
+Triton / NumPy pair the interpreter cannot run (``lowlat.platform.interpreter_problem``) with the fix, once."""
 
-from lowlat.platform import triton_interpreter_enabled
+import pytest
+from lowlat.platform import installed_interpreter_problem, triton_interpreter_enabled
 
 if triton_interpreter_enabled():
     from lowlat_contract import interpreter
@@ -9,5 +11,8 @@ if triton_interpreter_enabled():
 
 
 def pytest_configure(config):
+    problem = installed_interpreter_problem() if triton_interpreter_enabled() else None
+    if problem:
+        raise pytest.UsageError(f"TRITON_INTERPRET=1: {problem}")
     config.addinivalue_line("markers", "gpu: exercises a GPU path (skips without one); `python bench/gpu_jobs.py "
                             "gpu-tests` runs every test so marked")

@@ -13,7 +13,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import Version
 
 from lowlat.config import EngineConfig, ModelConfig
-from lowlat.platform import Platform
+from lowlat.platform import Platform, interpreter_problem
 from lowlat.plugin.spec import ModelSpec, PlatformRequirement
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -114,6 +114,10 @@ def _platform(options: tuple[PlatformRequirement, ...], platform: Platform) -> R
             continue
         if o.kind == "cpu" and o.triton_interpreter and not platform.triton_interpreter:
             continue
+        if o.kind == "cpu" and o.triton_interpreter:
+            problem = interpreter_problem(platform.triton_version, platform.numpy_version)
+            if problem:
+                return RequirementResult("platform", FAIL, problem)
         return RequirementResult("platform", PASS, f"{platform.describe()} matches {o.describe()}")
     reason = f"needs platform {wanted}; this machine: {platform.describe()}"
     if platform.kind == "cpu" and not platform.triton_interpreter and any(
