@@ -77,7 +77,7 @@ def interpreter_problem(triton_version: str | None, numpy_version: str | None) -
 
 def installed_interpreter_problem() -> str | None:
     """``interpreter_problem`` for the installed Triton and NumPy (for test harnesses that launch kernels directly)."""
-    return interpreter_problem(_dist_version("triton"), _dist_version("numpy"))
+    return interpreter_problem(_triton_version(), _dist_version("numpy"))
 
 
 def no_cuda_message(flag: str = "device='cuda'", fix: str = "device='cpu'") -> str:
@@ -102,13 +102,18 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+def _triton_version() -> str | None:
+    """The installed Triton's version: ``triton``, or ROCm's ``pytorch-triton-rocm``; None when neither is."""
+    return _dist_version("triton") or _dist_version("pytorch-triton-rocm")
+
+
 def detect_platform(device: str = "auto") -> Platform:
     """Detect the platform a model on ``device`` ("auto", "cuda" or "cpu") would run on.
 
     "auto" and "cuda" report the GPU when torch sees one; "cpu" reports the CPU even on a GPU machine.
     """
     interp = triton_interpreter_enabled()
-    versions = (_dist_version("triton") or _dist_version("pytorch-triton-rocm"), _dist_version("numpy"))
+    versions = (_triton_version(), _dist_version("numpy"))
     if device != "cpu" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         count = torch.cuda.device_count()
