@@ -29,8 +29,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from lowlat import fast_interpreter
 from lowlat.layers.norm import rms_norm
 from lowlat.layers.rotary import apply_rotary
+from lowlat.platform import triton_interpreter_enabled
 from lowlat_nvidia_mega.kernels.attention import paged_decode_attention, partial_numel
 from lowlat_nvidia_mega.kernels.gemm_plans import make_plan, num_sms, splitk_workspace_numel
 from lowlat_nvidia_mega.kernels.gemv import gemm
@@ -41,6 +43,9 @@ from lowlat_nvidia_mega.kernels.qk_late import LateQK, late_qk
 from lowlat_nvidia_mega.kernels.qkv_rope import qkv_rope, qkv_workspace_numel, rope_cos_sin
 from lowlat_nvidia_mega.kernels.small_gemm import small_gemm
 from lowlat_nvidia_mega.kernels.tuned_plans import attn_plan, gemm_plan, prenorm_rows, qkv_plan
+
+if triton_interpreter_enabled():  # --smoke runs of this script and the ones importing it (tune_*, bench_moe_head)
+    fast_interpreter.install()
 
 SHAPES = {  # shapes without a lowlat preset; a preset name maps through preset_shape
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=32, inter=128, layers=2, vocab=96, qk_norm=True,

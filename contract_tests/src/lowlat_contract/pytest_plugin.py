@@ -60,15 +60,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if not config.getoption("lowlat_plugin"):
         return
+    from lowlat import fast_interpreter
     from lowlat.platform import installed_interpreter_problem, triton_interpreter_enabled
 
     if triton_interpreter_enabled():
-        from lowlat_contract import interpreter
-
         problem = installed_interpreter_problem()
         if problem:
             raise pytest.UsageError(f"TRITON_INTERPRET=1: {problem}")
-        interpreter.install()
+        fast_interpreter.install()  # for the suite's own launches too, not only the plugin's builds
     from lowlat_contract.cases import ContractSetupError, build_cases
     from lowlat_contract.fixtures import register_module_plugin
 

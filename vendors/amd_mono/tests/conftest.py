@@ -1,13 +1,14 @@
-"""Under the Triton interpreter, install the contract suite's interpreter speed-up for these tests too, and refuse a
-Triton / NumPy pair the interpreter cannot run (``lowlat.platform.interpreter_problem``) with the fix, once."""
+"""Under the Triton interpreter, install core's interpreter speed-up (``lowlat.fast_interpreter``) for these tests too,
+and refuse a Triton / NumPy pair the interpreter cannot run (``lowlat.platform.interpreter_problem``) with the fix,
+once."""
 
 import pytest
 from lowlat.platform import installed_interpreter_problem, triton_interpreter_enabled
 
 if triton_interpreter_enabled():
-    from lowlat_contract import interpreter
+    from lowlat import fast_interpreter
 
-    interpreter.install()
+    fast_interpreter.install()
 
 
 def pytest_configure(config):

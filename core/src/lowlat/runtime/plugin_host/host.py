@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from lowlat import fast_interpreter
 from lowlat.config import EngineConfig, ModelConfig
 from lowlat.distributed import TPInfo
 from lowlat.errors import LowlatPluginError, PluginBuildError, PluginModifiedParameters
-from lowlat.platform import Platform, detect_platform
+from lowlat.platform import Platform, detect_platform, triton_interpreter_enabled
 from lowlat.plugin.binding import PluginBinding, PluginForward
 from lowlat.runtime.dispatch import Dispatcher
 from lowlat.runtime.peer_reduce import peer_factory
@@ -165,6 +166,8 @@ class PluginHost:
             tp_group=tp_group, checkpoint_tensors=self._retained, workspace_budget_bytes=workspace_budget_bytes,
             peer_factory=peer_factory(TPInfo(tp_rank, tp_size, tp_group), engine, device) if tp_size > 1 else None)
         before = fingerprint(self.binding.params)
+        if triton_interpreter_enabled():  # the plugin's kernels are about to run interpreted: at half the cost
+            fast_interpreter.install()
         try:
             if spec.check_model:
                 load_callable(spec.check_model, name)(self.binding)
