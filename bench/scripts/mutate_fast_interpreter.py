@@ -17,8 +17,8 @@ H = pathlib.Path("core/src/lowlat/runtime/plugin_host/host.py")
 M = [  # (name, file, original text, mutated text)
     ("patched on every helper call", F, "            patched.add(key)\n", "            pass\n"),
     ("helpers never patched", F, "        if key not in patched:\n", "        if False:\n"),
-    ("the sanitizer kept", F, "        ti.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)",
-     "        pass"),
+    ("the sanitizer kept", F,
+     "        ti.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)", "        pass"),
     ("the sanitizer dropped under debug too", F, '    if not getattr(options, "debug", True):', "    if True:"),
     ("the off switch ignored", F, '    if os.environ.get("LOWLAT_FAST_INTERPRETER", "1") == "0":', "    if False:"),
     ("never installed", F, "    ti.InterpretedFunction.__call__ = device_call\n", ""),
