@@ -133,3 +133,47 @@ def test_a_plugin_built_under_the_interpreter_installs_it(plain: dict, tmp_path)
     built = _run("build", tmp_path, PYTHONPATH=path, LOWLAT_PLUGINS="mirror")
     assert built["active"] is True and built["sanitize"] is False
     assert built["outs"] == plain["outs"]
+
+
+@pytest.mark.parametrize("missing", ["_patch_lang", "rewrite", "options", "sanitize_overflow"])
+def test_another_triton_is_left_alone(monkeypatch: pytest.MonkeyPatch, missing: str) -> None:
+    """A Triton whose interpreter lacks what ``install`` wraps gets nothing patched, and ``install`` says so."""
+    import dataclasses
+    import types
+
+    import triton.runtime
+    from lowlat import fast_interpreter
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        debug: bool = False
+        sanitize_overflow: bool = True
+
+    @dataclasses.dataclass(frozen=True)
+    class OptionsWithout:
+        debug: bool = False
+
+    class GridExecutor:
+        def __call__(self) -> None: ...
+
+    class InterpretedFunction:
+        def __call__(self) -> None: ...
+
+        def rewrite(self) -> None: ...
+
+    if missing == "rewrite":
+        del InterpretedFunction.rewrite
+    builder = types.SimpleNamespace(options=OptionsWithout() if missing == "sanitize_overflow" else Options())
+    if missing == "options":
+        builder = types.SimpleNamespace()
+    fake = types.SimpleNamespace(GridExecutor=GridExecutor, InterpretedFunction=InterpretedFunction,
+                                 InterpreterError=RuntimeError, _patch_lang=lambda fn: None,
+                                 interpreter_builder=builder)
+    if missing == "_patch_lang":
+        del fake._patch_lang
+    calls = (GridExecutor.__call__, InterpretedFunction.__call__)
+    monkeypatch.setattr(triton.runtime, "interpreter", fake)
+    monkeypatch.setattr(fast_interpreter, "_INSTALLED", False)
+    assert fast_interpreter.install() is False
+    assert (GridExecutor.__call__, InterpretedFunction.__call__) == calls
+    assert getattr(builder, "options", None) in (None, Options(), OptionsWithout())
