@@ -15,8 +15,9 @@ Two kinds of redundant work go (checked on Triton 3.6 and 3.9, whose interpreter
    ``device_assert``). So it checks nothing, at about a third of the interpreter's time. ``install`` turns
    ``sanitize_overflow`` off only while ``debug`` is off; were ``debug`` on, the check would be real and it stays.
 
-Measured (bench/results/2026-12-08-cpu-fast-interpreter): one nvidia_mega DECODE step of 8 rows on tiny-llama with
-sampled ids, 2.0 s with (1) only, 1.35 s with both; without either, 3.6-4.0 s.
+Measured (bench/results/2026-12-08-cpu-fast-interpreter, ``bench/scripts/interpreter_step_time.py``): one nvidia_mega
+DECODE step of 8 rows on tiny-llama with sampled ids, 3.02 s without either, 1.99 s with (1) only, 1.30 s with both;
+nvidia_mega's covering contract run 687 s with (1) only, 458 s with both.
 
 ``LOWLAT_FAST_INTERPRETER=0`` turns both off (Triton's own behaviour). Without the interpreter's internals that it
 wraps (another Triton), ``install`` does nothing.
